@@ -1,0 +1,202 @@
+"""The LLM API: sampling controls, stop conditions, n > 1, chat, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vacpack import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM(str(tiny_checkpoint("qwen2")), dtype="float32", block_size=8, max_num_batched_tokens=128)
+
+
+def _random_prompts(llm: LLM, num_prompts: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    vocab_size = llm.engine.model_config.vocab_size
+    return [
+        torch.randint(0, vocab_size, (int(n),), generator=generator).tolist()
+        for n in torch.randint(3, 60, (num_prompts,), generator=generator)
+    ]
+
+
+def _tokens(outputs) -> list[list[int]]:  # noqa: ANN001
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_outputs_come_back_in_input_order(llm: LLM) -> None:
+    prompts = _random_prompts(llm, 6, seed=0)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm: LLM) -> None:
+    prompt = _random_prompts(llm, 1, seed=1)[0]
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _tokens(llm.generate([prompt], seeded, use_tqdm=False))[0]
+    others = _random_prompts(llm, 7, seed=2)
+    mixed_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 7
+    mixed = llm.generate([*others, prompt], [*mixed_params, seeded], use_tqdm=False)
+    assert mixed[-1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True)
+    assert _tokens(llm.generate([prompt], other_seed, use_tqdm=False))[0] != alone
+
+
+def test_top_k_one_equals_greedy(llm: LLM) -> None:
+    prompts = _random_prompts(llm, 4, seed=3)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    top1 = llm.generate(
+        prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=10), use_tqdm=False
+    )
+    assert _tokens(greedy) == _tokens(top1)
+
+
+def test_n_returns_n_distinct_seeded_samples(llm: LLM) -> None:
+    prompt = _random_prompts(llm, 1, seed=4)[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    samples = [tuple(c.token_ids) for c in output.outputs]
+    assert len(set(samples)) == 3
+    (again,) = llm.generate([prompt], params, use_tqdm=False)
+    assert [tuple(c.token_ids) for c in again.outputs] == samples
+
+
+def test_max_tokens_and_context_limit_finish_with_length(tiny_checkpoint) -> None:
+    small = LLM(str(tiny_checkpoint("qwen2")), dtype="float32", max_model_len=40)
+    prompt = list(range(10, 40))  # 30 tokens: 10 left in the context
+    (capped,) = small.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(capped.outputs[0].token_ids) == 5
+    assert capped.outputs[0].finish_reason == "length"
+    (at_limit,) = small.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(at_limit.outputs[0].token_ids) == 10
+    assert at_limit.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_cut_where_they_should(llm: LLM) -> None:
+    prompt = _random_prompts(llm, 1, seed=6)[0]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = _tokens(llm.generate([prompt], params, use_tqdm=False))[0]
+    stop_id = reference[5]
+    first = reference.index(stop_id)
+    (output,) = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )
+    completion = output.outputs[0]
+    assert completion.token_ids == reference[: first + 1]
+    assert completion.finish_reason == "stop"
+    assert completion.stop_reason == stop_id
+
+
+def test_eos_from_generation_config_stops(tiny_checkpoint, tmp_path) -> None:
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("llama"), model_dir)
+    llm = LLM(str(model_dir), dtype="float32")
+    prompt = list(range(5, 25))
+    reference = _tokens(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))[0]
+    eos_id = reference[3]
+    config_path = model_dir / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], eos_id]
+    config_path.write_text(json.dumps(config))
+    with_eos = LLM(str(model_dir), dtype="float32")
+    (output,) = with_eos.generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    completion = output.outputs[0]
+    assert completion.token_ids == reference[: reference.index(eos_id) + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", None)
+    (ignored,) = with_eos.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    assert ignored.outputs[0].token_ids == reference
+
+
+def test_stop_strings_cut_the_text(llm: LLM) -> None:
+    prompt = "The weather today is"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (reference,) = llm.generate([prompt], params, use_tqdm=False)
+    text = reference.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), "the reference output should have text to cut"
+    cut_at = text.index(stop)
+    for include, expected in [(False, text[:cut_at]), (True, text[: cut_at + len(stop)])]:
+        (output,) = llm.generate(
+            [prompt],
+            SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                include_stop_str_in_output=include,
+            ),
+            use_tqdm=False,
+        )
+        completion = output.outputs[0]
+        assert completion.text == expected
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
+def test_sampled_logprobs_match_prompt_logprobs_of_the_same_text(llm: LLM) -> None:
+    prompt = _random_prompts(llm, 1, seed=7)[0]
+    (output,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False
+    )
+    completion = output.outputs[0]
+    assert len(completion.logprobs) == 6
+    full = prompt + completion.token_ids
+    (rescored,) = llm.generate(
+        [full], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
+    total = 0.0
+    for i, token in enumerate(completion.token_ids):
+        step = completion.logprobs[i]
+        assert token in step and len(step) <= 3
+        assert step[token].rank == 1  # greedy picks the most likely token
+        expected = rescored.prompt_logprobs[len(prompt) + i][token].logprob
+        assert step[token].logprob == pytest.approx(expected, abs=1e-4)
+        total += step[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_chat_uses_the_chat_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Hello there!"}]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    (chat_output,) = llm.chat(messages, params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant" in rendered
+    (plain,) = llm.generate([{"prompt_token_ids": chat_output.prompt_token_ids}], params, use_tqdm=False)
+    assert chat_output.prompt_token_ids == tokenizer.encode(rendered)
+    assert plain.outputs[0].token_ids == chat_output.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([""], "empty"),
+        ([[]], "empty"),
+        ([[5] * 5000], "max_model_len"),
+        ([[1, 2, 10**9]], "token ids must be integers"),
+    ],
+)
+def test_bad_prompts_raise_clearly_and_the_engine_keeps_working(llm: LLM, prompts, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine prompt", *prompts], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    (output,) = llm.generate(["still works"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
+
+
+def test_bad_sampling_values_and_unknown_models(tmp_path) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="no-such-model-dir"):
+        LLM(str(tmp_path / "no-such-model-dir"))
+    with pytest.raises(ValueError, match="not-a-real-org/not-a-real-model"):
+        LLM("not-a-real-org/not-a-real-model")

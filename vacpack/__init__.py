@@ -1,0 +1,33 @@
+"""vacpack: an LLM inference engine that keeps the accelerator full of useful work."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Imported on first use, so that `vacpack --help` and `import vacpack.testing` stay fast.
+_EXPORTS = {
+    "LLM": "vacpack.llm",
+    "EngineConfig": "vacpack.config",
+    "SamplingParams": "vacpack.sampling",
+    "RequestOutput": "vacpack.outputs",
+    "CompletionOutput": "vacpack.outputs",
+    "Logprob": "vacpack.outputs",
+}
+
+if TYPE_CHECKING:
+    from vacpack.config import EngineConfig
+    from vacpack.llm import LLM
+    from vacpack.outputs import CompletionOutput, Logprob, RequestOutput
+    from vacpack.sampling import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'vacpack' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,5 @@
+import sys
+
+from vacpack.cli import main
+
+sys.exit(main())

@@ -1,0 +1,4 @@
+from vacpack.attention import torch_sdpa  # noqa: F401  (registers the portable backend)
+from vacpack.attention.backend import AttentionBackend, BatchLayout, create_backend
+
+__all__ = ["AttentionBackend", "BatchLayout", "create_backend"]

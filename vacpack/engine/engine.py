@@ -1,0 +1,340 @@
+"""LLMEngine: requests in, outputs out, one step at a time.
+
+    step() = schedule -> run the model once -> update requests and report
+
+A user request with n samples is n engine sequences ("<id>/<i>") whose outputs are gathered
+back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vacpack.attention import create_backend
+from vacpack.attention.backend import BatchLayout
+from vacpack.config import EngineConfig
+from vacpack.device import configure_threads, resolve_device, resolve_dtype
+from vacpack.engine.model_runner import ModelRunner, StepResult
+from vacpack.engine.request import Request
+from vacpack.engine.sampler import Sampler, make_request_generator
+from vacpack.engine.scheduler import Scheduler, SchedulerConfig
+from vacpack.engine.stats import EngineStats
+from vacpack.kvcache import PageAllocator, PagedKVCache, kv_bytes_per_token
+from vacpack.kvcache.sizing import size_kv_cache
+from vacpack.models.config import ModelConfig
+from vacpack.models.forward_context import ForwardContext
+from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
+from vacpack.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vacpack.sampling import SamplingParams
+from vacpack.tokenizer import RequestDetokenizer, eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# A step's token budget when none is given: large enough that prefill matmuls run near the
+# device's peak, small enough that decodes sharing the step are not held up for long.
+DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+@dataclass
+class _UserRequest:
+    """The n sequences of one user request."""
+
+    request_id: str
+    prompt: str | None
+    sequences: list[Request]
+    metrics: RequestMetrics
+    num_unfinished: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        configure_threads(self.device, config.num_threads)
+        self.model_dir = resolve_model_path(config.model, config.revision)
+        hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), self.device)
+        self.tokenizer = load_tokenizer(
+            config.tokenizer or str(self.model_dir),
+            trust_remote_code=config.trust_remote_code,
+            revision=config.revision,
+        )
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_dir)
+        self.max_model_len = self._resolve_max_model_len()
+        self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
+            self.device.type, 2048
+        )
+        self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device)
+        self.attention = create_backend(config.attention_backend)
+
+        mc = self.model_config
+        sizing = size_kv_cache(
+            device=self.device,
+            bytes_per_token=kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype),
+            page_size=config.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            explicit_budget_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            cpu_kv_cache_fraction=config.cpu_kv_cache_fraction,
+            profile_forward=self._profile_forward,
+        )
+        self.kv_cache = PagedKVCache(
+            mc.num_layers, sizing.num_pages, config.block_size, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )
+        self.kv_sizing = sizing
+        self.allocator = PageAllocator(sizing.num_pages)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, config.block_size),
+            self.allocator,
+        )
+        self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.sampler, self.device)
+        self.stats = EngineStats()
+        self._user_requests: dict[str, _UserRequest] = {}
+        logger.info(
+            "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s)",
+            mc.architecture, self.device, self.dtype, sizing.num_pages, config.block_size,
+            sizing.source,
+        )
+
+    # ----------------------------------------------------------------- requests in
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValueError for a prompt the engine cannot run; call before add_request."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the context is "
+                f"max_model_len={self.max_model_len} tokens: at most {self.max_model_len - 1} "
+                "prompt tokens leave room for one output token"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        if request_id in self._user_requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        stop_ids = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        metrics = RequestMetrics(arrival_time=time.perf_counter())
+        sequences = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                # Each of the n samples gets its own stream, all reproducible from the seed.
+                generator = make_request_generator(params.seed + index, self.device)
+            sequences.append(
+                Request(
+                    request_id=f"{request_id}/{index}",
+                    prompt_token_ids=list(prompt_token_ids),
+                    params=params,
+                    stop_token_ids=stop_ids,
+                    max_total_tokens=self.max_model_len,
+                    generator=generator,
+                    detokenizer=self._detokenizer_for(params),
+                    metrics=RequestMetrics(arrival_time=metrics.arrival_time),
+                )
+            )
+        self._user_requests[request_id] = _UserRequest(request_id, prompt, sequences, metrics)
+        for sequence in sequences:
+            self.scheduler.add(sequence)
+
+    def _detokenizer_for(self, params: SamplingParams) -> RequestDetokenizer:
+        return RequestDetokenizer(
+            self.tokenizer,
+            stop_strings=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        user_request = self._user_requests.pop(request_id, None)
+        if user_request is None:
+            return
+        for sequence in user_request.sequences:
+            if not sequence.is_finished:
+                self.scheduler.finish(sequence)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._user_requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._user_requests)
+
+    # ----------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns an output for each user request that progressed."""
+        step_start = time.perf_counter()
+        schedule = self.scheduler.schedule()
+        if not schedule.scheduled:
+            return []
+        for item in schedule.scheduled:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = step_start
+        result = self.runner.execute(schedule.scheduled)
+        for item in schedule.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        touched = self._apply_step(schedule.scheduled, result)
+        self.stats.record_step(
+            start_s=step_start,
+            end_s=time.perf_counter(),
+            num_tokens=result.num_tokens,
+            num_decode_tokens=result.num_decode_tokens,
+            num_preempted=len(schedule.preempted),
+            kv_pages_used=self.allocator.num_used_pages,
+        )
+        outputs = []
+        for user_request in touched:
+            output = self._make_output(user_request)
+            if output.finished:
+                del self._user_requests[user_request.request_id]
+            outputs.append(output)
+        return outputs
+
+    def _apply_step(self, scheduled, result: StepResult) -> list[_UserRequest]:  # noqa: ANN001
+        now = time.perf_counter()
+        touched: dict[str, _UserRequest] = {}
+        for prompt_result in result.prompt_logprobs:
+            request = prompt_result.request
+            lp = prompt_result.logprobs
+            num_topk = request.params.prompt_logprobs
+            for i in range(lp.token_logprobs.shape[0]):
+                token_id = request.prompt_token_ids[prompt_result.first_position + 1 + i]
+                request.prompt_logprobs.append(self._position_logprobs(
+                    token_id, float(lp.token_logprobs[i]), int(lp.token_ranks[i]),
+                    lp.topk_token_ids[i, :num_topk].tolist(), lp.topk_logprobs[i, :num_topk].tolist(),
+                ))
+        for row, (request, token_id) in enumerate(
+            zip(result.sampled_requests, result.sampled_token_ids, strict=True)
+        ):
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.token_ids.append(token_id)
+            self.stats.num_generated_tokens += 1
+            if request.logprobs is not None:
+                self._record_logprobs(request, token_id, row, result)
+            self._check_stop(request, token_id)
+        for item in scheduled:
+            request = item.request
+            user_request = self._user_requests[request.request_id.rpartition("/")[0]]
+            if request.params.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                self._finish(request, "length", None)
+            if request.is_finished:
+                user_request.num_unfinished -= 1
+                request.metrics.finished_time = now
+            touched[user_request.request_id] = user_request
+        return list(touched.values())
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.params
+        stop_string = request.detokenizer.update([token_id])
+        if token_id in request.stop_token_ids and request.num_output_tokens > params.min_tokens - 1:
+            # EOS ends the request with stop_reason None, as in vLLM; a stop_token_id names itself.
+            reason = token_id if token_id in (params.stop_token_ids or ()) else None
+            self._finish(request, "stop", reason)
+        elif stop_string is not None:
+            self._finish(request, "stop", stop_string)
+        elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            self._finish(request, "length", None)
+        elif request.num_tokens >= request.max_total_tokens:
+            self._finish(request, "length", None)
+
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None) -> None:
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.detokenizer.finish()
+        self.scheduler.finish(request)
+
+    def _record_logprobs(self, request: Request, token_id: int, row: int, result: StepResult) -> None:
+        out = result.sampler_output
+        num_topk = request.params.logprobs
+        logprob = float(out.sampled_logprobs[row])
+        request.cumulative_logprob += logprob
+        request.logprobs.append(self._position_logprobs(
+            token_id, logprob, int(out.sampled_ranks[row]),
+            out.topk_token_ids[row, :num_topk].tolist(), out.topk_logprobs[row, :num_topk].tolist(),
+        ))
+
+    def _position_logprobs(
+        self, token_id: int, logprob: float, rank: int, topk_ids: list[int], topk_logprobs: list[float]
+    ) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        candidates = {token_id: Logprob(logprob, rank, decode([token_id]))}
+        for rank_index, (tid, lp) in enumerate(zip(topk_ids, topk_logprobs, strict=True)):
+            candidates.setdefault(tid, Logprob(lp, rank_index + 1, decode([tid])))
+        return candidates
+
+    def _make_output(self, user_request: _UserRequest) -> RequestOutput:
+        first = user_request.sequences[0]
+        completions = [
+            CompletionOutput(
+                index=index,
+                text=sequence.detokenizer.output_text,
+                token_ids=sequence.output_token_ids,
+                cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
+                logprobs=sequence.logprobs,
+                finish_reason=sequence.finish_reason,
+                stop_reason=sequence.stop_reason,
+            )
+            for index, sequence in enumerate(user_request.sequences)
+        ]
+        metrics = user_request.metrics
+        metrics.first_token_time = min(
+            (s.metrics.first_token_time for s in user_request.sequences if s.metrics.first_token_time),
+            default=None,
+        )
+        metrics.num_preemptions = sum(s.metrics.num_preemptions for s in user_request.sequences)
+        finished = user_request.num_unfinished == 0
+        if finished:
+            metrics.finished_time = time.perf_counter()
+        return RequestOutput(
+            request_id=user_request.request_id,
+            prompt=user_request.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+        )
+
+    # ----------------------------------------------------------------- set-up
+    def _resolve_max_model_len(self) -> int:
+        model_limit = self.model_config.max_position_embeddings
+        requested = self.config.max_model_len
+        if requested is not None and requested > model_limit:
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's max_position_embeddings={model_limit}"
+            )
+        return requested or model_limit
+
+    def _profile_forward(self) -> None:
+        """One forward at the largest step shape, with no KV cache, to measure peak memory."""
+        num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
+        layout = BatchLayout([num_tokens], [num_tokens])
+        ctx = ForwardContext(self.attention, self.attention.build_metadata(layout, self.device), None)
+        with torch.inference_mode():
+            token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            hidden = self.model(token_ids, torch.arange(num_tokens, device=self.device), ctx)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])

@@ -1,0 +1,313 @@
+"""Turns one step's logits into next tokens, for a whole batch of requests at once, on the device.
+
+Order of operations, as in vLLM V1:
+
+1. logprobs (when any row asks) from the raw logits, before any processing;
+2. ``min_tokens``: stop tokens are set to -inf while a request is still too short;
+3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
+4. greedy rows take the argmax; the other rows get temperature, min_p, top_k, then top_p
+   (over the distribution renormalised to what top_k kept, as vLLM does), and are sampled
+   with the exponential race (argmax of probs / Exp(1) noise), which is exact categorical
+   sampling with no host sync (``torch.multinomial`` syncs).
+
+Every decision about which stage to run is made from the Python-side params, never from
+tensor values, so nothing here waits on the device; the engine's ``.tolist()`` on the result
+is the step's one sync. Per-row parameters reach the device in one copy per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vacpack.sampling import SamplingParams
+
+# Rows of the per-row parameter matrix that goes to the device in a single copy.
+_TEMPERATURE, _TOP_P, _TOP_K, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the engine knows about one row of the logits this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # The request's own generator when params.seed is set (see make_request_generator), else
+    # None. It must live on the logits' device and persist across the request's steps.
+    generator: torch.Generator | None
+    # EOS + stop_token_ids while len(output_token_ids) < min_tokens, else empty; see
+    # SamplingParams.stop_token_ids_to_suppress.
+    stop_token_ids_to_suppress: frozenset[int]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of chosen tokens and of the top candidates, from one log-softmax."""
+
+    token_logprobs: torch.Tensor  # [num_rows] float32
+    # 1 = most likely; ties count against the token, so a token tied for first has rank 2.
+    token_ranks: torch.Tensor  # [num_rows] int64
+    topk_token_ids: torch.Tensor  # [num_rows, num_topk] int64, most likely first
+    topk_logprobs: torch.Tensor  # [num_rows, num_topk] float32
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One step's result; every tensor is on the logits' device.
+
+    The logprob fields are set when any row asked for logprobs (``params.logprobs`` not None),
+    for every row; the top-k columns number the largest ``params.logprobs`` in the batch, so
+    row ``i`` keeps the first ``rows[i].params.logprobs`` of them. The rank of top-k column
+    ``j`` is ``j + 1``. All logprobs are of the raw model distribution (log_softmax of the
+    logits as given), as in vLLM V1, not of the penalised / tempered one that was sampled.
+    """
+
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    sampled_logprobs: torch.Tensor | None  # [num_rows] float32
+    sampled_ranks: torch.Tensor | None  # [num_rows] int64, 1 = most likely
+    topk_token_ids: torch.Tensor | None  # [num_rows, max_num_logprobs] int64
+    topk_logprobs: torch.Tensor | None  # [num_rows, max_num_logprobs] float32
+
+
+def make_request_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator for one seeded request; keep it for the request's whole life."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_topk: int
+) -> TokenLogprobs:
+    """Logprob and rank of ``token_ids`` in each row of ``logprobs``, and each row's top-k.
+
+    ``logprobs`` is [num_rows, vocab_size] log-softmax output; ``token_ids`` is [num_rows].
+    The engine can reuse this for prompt logprobs (row i = logits at position i, token = the
+    prompt token at i + 1).
+    """
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    # Counting ">=" (not ">") puts the token behind anything tied with it, as vLLM does.
+    token_ranks = (logprobs >= token_logprobs.unsqueeze(1)).sum(dim=1)
+    topk_logprobs, topk_token_ids = logprobs.topk(num_topk, dim=1)
+    return TokenLogprobs(token_logprobs, token_ranks, topk_token_ids, topk_logprobs)
+
+
+class Sampler:
+    """Samples one token per row of a [num_rows, vocab_size] logits tensor."""
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        # Shared by every unseeded row: their draws may depend on the batch, which is fine
+        # because nobody asked them to be reproducible.
+        self._shared_generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._shared_generator.seed()
+        else:
+            self._shared_generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        self._check_shape(logits, rows)
+        logits = logits.float()
+        params = [row.params for row in rows]
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+
+        row_params = self._row_param_matrix(params)
+        logits = self._process_logits(logits, rows, row_params)
+
+        greedy_row_indices = [i for i, p in enumerate(params) if p.is_greedy]
+        random_row_indices = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not random_row_indices:
+            sampled = logits.argmax(dim=-1)
+        elif not greedy_row_indices:
+            sampled = self._sample_random(logits, rows, row_params)
+        else:
+            sampled = logits.argmax(dim=-1)
+            random_index = self._to_device(random_row_indices, torch.int64)
+            random_rows = [rows[i] for i in random_row_indices]
+            random_sampled = self._sample_random(
+                logits.index_select(0, random_index),
+                random_rows,
+                row_params.index_select(1, random_index),
+            )
+            sampled = sampled.index_copy(0, random_index, random_sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None, None)
+        max_num_logprobs = max(p.logprobs or 0 for p in params)
+        gathered = gather_logprobs(raw_logprobs, sampled, max_num_logprobs)
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            sampled_logprobs=gathered.token_logprobs,
+            sampled_ranks=gathered.token_ranks,
+            topk_token_ids=gathered.topk_token_ids,
+            topk_logprobs=gathered.topk_logprobs,
+        )
+
+    def processed_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The logits after min_tokens suppression and penalties: what greedy rows argmax.
+
+        Temperature, min_p, top_k and top_p are not applied; they only shape random sampling.
+        """
+        self._check_shape(logits, rows)
+        params = [row.params for row in rows]
+        return self._process_logits(logits.float(), rows, self._row_param_matrix(params))
+
+    def _check_shape(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        expected_shape = (len(rows), self.vocab_size)
+        if tuple(logits.shape) != expected_shape:
+            raise ValueError(
+                f"logits must be [num_rows, vocab_size] = {list(expected_shape)}, "
+                f"got {list(logits.shape)}"
+            )
+
+    def _process_logits(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], row_params: torch.Tensor
+    ) -> torch.Tensor:
+        # Out-of-place ops only: the caller's logits are never modified.
+        logits = self._suppress_stop_tokens(logits, rows)
+        return self._apply_penalties(logits, rows, row_params)
+
+    def _to_device(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        # A copy from pinned memory with non_blocking=True does not wait for the device to
+        # drain; torch's pinned-memory cache keeps the buffer alive until the copy is done.
+        pin = self.device.type == "cuda"
+        host = torch.tensor(values, dtype=dtype, pin_memory=pin)
+        return host.to(self.device, non_blocking=pin)
+
+    def _row_param_matrix(self, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """[7, num_rows] float32 of per-row parameters, in one host-to-device copy."""
+        # top_k 0 means "whole vocabulary"; float32 holds any vocab index exactly (< 2**24).
+        top_k = [float(min(p.top_k, self.vocab_size) or self.vocab_size) for p in params]
+        matrix = [
+            [p.temperature if not p.is_greedy else 1.0 for p in params],
+            [p.top_p for p in params],
+            top_k,
+            [p.min_p for p in params],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        ]
+        return self._to_device(matrix, torch.float32)
+
+    def _suppress_stop_tokens(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> torch.Tensor:
+        row_indices: list[int] = []
+        token_ids: list[int] = []
+        for row_index, row in enumerate(rows):
+            for token_id in row.stop_token_ids_to_suppress:
+                # An id the model cannot emit needs no suppression.
+                if token_id < self.vocab_size:
+                    row_indices.append(row_index)
+                    token_ids.append(token_id)
+        if not row_indices:
+            return logits
+        index = self._to_device([row_indices, token_ids], torch.int64)
+        minus_inf = torch.tensor(float("-inf"), device=logits.device)
+        return logits.index_put((index[0], index[1]), minus_inf)
+
+    def _apply_penalties(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], row_params: torch.Tensor
+    ) -> torch.Tensor:
+        params = [row.params for row in rows]
+        needs_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        needs_output_counts = needs_repetition or any(
+            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+        )
+        if not needs_output_counts:
+            return logits
+        output_counts = self._token_counts([row.output_token_ids for row in rows])
+        output_seen = output_counts > 0
+
+        if needs_repetition:
+            # Only rows that use the penalty pay for turning their prompt into a mask.
+            prompts = [
+                row.prompt_token_ids if row.params.repetition_penalty != 1.0 else () for row in rows
+            ]
+            seen = output_seen | (self._token_counts(prompts) > 0)
+            penalty = torch.where(seen, row_params[_REPETITION].unsqueeze(1), 1.0)
+            # Dividing a positive logit and multiplying a negative one both make the token
+            # less likely, whatever the sign (CTRL's definition, as in vLLM and HF).
+            logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        if any(p.frequency_penalty != 0.0 for p in params):
+            logits = logits - row_params[_FREQUENCY].unsqueeze(1) * output_counts
+        if any(p.presence_penalty != 0.0 for p in params):
+            logits = logits - row_params[_PRESENCE].unsqueeze(1) * output_seen
+        return logits
+
+    def _token_counts(self, token_id_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[num_rows, vocab_size] float32: how often each token id occurs in each row's list."""
+        num_rows = len(token_id_lists)
+        max_len = max((len(ids) for ids in token_id_lists), default=0)
+        counts = torch.zeros(num_rows, self.vocab_size + 1, device=self.device)
+        if max_len == 0:
+            return counts[:, : self.vocab_size]
+        # Padding points at an extra column that is dropped afterwards.
+        padded = [list(ids) + [self.vocab_size] * (max_len - len(ids)) for ids in token_id_lists]
+        index = self._to_device(padded, torch.int64)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
+        return counts[:, : self.vocab_size]
+
+    def _sample_random(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], row_params: torch.Tensor
+    ) -> torch.Tensor:
+        params = [row.params for row in rows]
+        if any(p.temperature != 1.0 for p in params):
+            logits = logits / row_params[_TEMPERATURE].unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            logits = self._apply_min_p(logits, row_params[_MIN_P])
+        if any(p.top_k != 0 or p.top_p < 1.0 for p in params):
+            logits = self._apply_top_k_top_p(logits, row_params[_TOP_K], row_params[_TOP_P])
+        probs = torch.softmax(logits, dim=-1)
+        return self._exponential_race(probs, rows)
+
+    @staticmethod
+    def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+        # A row with min_p 0 has threshold 0, and no probability is below 0: it is untouched.
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        return logits.masked_fill(probs < threshold, float("-inf"))
+
+    @staticmethod
+    def _apply_top_k_top_p(
+        logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> torch.Tensor:
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+
+        # top_k keeps every token at least as likely as the k-th, so ties at the boundary all
+        # stay; a row with top_k disabled has k = vocab_size and keeps everything.
+        kth_index = (top_k.long() - 1).unsqueeze(1)
+        kth_logit = sorted_logits.gather(1, kth_index)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_logit, float("-inf"))
+
+        # top_p keeps the shortest most-likely-first prefix whose mass reaches p: a token
+        # stays while the mass strictly before it is below p, so the first token always stays.
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Rounding can push the cumulative mass of a long tail past 1.0; rows with top_p = 1
+        # are exempted outright so they stay exactly as they were.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+
+        return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+    def _exponential_race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        # argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i (the smallest of
+        # independent Exp(p_i)-distributed E_i / p_i wins with probability p_i / sum p).
+        noise = torch.empty_like(probs)
+        if any(row.generator is None for row in rows):
+            noise.exponential_(generator=self._shared_generator)
+        for row_index, row in enumerate(rows):
+            if row.generator is not None:
+                # One [vocab_size] draw per step from the request's own generator, so a seeded
+                # request gets the same tokens whatever else shares its batch.
+                noise[row_index].exponential_(generator=row.generator)
+        # An exact 0 draw would make 0 / 0 = nan, and argmax would pick that forbidden token.
+        noise = noise.clamp_min(torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,164 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a packed 1-D token stream.
+
+There is no batch axis: a step's sequences are concatenated, positions restart at 0 for each
+sequence, and the attention backend keeps sequences apart. The LM head runs only on the rows
+whose logits are needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vacpack.models.config import ModelConfig
+from vacpack.models.forward_context import ForwardContext
+from vacpack.models.norm import RMSNorm
+from vacpack.models.parallel import (
+    SINGLE_RANK,
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabEmbedding,
+)
+from vacpack.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = tp.split(config.num_heads, "attention heads")
+        self.num_kv_heads = tp.split(config.num_kv_heads, "key/value heads")
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.attention_bias,
+            tp=tp,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=False, tp=tp
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        out = ctx.attention.forward(q, k, v, ctx.kv_layer(self.layer_index), ctx.metadata)
+        return self.o_proj(out.view(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_index, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp)
+
+    def forward(
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(cos_sin, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names that feed one of our merged layers: (our name, shard index).
+    MERGED_WEIGHTS = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else VocabEmbedding(config.vocab_size, config.hidden_size)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def checkpoint_name(self, hf_name: str) -> tuple[str, int] | None:
+        """Maps a checkpoint tensor name to (our parameter name, shard index); None to skip it."""
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        if "rotary_emb" in name:
+            return None
+        for hf_part, (ours, shard_index) in self.MERGED_WEIGHTS.items():
+            if f".{hf_part}." in name:
+                return name.replace(hf_part, ours), shard_index
+        return name, 0
+
+    def finish_loading(self) -> None:
+        self.rotary.build_cache(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Returns the final hidden states, one row per token of the packed stream."""
+        cos_sin = self.rotary.cos_sin_for(positions)
+        hidden = self.embed_tokens(token_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(cos_sin, hidden, residual, ctx)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows only."""
+        return F.linear(hidden, self.lm_head.weight).float()

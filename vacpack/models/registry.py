@@ -1,0 +1,22 @@
+"""Hugging Face architecture names -> our model classes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from vacpack.models.llama import LlamaForCausalLM
+
+_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class_for(architecture: str) -> type[nn.Module]:
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {sorted(_ARCHITECTURES)}"
+        )
+    return _ARCHITECTURES[architecture]

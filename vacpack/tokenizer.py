@@ -1,0 +1,454 @@
+"""Text in and out of the engine: loading a tokenizer, chat prompts, and streaming detokenization.
+
+The output side works per request: `RequestDetokenizer` turns each step's new token ids into
+text with an `IncrementalDetokenizer` (a bounded window of ids, so a step costs the same at
+token 10 as at token 10,000) and cuts that text at stop strings with a `StopStringMatcher`,
+holding back any tail that could still grow into a stop string so that streamed text never
+has to be taken back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub.errors import HFValidationError
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# What UTF-8 decoding yields for bytes that do not (yet) form a character.
+REPLACEMENT_CHAR = "\ufffd"
+
+GENERATION_CONFIG_FILENAME = "generation_config.json"
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer could not be loaded; the message names the model id or path."""
+
+
+class TokenizerNotFoundError(TokenizerLoadError):
+    """The name is neither a local model directory nor a Hub repo available here."""
+
+
+def _not_found_message(name_or_path: str) -> str:
+    return (
+        f"Cannot load a tokenizer for {name_or_path!r}: it is neither a local directory nor "
+        "available offline (it is not in the Hugging Face cache, and the Hub could not be "
+        "reached or has no such repository)."
+    )
+
+
+def _looks_like_local_path(name_or_path: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything absolute or relative-looking is meant as a path,
+    # and sending it to the Hub would only add a confusing repo-id validation error.
+    return os.path.isabs(name_or_path) or name_or_path.startswith((".", "~"))
+
+
+def load_tokenizer(
+    name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local model directory or a Hub id (cache or network).
+
+    Raises TokenizerNotFoundError (a ValueError) when the name is neither a local directory nor
+    reachable, and TokenizerLoadError when a local directory exists but holds no usable
+    tokenizer. Other errors (such as a repo that needs trust_remote_code) propagate unchanged.
+    """
+    local_path = Path(name_or_path).expanduser()
+    if local_path.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(
+                str(local_path), trust_remote_code=trust_remote_code, revision=revision
+            )
+        except (OSError, ValueError) as error:
+            raise TokenizerLoadError(
+                f"{name_or_path!r} is a local directory, but no tokenizer could be loaded from "
+                f"it: {error}"
+            ) from error
+    if _looks_like_local_path(name_or_path) or local_path.exists():
+        raise TokenizerNotFoundError(_not_found_message(name_or_path))
+    try:
+        return AutoTokenizer.from_pretrained(
+            name_or_path, trust_remote_code=trust_remote_code, revision=revision
+        )
+    # transformers reports a missing or unreachable repo as OSError (huggingface_hub's
+    # not-found, offline and HTTP errors all subclass it); a malformed id is HFValidationError.
+    except (OSError, HFValidationError) as error:
+        raise TokenizerNotFoundError(_not_found_message(name_or_path)) from error
+
+
+def _token_id_set(value: Any, source: str) -> set[int]:
+    if value is None:
+        return set()
+    values = value if isinstance(value, list | tuple) else [value]
+    # bool is an int subclass, but `true` as a token id is a broken config, not token 1.
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in values):
+        raise ValueError(f"eos_token_id in {source} must be an int or a list of ints: {value!r}")
+    return set(values)
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | None
+) -> frozenset[int]:
+    """Every id that ends generation: the tokenizer's eos plus generation_config.json's.
+
+    Chat models often list several ids in generation_config.json (e.g. <|im_end|> as well as
+    <|endoftext|>) while the tokenizer knows only one. model_dir must be a local directory
+    (a resolved snapshot); when it is None or has no generation_config.json, only the
+    tokenizer's id is used.
+    """
+    token_ids = _token_id_set(tokenizer.eos_token_id, "the tokenizer")
+    if model_dir is not None:
+        config_path = Path(model_dir) / GENERATION_CONFIG_FILENAME
+        if config_path.is_file():
+            generation_config = json.loads(config_path.read_text(encoding="utf-8"))
+            token_ids |= _token_id_set(generation_config.get("eos_token_id"), str(config_path))
+    return frozenset(token_ids)
+
+
+def _as_token_id_list(template_output: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding (a Mapping) unless return_dict=False is honoured,
+    # and some versions nest a single conversation in a batch of one.
+    if isinstance(template_output, Mapping):
+        template_output = template_output["input_ids"]
+    if hasattr(template_output, "tolist"):
+        template_output = template_output.tolist()
+    token_ids = list(template_output)
+    if token_ids and isinstance(token_ids[0], list | tuple):
+        if len(token_ids) != 1:
+            raise ValueError(f"expected one tokenized conversation, got {len(token_ids)}")
+        token_ids = list(token_ids[0])
+    return [int(token_id) for token_id in token_ids]
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    **kwargs: Any,
+) -> list[int]:
+    """Render a chat conversation with the tokenizer's (or the given) template into token ids.
+
+    Extra keyword arguments (tools, documents, template variables) go to transformers'
+    apply_chat_template. Raises ValueError when there is no template to render with.
+    """
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"The tokenizer of {tokenizer.name_or_path!r} has no chat template; pass "
+            "chat_template=... or send a plain-text prompt instead of a conversation."
+        )
+    template_output = tokenizer.apply_chat_template(
+        conversation,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        tokenize=True,
+        return_dict=False,
+        **kwargs,
+    )
+    return _as_token_id_list(template_output)
+
+
+@dataclass(frozen=True)
+class _DecodeFacts:
+    """What the detokenizer needs to know about a tokenizer's added (special) tokens."""
+
+    # Ids that decode(..., skip_special_tokens=True) drops. Worked out by asking decode itself,
+    # because fast tokenizers skip every added token marked special while
+    # convert_ids_to_tokens only skips the named ones (eos, pad, ...).
+    skipped_token_ids: frozenset[int]
+    added_token_text: Mapping[int, str]
+
+
+_decode_facts_cache: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _DecodeFacts] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _decode_facts(tokenizer: PreTrainedTokenizerBase) -> _DecodeFacts:
+    # Cached per tokenizer: a vocabulary can have hundreds of added tokens and a detokenizer is
+    # made for every request.
+    facts = _decode_facts_cache.get(tokenizer)
+    if facts is None:
+        added_tokens = tokenizer.added_tokens_decoder
+        candidate_ids = set(added_tokens) | set(tokenizer.all_special_ids)
+        skipped_token_ids = frozenset(
+            token_id
+            for token_id in candidate_ids
+            if tokenizer.decode([token_id], skip_special_tokens=True) == ""
+        )
+        added_token_text = {token_id: token.content for token_id, token in added_tokens.items()}
+        facts = _DecodeFacts(skipped_token_ids, added_token_text)
+        _decode_facts_cache[tokenizer] = facts
+    return facts
+
+
+# The context grows over a few steps before it is cut back to the last emitted chunk, which
+# saves decoding the new context on most steps.
+_MAX_CONTEXT_TOKENS = 8
+# A step that leaves this many ids undecided (text still ending in U+FFFD) looks for an earlier
+# split instead of waiting, so that a run of invalid bytes cannot grow the window without bound.
+_MAX_UNDECIDED_TOKENS = 4
+# A UTF-8 character has at most 4 bytes and every token at least one, so whatever character
+# straddles a split has been completed or broken for good once 3 more tokens follow it.
+_TOKENS_THAT_SETTLE_A_CHARACTER = 3
+# How many earlier splits to try before giving up until the next step.
+_MAX_SPLITS_TRIED = 4
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas, one step at a time.
+
+    Each step decodes a small window: a few recently emitted ids (context, so that decoders
+    that join or strip by position, such as WordPiece's "##" or SentencePiece's "▁", see a
+    neighbour) followed by the ids not yet emitted, and emits the text beyond the context's.
+    Text that ends in U+FFFD is held back, since the next token may complete the character.
+    Both ends of the context lie where the decoded text ended in a whole character, so the
+    window decodes exactly as the same ids do inside the full sequence.
+
+    The deltas from decode_next() followed by flush() concatenate to
+    tokenizer.decode(all_ids, skip_special_tokens=...) (with clean_up_tokenization_spaces off,
+    whose rewrites need look-ahead) for byte-level BPE and WordPiece tokenizers.
+    spaces_between_special_tokens=False instead joins added tokens to their neighbours with
+    no separator, as vLLM does; True leaves spacing to the tokenizer's own decoder.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._spaces_between_special_tokens = spaces_between_special_tokens
+        self._facts = _decode_facts(tokenizer)
+        # Skipped ids never enter the window: decode() drops them anyway, and leaving them out
+        # keeps a run of them from pushing the real context out of the window.
+        self._dropped_token_ids = self._facts.skipped_token_ids if skip_special_tokens else None
+        self._window_token_ids: list[int] = []
+        # window[:_read_offset] is context whose text has been emitted; the rest is undecided.
+        self._read_offset = 0
+        self._context_text = ""
+
+    def decode_next(self, new_token_ids: Iterable[int]) -> str:
+        """Take this step's new token ids; return the text that is now final (maybe "")."""
+        new_ids = [int(token_id) for token_id in new_token_ids]
+        if self._dropped_token_ids:
+            new_ids = [token_id for token_id in new_ids if token_id not in self._dropped_token_ids]
+        if not new_ids:
+            return ""
+        self._window_token_ids.extend(new_ids)
+        window_text = self._decode(self._window_token_ids)
+        if not window_text.endswith(REPLACEMENT_CHAR):
+            return self._emit_through(len(self._window_token_ids), window_text)
+        undecided_tokens = len(self._window_token_ids) - self._read_offset
+        if undecided_tokens >= _MAX_UNDECIDED_TOKENS:
+            return self._emit_through_earlier_split(window_text)
+        return ""
+
+    def flush(self) -> str:
+        """Release everything held back (the request is over), incomplete characters included."""
+        if self._read_offset == len(self._window_token_ids):
+            return ""
+        window_text = self._decode(self._window_token_ids)
+        return self._emit_through(len(self._window_token_ids), window_text)
+
+    def _emit_through(self, split: int, text_through_split: str) -> str:
+        """Emit the text of window[:split] beyond the context; split must end a whole char."""
+        delta = text_through_split[len(self._context_text) :]
+        if split <= _MAX_CONTEXT_TOKENS:
+            # All of window[:split] becomes the context, and its text is already in hand.
+            self._read_offset = split
+            self._context_text = text_through_split
+        else:
+            # Restart the context at the previous split, which also ended a whole character,
+            # so the chunk decodes on its own exactly as it did inside the window.
+            del self._window_token_ids[: self._read_offset]
+            self._read_offset = split - self._read_offset
+            self._context_text = self._decode(self._window_token_ids[: self._read_offset])
+        return delta
+
+    def _emit_through_earlier_split(self, window_text: str) -> str:
+        # A trailing U+FFFD that has lasted this long is usually a genuinely invalid byte, so
+        # look for a split whose text is already settled: far enough back that any character
+        # straddling it is decided, and whose text the current window text extends unchanged.
+        latest_split = len(self._window_token_ids) - _TOKENS_THAT_SETTLE_A_CHARACTER
+        earliest_split = max(self._read_offset + 1, latest_split - _MAX_SPLITS_TRIED + 1)
+        for split in range(latest_split, earliest_split - 1, -1):
+            text_through_split = self._decode(self._window_token_ids[:split])
+            if window_text.startswith(text_through_split):
+                return self._emit_through(split, text_through_split)
+        return ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self._spaces_between_special_tokens or not self._facts.added_token_text:
+            return self._decode_plain(token_ids)
+        # Added tokens are written out verbatim and the runs between them decoded on their own,
+        # so the decoder cannot put spaces around the added tokens.
+        pieces: list[str] = []
+        run_start = 0
+        for position, token_id in enumerate(token_ids):
+            added_text = self._facts.added_token_text.get(token_id)
+            if added_text is not None:
+                if run_start < position:
+                    pieces.append(self._decode_plain(token_ids[run_start:position]))
+                pieces.append(added_text)
+                run_start = position + 1
+        if run_start < len(token_ids):
+            pieces.append(self._decode_plain(token_ids[run_start:]))
+        return "".join(pieces)
+
+    def _decode_plain(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self._skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+
+class StopStringMatcher:
+    """Finds stop strings in output text as it grows, looking only where a new match can be.
+
+    Each call sees the whole text so far and how much of it is new. A match must end in the new
+    text (anything earlier was checked on an earlier call), so only the last
+    len(new text) + max_stop_len_chars - 1 characters are searched.
+    """
+
+    def __init__(
+        self, stop_strings: Iterable[str], *, include_stop_str_in_output: bool = False
+    ) -> None:
+        # An empty stop string would match everywhere; duplicates would only cost time.
+        self.stop_strings: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.max_stop_len_chars = max((len(s) for s in self.stop_strings), default=0)
+
+    def find(self, text: str, new_text_len_chars: int) -> tuple[str | None, str]:
+        """Return (stop string, text cut at it), or (None, text) when nothing matched.
+
+        Of the stop strings that end in the last new_text_len_chars characters, the one that
+        starts earliest wins (the shortest on a tie). The text is cut before it, or after it
+        when include_stop_str_in_output.
+        """
+        if new_text_len_chars <= 0 or not self.stop_strings:
+            return None, text
+        new_text_start = len(text) - new_text_len_chars
+        matched_stop: str | None = None
+        matched_start = len(text)
+        for stop in self.stop_strings:
+            # Starting here, any occurrence found ends inside the new text.
+            search_start = max(0, new_text_start - len(stop) + 1)
+            start = text.find(stop, search_start)
+            if start == -1:
+                continue
+            if matched_stop is None or (start, len(stop)) < (matched_start, len(matched_stop)):
+                matched_stop, matched_start = stop, start
+        if matched_stop is None:
+            return None, text
+        cut = matched_start + (len(matched_stop) if self.include_stop_str_in_output else 0)
+        return matched_stop, text[:cut]
+
+    def held_back_len_chars(self, text: str) -> int:
+        """How many trailing characters of text must not be streamed yet.
+
+        They are the longest tail of text that is the start of some stop string: if the stop
+        string completes, that tail will be cut away. At most max_stop_len_chars - 1. When the
+        stop string is kept in the output nothing needs holding back, since streamed text can
+        only ever end before a stop string that completes later ends.
+        """
+        if self.include_stop_str_in_output:
+            return 0
+        held_back = 0
+        for stop in self.stop_strings:
+            for prefix_len in range(min(len(stop) - 1, len(text)), held_back, -1):
+                if text.endswith(stop[:prefix_len]):
+                    held_back = prefix_len
+                    break
+        return held_back
+
+
+class RequestDetokenizer:
+    """Output text of one request: incremental detokenization, stop strings and streaming.
+
+    The engine calls update() with each step's new token ids, reads stream_delta() for text
+    that is safe to send now, and calls finish() when the request ends for any reason other
+    than a stop string (eos, length, abort) to release what was held back. output_text is the
+    text so far, and the final text once the request has finished.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        stop_strings: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+        self._stop_matcher = StopStringMatcher(
+            stop_strings, include_stop_str_in_output=include_stop_str_in_output
+        )
+        self._output_text = ""
+        self._streamed_len_chars = 0
+        self._held_back_len_chars = 0
+        self.matched_stop_string: str | None = None
+        self.finished = False
+
+    @property
+    def output_text(self) -> str:
+        return self._output_text
+
+    def update(self, new_token_ids: Iterable[int]) -> str | None:
+        """Add this step's token ids; return the stop string that ended the request, if any.
+
+        After a stop string matches, the request is finished and output_text is final.
+        """
+        if self.finished:
+            raise RuntimeError("update() called on a request whose output has finished")
+        return self._append(self._detokenizer.decode_next(new_token_ids))
+
+    def finish(self) -> str | None:
+        """End the request: flush incomplete characters and stop holding text back.
+
+        Returns the stop string if the flushed text completed one (output_text is then cut
+        there as usual), else None. Calling it again does nothing.
+        """
+        if self.finished:
+            return None
+        matched_stop = self._append(self._detokenizer.flush())
+        self._finish()
+        return matched_stop
+
+    def stream_delta(self) -> str:
+        """Text not yet streamed that can no longer change; "" when there is none."""
+        safe_end = max(self._streamed_len_chars, len(self._output_text) - self._held_back_len_chars)
+        delta = self._output_text[self._streamed_len_chars : safe_end]
+        self._streamed_len_chars = safe_end
+        return delta
+
+    def _append(self, delta: str) -> str | None:
+        if not delta:
+            return None
+        matched_stop, self._output_text = self._stop_matcher.find(
+            self._output_text + delta, len(delta)
+        )
+        if matched_stop is not None:
+            self.matched_stop_string = matched_stop
+            self._finish()
+            return matched_stop
+        self._held_back_len_chars = self._stop_matcher.held_back_len_chars(self._output_text)
+        return None
+
+    def _finish(self) -> None:
+        self.finished = True
+        self._held_back_len_chars = 0
