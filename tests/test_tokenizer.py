@@ -488,11 +488,13 @@ def test_held_back_is_longest_stop_prefix() -> None:
     matcher = StopStringMatcher(["abcd", "cde", "x"])
     assert matcher.max_stop_len_chars == 4
     assert matcher.held_back_len_chars("zzabc") == 3
-    assert matcher.held_back_len_chars("zzbc") == 0
+    assert matcher.held_back_len_chars("zzbb") == 0
+    assert matcher.held_back_len_chars("zzbc") == 1  # "c" may start "cde"
     assert matcher.held_back_len_chars("zzcd") == 2
     assert matcher.held_back_len_chars("a") == 1
     assert matcher.held_back_len_chars("") == 0
     assert StopStringMatcher([]).held_back_len_chars("abc") == 0
+    assert StopStringMatcher("abc").stop_strings == ("abc",)
 
 
 # ---------------------------------------------------------------- per-request detokenizer
@@ -592,3 +594,15 @@ def test_streamed_text_never_leaks_a_stop_string(
         if not include_stop_str_in_output:
             assert not any(s in delta for s in stop_strings for delta in streamed)
     assert matched > 50
+
+
+def test_stop_strings_can_be_paused(bpe: PreTrainedTokenizerBase) -> None:
+    # As before min_tokens: text goes out unmatched, but possible stop prefixes stay held back.
+    request = RequestDetokenizer(bpe, stop_strings=["STOP"])
+    for token_id in bpe.encode("a STOP b ST", add_special_tokens=False):
+        assert request.update([token_id], check_stop_strings=False) is None
+    assert request.output_text == "a STOP b ST"
+    assert request.stream_delta() == "a STOP b "
+    assert request.update(bpe.encode("OP c", add_special_tokens=False)) == "STOP"
+    assert request.output_text == "a STOP b "
+    assert request.stream_delta() == ""

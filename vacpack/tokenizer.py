@@ -260,7 +260,7 @@ class IncrementalDetokenizer:
         return self._emit_through(len(self._window_token_ids), window_text)
 
     def _emit_through(self, split: int, text_through_split: str) -> str:
-        """Emit the text of window[:split] beyond the context; split must end a whole char."""
+        """Emit the text of window[:split] beyond the context; nothing before split can change."""
         delta = text_through_split[len(self._context_text) :]
         if split <= _MAX_CONTEXT_TOKENS:
             # All of window[:split] becomes the context, and its text is already in hand.
@@ -276,13 +276,18 @@ class IncrementalDetokenizer:
 
     def _emit_through_earlier_split(self, window_text: str) -> str:
         # A trailing U+FFFD that has lasted this long is usually a genuinely invalid byte, so
-        # look for a split whose text is already settled: far enough back that any character
-        # straddling it is decided, and whose text the current window text extends unchanged.
+        # look for an earlier split whose text is settled. Far enough back, any character
+        # straddling the split has been decided; and the two sides decoding separately to the
+        # same text shows the split does not cut through a character, nor through the bytes of
+        # one invalid sequence (which decode to a single U+FFFD together, but one each apart).
         latest_split = len(self._window_token_ids) - _TOKENS_THAT_SETTLE_A_CHARACTER
         earliest_split = max(self._read_offset + 1, latest_split - _MAX_SPLITS_TRIED + 1)
         for split in range(latest_split, earliest_split - 1, -1):
             text_through_split = self._decode(self._window_token_ids[:split])
-            if window_text.startswith(text_through_split):
+            if not window_text.startswith(text_through_split):
+                continue
+            text_after_split = self._decode(self._window_token_ids[split:])
+            if text_after_split and text_through_split + text_after_split == window_text:
                 return self._emit_through(split, text_through_split)
         return ""
 
@@ -323,6 +328,8 @@ class StopStringMatcher:
     def __init__(
         self, stop_strings: Iterable[str], *, include_stop_str_in_output: bool = False
     ) -> None:
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)  # one stop string, not one per character
         # An empty stop string would match everywhere; duplicates would only cost time.
         self.stop_strings: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -358,8 +365,8 @@ class StopStringMatcher:
 
         They are the longest tail of text that is the start of some stop string: if the stop
         string completes, that tail will be cut away. At most max_stop_len_chars - 1. When the
-        stop string is kept in the output nothing needs holding back, since streamed text can
-        only ever end before a stop string that completes later ends.
+        stop string is kept in the output nothing needs holding back: a stop string completed
+        later ends after all of the current text, so the cut never falls in streamed text.
         """
         if self.include_stop_str_in_output:
             return 0
@@ -408,14 +415,19 @@ class RequestDetokenizer:
     def output_text(self) -> str:
         return self._output_text
 
-    def update(self, new_token_ids: Iterable[int]) -> str | None:
+    def update(
+        self, new_token_ids: Iterable[int], *, check_stop_strings: bool = True
+    ) -> str | None:
         """Add this step's token ids; return the stop string that ended the request, if any.
 
         After a stop string matches, the request is finished and output_text is final.
+        check_stop_strings=False (e.g. before min_tokens) appends the text without matching;
+        a stop string is then found only if it ends in text added once checking is back on.
         """
         if self.finished:
             raise RuntimeError("update() called on a request whose output has finished")
-        return self._append(self._detokenizer.decode_next(new_token_ids))
+        delta = self._detokenizer.decode_next(new_token_ids)
+        return self._append(delta, check_stop_strings=check_stop_strings)
 
     def finish(self) -> str | None:
         """End the request: flush incomplete characters and stop holding text back.
@@ -425,7 +437,7 @@ class RequestDetokenizer:
         """
         if self.finished:
             return None
-        matched_stop = self._append(self._detokenizer.flush())
+        matched_stop = self._append(self._detokenizer.flush(), check_stop_strings=True)
         self._finish()
         return matched_stop
 
@@ -436,12 +448,13 @@ class RequestDetokenizer:
         self._streamed_len_chars = safe_end
         return delta
 
-    def _append(self, delta: str) -> str | None:
+    def _append(self, delta: str, *, check_stop_strings: bool) -> str | None:
         if not delta:
             return None
-        matched_stop, self._output_text = self._stop_matcher.find(
-            self._output_text + delta, len(delta)
-        )
+        matched_stop: str | None = None
+        self._output_text += delta
+        if check_stop_strings:
+            matched_stop, self._output_text = self._stop_matcher.find(self._output_text, len(delta))
         if matched_stop is not None:
             self.matched_stop_string = matched_stop
             self._finish()

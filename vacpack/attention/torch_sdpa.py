@@ -1,14 +1,18 @@
 """Portable attention on torch's scaled_dot_product_attention, for CPU and CUDA alike.
 
-Decodes (one query token each) run as one batched SDPA call over their pages, gathered into a
-[batch, kv_heads, longest_context, head_dim] view with a length mask. Grouped-query heads are
-folded into the query-length axis, so keys and values are never repeated per query head.
-Prefill segments run one SDPA call each: causal over their own tokens, or over the gathered
-pages with an offset causal mask when earlier chunks of the sequence are already cached.
+Decodes (one query token each) are grouped by context length; each group gathers its pages
+into a [seqs, kv_heads, longest_context, head_dim] view and runs one batched SDPA call with a
+length mask. Grouping keeps the padding of short contexts to the longest one bounded.
+Grouped-query heads are folded into the query-length axis, so keys and values are never
+repeated per query head. Prefill segments run one SDPA call each: causal over their own
+tokens, or over their gathered pages with an offset causal mask when earlier chunks of the
+sequence are already cached.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +20,21 @@ import torch.nn.functional as F
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout, register_backend
 from vacpack.kvcache.paged_cache import KVLayer
+
+# A decode group closes when the next context is shorter than this share of the group's
+# longest, unless the group is still smaller than DECODE_GROUP_MIN_SEQS: each group costs a
+# few kernel launches per layer, so tiny groups cost more than the padding they save.
+DECODE_GROUP_MIN_FILL = 0.7
+DECODE_GROUP_MIN_SEQS = 8
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    rows: torch.Tensor  # [seqs] the group's rows in the token stream
+    pages: torch.Tensor  # [seqs * pages_per_seq] page ids, row-major, padded with page 0
+    pages_per_seq: int
+    context_len: int  # the group's longest context
+    mask: torch.Tensor | None  # [seqs, 1, 1, context_len]; None when all contexts are equal
 
 
 @dataclass(frozen=True)
@@ -31,9 +50,7 @@ class PrefillSegment:
 @dataclass(frozen=True)
 class SdpaMetadata:
     slot_mapping: torch.Tensor | None  # [num_tokens] where each token's k and v are written
-    num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, longest_context]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, longest_context]; None if all equal
+    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSegment, ...]
 
 
@@ -42,40 +59,45 @@ def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torc
     return (pages.unsqueeze(-1) * page_size + offsets).flatten(-2)[..., :num_tokens]
 
 
+def _group_by_length(context_lens: Sequence[int]) -> list[list[int]]:
+    order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+    groups: list[list[int]] = []
+    for index in order:
+        group = groups[-1] if groups else None
+        if (
+            group is None
+            or len(group) >= DECODE_GROUP_MIN_SEQS
+            and context_lens[index] < DECODE_GROUP_MIN_FILL * context_lens[group[0]]
+        ):
+            groups.append([index])
+        else:
+            group.append(index)
+    return groups
+
+
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SdpaMetadata:
-        has_cache = bool(layout.page_tables)
+        if not layout.page_tables:
+            return self._prefill_only_metadata(layout)
         page_size = layout.page_size
-        slot_mapping = None
-        if has_cache:
-            slot_chunks = []
-            for query_len, context_len, pages in zip(
-                layout.query_lens, layout.context_lens, layout.page_tables, strict=True
-            ):
-                positions = torch.arange(context_len - query_len, context_len)
-                page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page_size]
-                slot_chunks.append(page_ids * page_size + positions % page_size)
-            slot_mapping = torch.cat(slot_chunks).to(device, non_blocking=True)
+        slot_chunks = []
+        for query_len, context_len, pages in zip(
+            layout.query_lens, layout.context_lens, layout.page_tables, strict=True
+        ):
+            positions = torch.arange(context_len - query_len, context_len)
+            page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page_size]
+            slot_chunks.append(page_ids * page_size + positions % page_size)
+        slot_mapping = torch.cat(slot_chunks).to(device, non_blocking=True)
 
-        num_decodes = layout.num_decodes if has_cache else 0
-        decode_slots = decode_mask = None
-        if num_decodes:
-            context_lens = torch.tensor(layout.context_lens[:num_decodes])
-            longest = int(context_lens.max())
-            num_pages = -(-longest // page_size)
-            page_table = torch.zeros(num_decodes, num_pages, dtype=torch.int64)
-            for row, pages in enumerate(layout.page_tables[:num_decodes]):
-                used = pages[:num_pages]
-                page_table[row, : len(used)] = torch.tensor(used, dtype=torch.int64)
-            decode_slots = _context_slots(page_table, page_size, longest).to(device)
-            if int(context_lens.min()) != longest:
-                mask = torch.arange(longest) < context_lens.unsqueeze(1)
-                decode_mask = mask[:, None, None, :].to(device)
-
+        num_decodes = layout.num_decodes
+        decode_groups = tuple(
+            self._decode_group(members, layout, device)
+            for members in _group_by_length(layout.context_lens[:num_decodes])
+        )
         prefills = []
-        token_start = sum(layout.query_lens[:num_decodes])
+        token_start = num_decodes  # decodes come first, one token each
         for i in range(num_decodes, len(layout.query_lens)):
             query_len, context_len = layout.query_lens[i], layout.context_lens[i]
             context_slots = mask = None
@@ -86,7 +108,36 @@ class TorchSdpaBackend(AttentionBackend):
                 mask = (torch.arange(context_len) <= query_positions.unsqueeze(1)).to(device)
             prefills.append(PrefillSegment(token_start, query_len, context_slots, mask))
             token_start += query_len
-        return SdpaMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, tuple(prefills))
+        return SdpaMetadata(slot_mapping, decode_groups, tuple(prefills))
+
+    @staticmethod
+    def _prefill_only_metadata(layout: BatchLayout) -> SdpaMetadata:
+        starts = [0, *itertools.accumulate(layout.query_lens)][:-1]
+        prefills = tuple(
+            PrefillSegment(start, n, None, None)
+            for start, n in zip(starts, layout.query_lens, strict=True)
+        )
+        return SdpaMetadata(None, (), prefills)
+
+    @staticmethod
+    def _decode_group(members: list[int], layout: BatchLayout, device: torch.device) -> DecodeGroup:
+        context_lens = torch.tensor([layout.context_lens[i] for i in members])
+        longest = int(context_lens[0])
+        pages_per_seq = -(-longest // layout.page_size)
+        pages = torch.zeros(len(members), pages_per_seq, dtype=torch.int64)
+        for row, i in enumerate(members):
+            used = layout.page_tables[i][:pages_per_seq]
+            pages[row, : len(used)] = torch.tensor(used, dtype=torch.int64)
+        mask = None
+        if int(context_lens[-1]) != longest:
+            mask = (torch.arange(longest) < context_lens.unsqueeze(1))[:, None, None, :].to(device)
+        return DecodeGroup(
+            rows=torch.tensor(members, dtype=torch.int64).to(device),
+            pages=pages.flatten().to(device),
+            pages_per_seq=pages_per_seq,
+            context_len=longest,
+            mask=mask,
+        )
 
     def forward(
         self,
@@ -99,9 +150,8 @@ class TorchSdpaBackend(AttentionBackend):
         if kv_layer is not None:
             kv_layer.write(metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
-        if metadata.num_decodes:
-            n = metadata.num_decodes
-            out[:n] = _decode(q[:n], kv_layer, metadata.decode_slots, metadata.decode_mask)
+        for group in metadata.decode_groups:
+            out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), kv_layer, group))
         for seg in metadata.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.query_len)
             if seg.context_slots is None:
@@ -122,21 +172,24 @@ class TorchSdpaBackend(AttentionBackend):
         return out
 
 
-def _decode(
-    q: torch.Tensor, kv_layer: KVLayer, slots: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
+def _gather_pages(cache: torch.Tensor, group: DecodeGroup, page_size: int) -> torch.Tensor:
+    """[seqs, kv_heads, context_len, head_dim], contiguous, from whole pages of the cache."""
+    num_seqs = group.rows.shape[0]
+    paged = cache.view(-1, page_size, *cache.shape[1:])
+    gathered = paged.index_select(0, group.pages).view(
+        num_seqs, group.pages_per_seq * page_size, *cache.shape[1:]
+    )
+    return gathered[:, : group.context_len].transpose(1, 2).contiguous()
+
+
+def _decode(q: torch.Tensor, kv_layer: KVLayer, group: DecodeGroup) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
-    group = num_heads // num_kv_heads
-    longest = slots.shape[1]
-    flat_slots = slots.reshape(-1)
-    keys = kv_layer.keys.index_select(0, flat_slots).view(num_seqs, longest, num_kv_heads, -1)
-    values = kv_layer.values.index_select(0, flat_slots).view(num_seqs, longest, num_kv_heads, -1)
-    # Query heads of one KV group become that group's "query positions": [seqs, kv_heads, group, dim].
-    grouped_q = q.view(num_seqs, num_kv_heads, group, head_dim)
-    attn = F.scaled_dot_product_attention(
-        grouped_q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
-    )
+    keys = _gather_pages(kv_layer.keys, group, kv_layer.page_size)
+    values = _gather_pages(kv_layer.values, group, kv_layer.page_size)
+    # Query heads of one KV group become its "query positions": [seqs, kv_heads, group, dim].
+    grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    attn = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=group.mask)
     return attn.reshape(num_seqs, num_heads, head_dim)
 
 

@@ -249,11 +249,17 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.params
-        stop_string = request.detokenizer.update([token_id])
-        if token_id in request.stop_token_ids and request.num_output_tokens > params.min_tokens - 1:
+        # The sampler suppressed stop tokens until min_tokens, so any stop token here counts.
+        stops_on_token = token_id in request.stop_token_ids
+        if stops_on_token and not params.include_stop_str_in_output:
+            stop_string = None  # as in vLLM, the stop token's own text is left out
+        else:
+            stop_string = request.detokenizer.update(
+                [token_id], check_stop_strings=request.num_output_tokens > params.min_tokens
+            )
+        if stops_on_token:
             # EOS ends the request with stop_reason None, as in vLLM; a stop_token_id names itself.
-            reason = token_id if token_id in (params.stop_token_ids or ()) else None
-            self._finish(request, "stop", reason)
+            self._finish(request, "stop", token_id if token_id in params.stop_token_ids else None)
         elif stop_string is not None:
             self._finish(request, "stop", stop_string)
         elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:

@@ -18,6 +18,7 @@ class KVLayer:
 
     keys: torch.Tensor
     values: torch.Tensor
+    page_size: int
 
     def write(self, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys.index_copy_(0, slot_mapping, keys)
@@ -50,4 +51,4 @@ class PagedKVCache:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def layer(self, index: int) -> KVLayer:
-        return KVLayer(self.keys[index], self.values[index])
+        return KVLayer(self.keys[index], self.values[index], self.page_size)
