@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,15 +172,59 @@ def heartbeat(name: str, status: Callable[[], str]) -> Iterator[None]:
         thread.join()
 
 
+def machine_busy_cpu_s() -> float:
+    """CPU seconds all processes on the machine have spent busy since boot, from /proc/stat."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle_ticks = ticks[3] + ticks[4]  # idle and iowait
+    return (sum(ticks) - idle_ticks) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class TimedSection:
+    wall_s: float = 0.0
+    # CPU time other processes used while the section ran. torch runs one thread per core, so
+    # any other busy process can slow its thread barriers many times over; this says when.
+    other_processes_cpu_s: float = 0.0
+
+    def fields(self) -> dict[str, float]:
+        core_seconds = self.wall_s * (os.cpu_count() or 1)
+        return {
+            "wall_s": self.wall_s,
+            "other_processes_cpu_s": self.other_processes_cpu_s,
+            # 0 on a quiet machine; 1 if other processes kept every core busy throughout.
+            "other_processes_core_share": self.other_processes_cpu_s / core_seconds,
+        }
+
+
+@contextmanager
+def timed_section() -> Iterator[TimedSection]:
+    section = TimedSection()
+    busy_before_s, own_before_s = machine_busy_cpu_s(), own_cpu_s()
+    start_s = time.perf_counter()
+    yield section
+    section.wall_s = time.perf_counter() - start_s
+    own_used_s = own_cpu_s() - own_before_s
+    section.other_processes_cpu_s = max(0.0, machine_busy_cpu_s() - busy_before_s - own_used_s)
+
+
 def throughput_fields(
-    wall_s: float, prompts: list[list[int]], output_token_lists: list[list[int]], max_tokens: int
+    section: TimedSection,
+    prompts: list[list[int]],
+    output_token_lists: list[list[int]],
+    max_tokens: int,
 ) -> dict[str, Any]:
     """The numbers every system reports; only real tokens count (never padding)."""
+    wall_s = section.wall_s
     num_prompt_tokens = sum(len(p) for p in prompts)
     num_output_tokens = sum(len(o) for o in output_token_lists)
     num_short_outputs = sum(len(o) != max_tokens for o in output_token_lists)
     return {
-        "wall_s": wall_s,
+        **section.fields(),
         "num_prompt_tokens": num_prompt_tokens,
         "num_output_tokens": num_output_tokens,
         "output_tokens_per_s": num_output_tokens / wall_s,
@@ -202,16 +247,18 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     stats = llm.engine.stats
     log(f"vacpack: generating for {len(prompts)} prompts")
-    with heartbeat("vacpack", lambda: f"{stats.num_generated_tokens} tokens generated"):
-        start_s = time.perf_counter()
+
+    def status() -> str:
+        return f"{stats.num_generated_tokens} tokens generated"
+
+    with heartbeat("vacpack", status), timed_section() as section:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        wall_s = time.perf_counter() - start_s
 
     # A step with more tokens than decodes carries prompt tokens; its whole time counts as
     # prefill time, decodes riding along included, which makes the MFU below a slight undercount.
     prefill_steps = [s for s in stats.steps if s.num_tokens > s.num_decode_tokens]
     result = throughput_fields(
-        wall_s, prompts, [list(o.outputs[0].token_ids) for o in outputs], args.max_tokens
+        section, prompts, [list(o.outputs[0].token_ids) for o in outputs], args.max_tokens
     )
     result.update(
         {
@@ -250,8 +297,8 @@ def run_hf_generate(args: argparse.Namespace, prompts: list[list[int]]) -> dict[
         prompts[i : i + args.hf_batch_size] for i in range(0, len(prompts), args.hf_batch_size)
     ]
     output_token_lists: list[list[int]] = []
-    start_s = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), timed_section() as section:
+        start_s = time.perf_counter()  # for the progress lines only
         for batch_index, batch_prompts in enumerate(batches):
             input_ids, attention_mask = left_padded_batch(batch_prompts)
             sequences = model.generate(
@@ -266,8 +313,7 @@ def run_hf_generate(args: argparse.Namespace, prompts: list[list[int]]) -> dict[
                 f"hf_generate: batch {batch_index + 1}/{len(batches)} done "
                 f"({time.perf_counter() - start_s:.0f} s)"
             )
-    wall_s = time.perf_counter() - start_s
-    result = throughput_fields(wall_s, prompts, output_token_lists, args.max_tokens)
+    result = throughput_fields(section, prompts, output_token_lists, args.max_tokens)
     result["batch_size"] = args.hf_batch_size
     result["attn_implementation"] = model.config._attn_implementation
     return result
@@ -306,14 +352,12 @@ def run_hf_generate_batch(args: argparse.Namespace, prompts: list[list[int]]) ->
         "max_batch_tokens": cb_config.max_batch_tokens,
     }
     log(f"hf_generate_batch: generating for {len(prompts)} prompts")
-    with heartbeat("hf_generate_batch", lambda: "running"):
-        start_s = time.perf_counter()
+    with heartbeat("hf_generate_batch", lambda: "running"), timed_section() as section:
         outputs = model.generate_batch(
             inputs=prompts,
             generation_config=generation_config,
             continuous_batching_config=cb_config,
         )
-        wall_s = time.perf_counter() - start_s
 
     # generate_batch logs failures instead of raising, and returns what finished, in input order.
     ordered = list(outputs.values())
@@ -324,7 +368,7 @@ def run_hf_generate_batch(args: argparse.Namespace, prompts: list[list[int]]) ->
             f"first error: {errors[0] if errors else 'requests missing from the results'}"
         )
     result = throughput_fields(
-        wall_s, prompts, [list(o.generated_tokens) for o in ordered], args.max_tokens
+        section, prompts, [list(o.generated_tokens) for o in ordered], args.max_tokens
     )
     result["continuous_batching_config"] = cb_config_fields
     result["attn_implementation"] = "sdpa"
@@ -336,27 +380,35 @@ def run_matmul_peak(args: argparse.Namespace, prompts: list[list[int]]) -> dict[
     del args, prompts  # the same worker signature as the systems
     generator = torch.Generator().manual_seed(0)
     per_shape = []
-    for in_features, out_features in MATMUL_PEAK_SHAPES:
-        x = torch.randn(MATMUL_PEAK_ROWS, in_features, generator=generator).to(torch.bfloat16)
-        weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
-        for _ in range(MATMUL_WARMUP_REPS):
-            torch.nn.functional.linear(x, weight)
-        times_s = []
-        for _ in range(MATMUL_TIMED_REPS):
-            start_s = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            times_s.append(time.perf_counter() - start_s)
-        flops = 2 * MATMUL_PEAK_ROWS * in_features * out_features
-        best_tflops = flops / min(times_s) / 1e12
-        per_shape.append(
-            {
-                "shape": f"[{MATMUL_PEAK_ROWS}, {in_features}] x [{in_features}, {out_features}]",
-                "best_s": min(times_s),
-                "best_tflops": best_tflops,
-            }
-        )
-        log(f"matmul peak: {per_shape[-1]['shape']}: {best_tflops:.3f} TFLOPS")
-    return {"per_shape": per_shape, "best_tflops": max(s["best_tflops"] for s in per_shape)}
+    with timed_section() as section:
+        for in_features, out_features in MATMUL_PEAK_SHAPES:
+            per_shape.append(best_linear_tflops(in_features, out_features, generator))
+            log(f"matmul peak: {per_shape[-1]['shape']}: {per_shape[-1]['best_tflops']:.3f} TFLOPS")
+    return {
+        "per_shape": per_shape,
+        "best_tflops": max(s["best_tflops"] for s in per_shape),
+        "other_processes_core_share": section.fields()["other_processes_core_share"],
+    }
+
+
+def best_linear_tflops(
+    in_features: int, out_features: int, generator: torch.Generator
+) -> dict[str, Any]:
+    x = torch.randn(MATMUL_PEAK_ROWS, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    for _ in range(MATMUL_WARMUP_REPS):
+        torch.nn.functional.linear(x, weight)
+    times_s = []
+    for _ in range(MATMUL_TIMED_REPS):
+        start_s = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        times_s.append(time.perf_counter() - start_s)
+    flops = 2 * MATMUL_PEAK_ROWS * in_features * out_features
+    return {
+        "shape": f"[{MATMUL_PEAK_ROWS}, {in_features}] x [{in_features}, {out_features}]",
+        "best_s": min(times_s),
+        "best_tflops": flops / min(times_s) / 1e12,
+    }
 
 
 WORKERS: dict[str, Callable[[argparse.Namespace, list[list[int]]], dict[str, Any]]] = {
@@ -408,9 +460,6 @@ def worker_command(args: argparse.Namespace, worker: str, worker_output: Path) -
 def run_worker(args: argparse.Namespace, worker: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="g1-worker-") as tmp_dir:
         worker_output = Path(tmp_dir) / "result.json"
-        # torch runs one thread per core, so any other busy process can slow its thread
-        # barriers many times over; the load average tells a reader when that happened.
-        load_before = os.getloadavg()[0]
         start_s = time.perf_counter()
         # stderr is inherited, so the worker's progress lines show up live.
         completed = subprocess.run(worker_command(args, worker, worker_output), check=False)
@@ -418,8 +467,6 @@ def run_worker(args: argparse.Namespace, worker: str) -> dict[str, Any]:
         if not worker_output.exists():
             return {"error": f"worker exited with code {completed.returncode} and wrote no result"}
         result: dict[str, Any] = json.loads(worker_output.read_text())
-        result["load_average_1min_before"] = load_before
-        result["load_average_1min_after"] = os.getloadavg()[0]
     log(
         f"{worker}: worker done in {elapsed_s:.0f} s"
         + (f"; {result['error']}" if "error" in result else "")
@@ -505,25 +552,30 @@ def vacpack_prefill_mfu(
 def markdown_table(results: dict[str, Any]) -> str:
     ratios = results["ratios"]
     lines = [
-        "| system | wall s | output tok/s | total tok/s | vacpack speed-up | peak RSS GiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| system | wall s | output tok/s | total tok/s | vacpack speed-up | peak RSS GiB "
+        "| others' CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, system in results["systems"].items():
         rss_gib = system.get("peak_rss_bytes", 0) / 2**30
         if "error" in system:
             # One line, no pipes, so an error message cannot break the table.
             error_text = " ".join(system["error"].split()).replace("|", "/")
-            lines.append(f"| {name} | failed: {error_text} | | | | {rss_gib:.2f} |")
+            lines.append(f"| {name} | failed: {error_text} | | | | {rss_gib:.2f} | |")
             continue
         ratio = ratios.get(f"vacpack/{name}")
         ratio_text = "—" if name == "vacpack" else (f"{ratio:.2f}x" if ratio else "n/a")
         lines.append(
             f"| {name} | {system['wall_s']:.1f} | {system['output_tokens_per_s']:.1f} | "
-            f"{system['total_tokens_per_s']:.1f} | {ratio_text} | {rss_gib:.2f} |"
+            f"{system['total_tokens_per_s']:.1f} | {ratio_text} | {rss_gib:.2f} | "
+            f"{system['other_processes_core_share']:.0%} |"
         )
     peak = results.get("bf16_matmul_peak", {})
     if "best_tflops" in peak:
-        lines.append(f"\nbf16 matmul peak: {peak['best_tflops']:.3f} TFLOPS")
+        lines.append(
+            f"\nbf16 matmul peak: {peak['best_tflops']:.3f} TFLOPS "
+            f"(others' CPU meanwhile: {peak['other_processes_core_share']:.0%})"
+        )
     prefill = results.get("vacpack_prefill")
     if prefill:
         mfu_text = f"{prefill['mfu']:.1%}" if prefill["mfu"] is not None else "n/a"
