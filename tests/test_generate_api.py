@@ -12,7 +12,9 @@ from vacpack import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(str(tiny_checkpoint("qwen2")), dtype="float32", block_size=8, max_num_batched_tokens=128)
+    return LLM(
+        str(tiny_checkpoint("qwen2")), dtype="float32", block_size=8, max_num_batched_tokens=128
+    )
 
 
 def _random_prompts(llm: LLM, num_prompts: int, seed: int) -> list[list[int]]:
@@ -24,7 +26,7 @@ def _random_prompts(llm: LLM, num_prompts: int, seed: int) -> list[list[int]]:
     ]
 
 
-def _tokens(outputs) -> list[list[int]]:  # noqa: ANN001
+def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -69,10 +71,14 @@ def test_n_returns_n_distinct_seeded_samples(llm: LLM) -> None:
 def test_max_tokens_and_context_limit_finish_with_length(tiny_checkpoint) -> None:
     small = LLM(str(tiny_checkpoint("qwen2")), dtype="float32", max_model_len=40)
     prompt = list(range(10, 40))  # 30 tokens: 10 left in the context
-    (capped,) = small.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    (capped,) = small.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )
     assert len(capped.outputs[0].token_ids) == 5
     assert capped.outputs[0].finish_reason == "length"
-    (at_limit,) = small.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    (at_limit,) = small.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    )
     assert len(at_limit.outputs[0].token_ids) == 10
     assert at_limit.outputs[0].finish_reason == "length"
 
@@ -101,7 +107,9 @@ def test_eos_from_generation_config_stops(tiny_checkpoint, tmp_path) -> None:
     shutil.copytree(tiny_checkpoint("llama"), model_dir)
     llm = LLM(str(model_dir), dtype="float32")
     prompt = list(range(5, 25))
-    reference = _tokens(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))[0]
+    reference = _tokens(
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    )[0]
     eos_id = reference[3]
     config_path = model_dir / "generation_config.json"
     config = json.loads(config_path.read_text())
@@ -130,7 +138,10 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
         (output,) = llm.generate(
             [prompt],
             SamplingParams(
-                temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                temperature=0,
+                max_tokens=24,
+                ignore_eos=True,
+                stop=[stop],
                 include_stop_str_in_output=include,
             ),
             use_tqdm=False,
@@ -143,7 +154,9 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
 def test_sampled_logprobs_match_prompt_logprobs_of_the_same_text(llm: LLM) -> None:
     prompt = _random_prompts(llm, 1, seed=7)[0]
     (output,) = llm.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+        use_tqdm=False,
     )
     completion = output.outputs[0]
     assert len(completion.logprobs) == 6
@@ -169,7 +182,9 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant" in rendered
-    (plain,) = llm.generate([{"prompt_token_ids": chat_output.prompt_token_ids}], params, use_tqdm=False)
+    (plain,) = llm.generate(
+        [{"prompt_token_ids": chat_output.prompt_token_ids}], params, use_tqdm=False
+    )
     assert chat_output.prompt_token_ids == tokenizer.encode(rendered)
     assert plain.outputs[0].token_ids == chat_output.outputs[0].token_ids
 
@@ -183,11 +198,15 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
         ([[1, 2, 10**9]], "token ids must be integers"),
     ],
 )
-def test_bad_prompts_raise_clearly_and_the_engine_keeps_working(llm: LLM, prompts, message: str) -> None:
+def test_bad_prompts_raise_clearly_and_the_engine_keeps_working(
+    llm: LLM, prompts, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine prompt", *prompts], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    (output,) = llm.generate(["still works"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    (output,) = llm.generate(
+        ["still works"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+    )
     assert len(output.outputs[0].token_ids) == 3
 
 

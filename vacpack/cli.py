@@ -55,7 +55,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--logprobs", type=int, default=None)
 
 
-def _sampling_params(args: argparse.Namespace):  # noqa: ANN202
+def _sampling_params(args: argparse.Namespace):
     from vacpack.sampling import SamplingParams
 
     return SamplingParams(
@@ -117,7 +117,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             record = {
                 "prompt": output.prompt,
                 "outputs": [
-                    {"text": c.text, "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)}
+                    {
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "num_tokens": len(c.token_ids),
+                    }
                     for c in output.outputs
                 ],
             }

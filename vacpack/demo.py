@@ -59,8 +59,10 @@ def run_demo(num_prompts: int = 32, max_tokens: int = 48) -> int:
     for output in outputs[:3]:
         completion = output.outputs[0]
         print(f"\nprompt: {output.prompt[:80]!r}")
-        print(f"output ({len(completion.token_ids)} tokens, {completion.finish_reason}): "
-              f"{completion.text[:160]!r}")
+        print(
+            f"output ({len(completion.token_ids)} tokens, {completion.finish_reason}): "
+            f"{completion.text[:160]!r}"
+        )
     print_report(llm, outputs, elapsed)
     sys.stdout.flush()
     return 0

@@ -24,7 +24,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    name: str, checkpoint_dtype: torch.dtype | None, device: torch.device
+) -> torch.dtype:
     """bfloat16 by default: on CPUs with AVX-512 BF16 or AMX it is many times faster than float32,
     and on GPUs it is the native training dtype of the model families we serve."""
     if name != "auto":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -16,7 +16,7 @@ from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
-PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+PromptType = str | Sequence[int] | Mapping[str, Any]
 Conversation = list[dict[str, Any]]
 
 _ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
@@ -37,7 +37,9 @@ class LLM:
             raise TypeError(
                 f"unknown engine arguments {sorted(unknown)}; known: {sorted(_ENGINE_ARGS)}"
             )
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **engine_args))
+        self.engine = LLMEngine(
+            EngineConfig(model=model, dtype=dtype, device=device, **engine_args)
+        )
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -105,10 +107,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.engine
-        order: dict[str, int] = {}
-        for index, ((text, token_ids), params) in enumerate(zip(encoded, params_list, strict=True)):
-            request_id = str(next(self._request_counter))
-            order[request_id] = index
+        order = {str(next(self._request_counter)): index for index in range(len(encoded))}
         results: list[RequestOutput | None] = [None] * len(encoded)
         progress = tqdm(total=len(encoded), desc="generate", unit="req", disable=not use_tqdm)
         num_output_tokens = 0

@@ -64,9 +64,8 @@ def _group_by_length(context_lens: Sequence[int]) -> list[list[int]]:
     groups: list[list[int]] = []
     for index in order:
         group = groups[-1] if groups else None
-        if (
-            group is None
-            or len(group) >= DECODE_GROUP_MIN_SEQS
+        if group is None or (
+            len(group) >= DECODE_GROUP_MIN_SEQS
             and context_lens[index] < DECODE_GROUP_MIN_FILL * context_lens[group[0]]
         ):
             groups.append([index])

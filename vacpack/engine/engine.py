@@ -21,7 +21,7 @@ from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.engine.model_runner import ModelRunner, StepResult
 from vacpack.engine.request import Request
 from vacpack.engine.sampler import Sampler, make_request_generator
-from vacpack.engine.scheduler import Scheduler, SchedulerConfig
+from vacpack.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from vacpack.engine.stats import EngineStats
 from vacpack.kvcache import PageAllocator, PagedKVCache, kv_bytes_per_token
 from vacpack.kvcache.sizing import size_kv_cache
@@ -78,7 +78,9 @@ class LLMEngine:
         mc = self.model_config
         sizing = size_kv_cache(
             device=self.device,
-            bytes_per_token=kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype),
+            bytes_per_token=kv_bytes_per_token(
+                mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype
+            ),
             page_size=config.block_size,
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -88,8 +90,13 @@ class LLMEngine:
             profile_forward=self._profile_forward,
         )
         self.kv_cache = PagedKVCache(
-            mc.num_layers, sizing.num_pages, config.block_size, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
+            mc.num_layers,
+            sizing.num_pages,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
         )
         self.kv_sizing = sizing
         self.allocator = PageAllocator(sizing.num_pages)
@@ -98,12 +105,18 @@ class LLMEngine:
             self.allocator,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.sampler, self.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.attention, self.sampler, self.device
+        )
         self.stats = EngineStats()
         self._user_requests: dict[str, _UserRequest] = {}
         logger.info(
             "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s)",
-            mc.architecture, self.device, self.dtype, sizing.num_pages, config.block_size,
+            mc.architecture,
+            self.device,
+            self.dtype,
+            sizing.num_pages,
+            config.block_size,
             sizing.source,
         )
 
@@ -115,7 +128,9 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+            raise ValueError(
+                f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}"
+            )
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but the context is "
@@ -213,7 +228,9 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
-    def _apply_step(self, scheduled, result: StepResult) -> list[_UserRequest]:  # noqa: ANN001
+    def _apply_step(
+        self, scheduled: list[ScheduledRequest], result: StepResult
+    ) -> list[_UserRequest]:
         now = time.perf_counter()
         touched: dict[str, _UserRequest] = {}
         for prompt_result in result.prompt_logprobs:
@@ -222,10 +239,15 @@ class LLMEngine:
             num_topk = request.params.prompt_logprobs
             for i in range(lp.token_logprobs.shape[0]):
                 token_id = request.prompt_token_ids[prompt_result.first_position + 1 + i]
-                request.prompt_logprobs.append(self._position_logprobs(
-                    token_id, float(lp.token_logprobs[i]), int(lp.token_ranks[i]),
-                    lp.topk_token_ids[i, :num_topk].tolist(), lp.topk_logprobs[i, :num_topk].tolist(),
-                ))
+                request.prompt_logprobs.append(
+                    self._position_logprobs(
+                        token_id,
+                        float(lp.token_logprobs[i]),
+                        int(lp.token_ranks[i]),
+                        lp.topk_token_ids[i, :num_topk].tolist(),
+                        lp.topk_logprobs[i, :num_topk].tolist(),
+                    )
+                )
         for row, (request, token_id) in enumerate(
             zip(result.sampled_requests, result.sampled_token_ids, strict=True)
         ):
@@ -262,9 +284,9 @@ class LLMEngine:
             self._finish(request, "stop", token_id if token_id in params.stop_token_ids else None)
         elif stop_string is not None:
             self._finish(request, "stop", stop_string)
-        elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            self._finish(request, "length", None)
-        elif request.num_tokens >= request.max_total_tokens:
+        elif request.num_output_tokens >= (params.max_tokens or request.max_total_tokens) or (
+            request.num_tokens >= request.max_total_tokens
+        ):
             self._finish(request, "length", None)
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None) -> None:
@@ -273,18 +295,30 @@ class LLMEngine:
         request.detokenizer.finish()
         self.scheduler.finish(request)
 
-    def _record_logprobs(self, request: Request, token_id: int, row: int, result: StepResult) -> None:
+    def _record_logprobs(
+        self, request: Request, token_id: int, row: int, result: StepResult
+    ) -> None:
         out = result.sampler_output
         num_topk = request.params.logprobs
         logprob = float(out.sampled_logprobs[row])
         request.cumulative_logprob += logprob
-        request.logprobs.append(self._position_logprobs(
-            token_id, logprob, int(out.sampled_ranks[row]),
-            out.topk_token_ids[row, :num_topk].tolist(), out.topk_logprobs[row, :num_topk].tolist(),
-        ))
+        request.logprobs.append(
+            self._position_logprobs(
+                token_id,
+                logprob,
+                int(out.sampled_ranks[row]),
+                out.topk_token_ids[row, :num_topk].tolist(),
+                out.topk_logprobs[row, :num_topk].tolist(),
+            )
+        )
 
     def _position_logprobs(
-        self, token_id: int, logprob: float, rank: int, topk_ids: list[int], topk_logprobs: list[float]
+        self,
+        token_id: int,
+        logprob: float,
+        rank: int,
+        topk_ids: list[int],
+        topk_logprobs: list[float],
     ) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
         candidates = {token_id: Logprob(logprob, rank, decode([token_id]))}
@@ -299,7 +333,9 @@ class LLMEngine:
                 index=index,
                 text=sequence.detokenizer.output_text,
                 token_ids=sequence.output_token_ids,
-                cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
+                cumulative_logprob=sequence.cumulative_logprob
+                if sequence.logprobs is not None
+                else None,
                 logprobs=sequence.logprobs,
                 finish_reason=sequence.finish_reason,
                 stop_reason=sequence.stop_reason,
@@ -308,7 +344,11 @@ class LLMEngine:
         ]
         metrics = user_request.metrics
         metrics.first_token_time = min(
-            (s.metrics.first_token_time for s in user_request.sequences if s.metrics.first_token_time),
+            (
+                s.metrics.first_token_time
+                for s in user_request.sequences
+                if s.metrics.first_token_time
+            ),
             default=None,
         )
         metrics.num_preemptions = sum(s.metrics.num_preemptions for s in user_request.sequences)
@@ -331,7 +371,8 @@ class LLMEngine:
         requested = self.config.max_model_len
         if requested is not None and requested > model_limit:
             raise ValueError(
-                f"max_model_len={requested} exceeds the model's max_position_embeddings={model_limit}"
+                f"max_model_len={requested} exceeds the model's "
+                f"max_position_embeddings={model_limit}"
             )
         return requested or model_limit
 
@@ -339,8 +380,10 @@ class LLMEngine:
         """One forward at the largest step shape, with no KV cache, to measure peak memory."""
         num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
         layout = BatchLayout([num_tokens], [num_tokens])
-        ctx = ForwardContext(self.attention, self.attention.build_metadata(layout, self.device), None)
+        ctx = ForwardContext(
+            self.attention, self.attention.build_metadata(layout, self.device), None
+        )
         with torch.inference_mode():
             token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             hidden = self.model(token_ids, torch.arange(num_tokens, device=self.device), ctx)
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])

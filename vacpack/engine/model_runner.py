@@ -15,7 +15,13 @@ from torch import nn
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.engine.request import Request
-from vacpack.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, gather_logprobs
+from vacpack.engine.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    TokenLogprobs,
+    gather_logprobs,
+)
 from vacpack.engine.scheduler import ScheduledRequest
 from vacpack.kvcache.paged_cache import PagedKVCache
 from vacpack.models.forward_context import ForwardContext
@@ -113,7 +119,9 @@ class ModelRunner:
         if sampled_requests:
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            sampler_output = _to_host(self.sampler(logits, [_sampling_row(r) for r in sampled_requests]))
+            sampler_output = _to_host(
+                self.sampler(logits, [_sampling_row(r) for r in sampled_requests])
+            )
             sampled_ids = sampler_output.sampled_token_ids.tolist()
         prompt_results = [self._prompt_logprobs(hidden, span) for span in prompt_spans]
         return StepResult(
@@ -125,7 +133,9 @@ class ModelRunner:
             num_decode_tokens=layout.num_decodes,
         )
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> PromptLogprobResult:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, span: PromptLogprobSpan
+    ) -> PromptLogprobResult:
         request = span.request
         num_topk = request.params.prompt_logprobs
         next_tokens = request.prompt_token_ids[
@@ -139,7 +149,10 @@ class ModelRunner:
             targets = torch.tensor(next_tokens[offset : offset + count], device=self.device)
             parts.append(gather_logprobs(logprobs, targets, num_topk))
         merged = TokenLogprobs(
-            *(torch.cat([getattr(p, f) for p in parts]).cpu() for f in TokenLogprobs.__dataclass_fields__)
+            *(
+                torch.cat([getattr(p, f) for p in parts]).cpu()
+                for f in TokenLogprobs.__dataclass_fields__
+            )
         )
         return PromptLogprobResult(request, span.first_position, merged)
 
@@ -160,5 +173,8 @@ def _sampling_row(request: Request) -> SamplingRow:
 
 def _to_host(output: SamplerOutput) -> SamplerOutput:
     return SamplerOutput(
-        *(None if t is None else t.cpu() for t in (getattr(output, f) for f in SamplerOutput.__dataclass_fields__))
+        *(
+            None if t is None else t.cpu()
+            for t in (getattr(output, f) for f in SamplerOutput.__dataclass_fields__)
+        )
     )

@@ -71,6 +71,5 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """True while some prompt positions still lack their logprobs."""
         return (
-            self.prompt_logprobs is not None
-            and len(self.prompt_logprobs) < self.num_prompt_tokens
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
         )

@@ -25,7 +25,9 @@ class KVLayer:
         self.values.index_copy_(0, slot_mapping, values)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 

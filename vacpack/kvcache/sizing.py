@@ -43,8 +43,9 @@ def size_kv_cache(
     if explicit_budget_bytes is not None:
         budget, source = explicit_budget_bytes, "kv_cache_memory_bytes"
     elif device.type == "cuda":
-        budget, source = _cuda_budget(device, gpu_memory_utilization, profile_forward), (
-            f"measured: {gpu_memory_utilization:.0%} of device memory after a profile forward"
+        budget, source = (
+            _cuda_budget(device, gpu_memory_utilization, profile_forward),
+            (f"measured: {gpu_memory_utilization:.0%} of device memory after a profile forward"),
         )
     else:
         budget = int(available_host_memory_bytes() * cpu_kv_cache_fraction)

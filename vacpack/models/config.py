@@ -49,7 +49,8 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            attention_bias=model_type == "qwen2"
+            or bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=model_type == "qwen3",
             hidden_act=getattr(hf_config, "hidden_act", "silu"),
         )

@@ -7,6 +7,8 @@ whose logits are needed.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint names that feed one of our merged layers: (our name, shard index).
-    MERGED_WEIGHTS = {
+    MERGED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),

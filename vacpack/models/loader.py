@@ -46,11 +46,11 @@ def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
         ) from error
 
 
-def load_hf_config(model_dir: Path, trust_remote_code: bool = False):  # noqa: ANN201
+def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def checkpoint_dtype(hf_config) -> torch.dtype | None:  # noqa: ANN001
+def checkpoint_dtype(hf_config) -> torch.dtype | None:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)

@@ -73,8 +73,6 @@ class ColumnParallelLinear(nn.Module):
 class QKVParallelLinear(ColumnParallelLinear):
     """Query, key and value projections merged into one column-parallel matmul."""
 
-    SHARDS = {"q": 0, "k": 1, "v": 2}
-
     def __init__(
         self,
         hidden_size: int,

@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 
     def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Precomputes cos and sin for every position (also after the model left the meta device)."""
+        """Precomputes cos and sin of every position (again after leaving the meta device)."""
         inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
         positions = torch.arange(self.max_position, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
@@ -76,9 +76,7 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(
-    x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_dim]."""
     cos, sin = cos_sin
     x1, x2 = x.chunk(2, dim=-1)
