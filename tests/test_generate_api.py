@@ -219,3 +219,31 @@ def test_bad_sampling_values_and_unknown_models(tmp_path) -> None:
         LLM(str(tmp_path / "no-such-model-dir"))
     with pytest.raises(ValueError, match="not-a-real-org/not-a-real-model"):
         LLM("not-a-real-org/not-a-real-model")
+
+
+def test_delta_outputs_add_up_to_the_final_output(llm: LLM) -> None:
+    from vacpack.outputs import RequestOutputKind
+
+    engine = llm.engine
+    prompt = engine.tokenizer.encode("The weather today is")
+    reference_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (reference,) = llm.generate([prompt], reference_params, use_tqdm=False)
+    text = reference.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(
+        n=2, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], logprobs=1,
+        output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+    engine.add_request("delta", prompt, params)
+    texts, token_ids, logprobs, finish = ["", ""], [[], []], [[], []], [None, None]
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for completion in output.outputs:
+                assert stop not in completion.text  # never streamed, then taken back
+                texts[completion.index] += completion.text
+                token_ids[completion.index] += completion.token_ids
+                logprobs[completion.index] += completion.logprobs
+                finish[completion.index] = completion.finish_reason
+    assert texts == [text[: text.index(stop)]] * 2
+    assert finish == ["stop", "stop"]
+    assert token_ids[0] == token_ids[1] and len(logprobs[0]) == len(token_ids[0])

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from vacpack.config import EngineConfig
 from vacpack.engine.engine import LLMEngine
-from vacpack.outputs import RequestOutput
+from vacpack.outputs import RequestOutput, RequestOutputKind
 from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template
 
@@ -114,7 +114,11 @@ class LLM:
         try:
             for request_id, index in order.items():
                 text, token_ids = encoded[index]
-                engine.add_request(request_id, token_ids, params_list[index], prompt=text)
+                # One output per request, when it finishes: nothing is built per step.
+                params = dataclasses.replace(
+                    params_list[index], output_kind=RequestOutputKind.FINAL_ONLY
+                )
+                engine.add_request(request_id, token_ids, params, prompt=text)
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:

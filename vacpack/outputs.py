@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each engine output carries, as in vLLM."""
+
+    CUMULATIVE = 0  # everything so far, at every step
+    DELTA = 1  # only what is new since the last output: for streaming
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vacpack.outputs import RequestOutputKind
+
 logger = logging.getLogger(__name__)
 
 # vLLM's default ``max_logprobs``: asking for more top candidates than this is refused.
@@ -80,6 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalise_types()

@@ -29,7 +29,13 @@ from vacpack.kvcache.sizing import size_kv_cache
 from vacpack.models.config import ModelConfig
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
-from vacpack.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vacpack.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+)
 from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 
@@ -223,10 +229,11 @@ class LLMEngine:
         )
         outputs = []
         for user_request in touched:
-            output = self._make_output(user_request)
-            if output.finished:
+            if user_request.num_unfinished == 0:
                 del self._user_requests[user_request.request_id]
-            outputs.append(output)
+            output = self._make_output(user_request)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _apply_step(
@@ -327,22 +334,29 @@ class LLMEngine:
             candidates.setdefault(tid, Logprob(lp, rank_index + 1, decode([tid])))
         return candidates
 
-    def _make_output(self, user_request: _UserRequest) -> RequestOutput:
+    def _make_output(self, user_request: _UserRequest) -> RequestOutput | None:
+        """The output for a request that progressed this step, per its output kind."""
         first = user_request.sequences[0]
-        completions = [
-            CompletionOutput(
-                index=index,
-                text=sequence.detokenizer.output_text,
-                token_ids=sequence.output_token_ids,
-                cumulative_logprob=sequence.cumulative_logprob
-                if sequence.logprobs is not None
-                else None,
-                logprobs=sequence.logprobs,
-                finish_reason=sequence.finish_reason,
-                stop_reason=sequence.stop_reason,
-            )
-            for index, sequence in enumerate(user_request.sequences)
-        ]
+        finished = user_request.num_unfinished == 0
+        kind = first.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            completions = [
+                c
+                for index, sequence in enumerate(user_request.sequences)
+                if (c := _delta_completion(index, sequence)) is not None
+            ]
+            first_output = not any(s.num_reported_tokens for s in user_request.sequences)
+            prompt_logprobs = first.prompt_logprobs if first_output else None
+            for sequence in user_request.sequences:
+                sequence.num_reported_tokens = sequence.num_output_tokens
+        else:
+            completions = [
+                _cumulative_completion(index, sequence)
+                for index, sequence in enumerate(user_request.sequences)
+            ]
+            prompt_logprobs = first.prompt_logprobs
         metrics = user_request.metrics
         metrics.first_token_time = min(
             (
@@ -353,14 +367,13 @@ class LLMEngine:
             default=None,
         )
         metrics.num_preemptions = sum(s.metrics.num_preemptions for s in user_request.sequences)
-        finished = user_request.num_unfinished == 0
         if finished:
             metrics.finished_time = time.perf_counter()
         return RequestOutput(
             request_id=user_request.request_id,
             prompt=user_request.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
             metrics=metrics,
@@ -388,3 +401,34 @@ class LLMEngine:
             token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             hidden = self.model(token_ids, torch.arange(num_tokens, device=self.device), ctx)
             self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])
+
+
+def _cumulative_completion(index: int, sequence: Request) -> CompletionOutput:
+    return CompletionOutput(
+        index=index,
+        text=sequence.detokenizer.output_text,
+        token_ids=sequence.output_token_ids,
+        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
+        logprobs=sequence.logprobs,
+        finish_reason=sequence.finish_reason,
+        stop_reason=sequence.stop_reason,
+    )
+
+
+def _delta_completion(index: int, sequence: Request) -> CompletionOutput | None:
+    """What is new since the last output; text only where no stop string can still cut it."""
+    start = sequence.num_reported_tokens
+    newly_finished = sequence.is_finished and not sequence.finish_reported
+    text = sequence.detokenizer.stream_delta()
+    if not text and start == sequence.num_output_tokens and not newly_finished:
+        return None
+    sequence.finish_reported = sequence.is_finished
+    return CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=sequence.output_token_ids[start:],
+        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
+        logprobs=None if sequence.logprobs is None else sequence.logprobs[start:],
+        finish_reason=sequence.finish_reason,
+        stop_reason=sequence.stop_reason,
+    )

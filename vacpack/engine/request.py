@@ -39,6 +39,9 @@ class Request:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # For DELTA outputs: how much of the output has been reported already.
+    num_reported_tokens: int = 0
+    finish_reported: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
