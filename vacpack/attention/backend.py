@@ -25,12 +25,15 @@ class BatchLayout:
     KV cache holds `context_lens[i]` tokens (those computed before plus these queries), stored in
     the pages `page_tables[i]`. Sequences with one query token (decodes) come first.
     `page_tables` is empty when the step runs without a KV cache (a packed prefill-only forward).
+    `causal` False makes every token see its whole sequence (encoders such as BERT); it is only
+    meaningful without a KV cache.
     """
 
     query_lens: Sequence[int]
     context_lens: Sequence[int]
     page_tables: Sequence[Sequence[int]] = ()
     page_size: int = 0
+    causal: bool = True
 
     @property
     def num_tokens(self) -> int:

@@ -52,6 +52,7 @@ class SdpaMetadata:
     slot_mapping: torch.Tensor | None  # [num_tokens] where each token's k and v are written
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSegment, ...]
+    causal: bool = True
 
 
 def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
@@ -116,7 +117,7 @@ class TorchSdpaBackend(AttentionBackend):
             PrefillSegment(start, n, None, None)
             for start, n in zip(starts, layout.query_lens, strict=True)
         )
-        return SdpaMetadata(None, (), prefills)
+        return SdpaMetadata(None, (), prefills, causal=layout.causal)
 
     @staticmethod
     def _decode_group(members: list[int], layout: BatchLayout, device: torch.device) -> DecodeGroup:
@@ -164,7 +165,7 @@ class TorchSdpaBackend(AttentionBackend):
                 keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0),
                 attn_mask=seg.mask,
-                is_causal=seg.mask is None,
+                is_causal=seg.mask is None and metadata.causal,
                 enable_gqa=True,
             )
             out[rows] = attn.squeeze(0).transpose(0, 1)

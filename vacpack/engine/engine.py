@@ -18,7 +18,6 @@ from vacpack.attention import create_backend
 from vacpack.attention.backend import BatchLayout
 from vacpack.config import EngineConfig
 from vacpack.detokenizer import RequestDetokenizer
-from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.engine.model_runner import ModelRunner, StepResult
 from vacpack.engine.request import Request
 from vacpack.engine.sampler import Sampler, make_request_generator
@@ -26,9 +25,7 @@ from vacpack.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfi
 from vacpack.engine.stats import EngineStats
 from vacpack.kvcache import PageAllocator, PagedKVCache, kv_bytes_per_token
 from vacpack.kvcache.sizing import size_kv_cache
-from vacpack.models.config import ModelConfig
 from vacpack.models.forward_context import ForwardContext
-from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
 from vacpack.outputs import (
     CompletionOutput,
     Logprob,
@@ -36,8 +33,8 @@ from vacpack.outputs import (
     RequestOutput,
     RequestOutputKind,
 )
+from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
-from vacpack.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,25 +58,26 @@ class _UserRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        loaded = loaded or load(config)
+        if not loaded.is_decoder:
+            raise ValueError(
+                f"model {config.model!r} ({loaded.config.architecture}) is not a decoder: "
+                "it cannot generate; use embed or classify"
+            )
         self.config = config
-        self.device = resolve_device(config.device)
-        configure_threads(self.device, config.num_threads)
-        self.model_dir = resolve_model_path(config.model, config.revision)
-        hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
-        self.model_config = ModelConfig.from_hf(hf_config)
-        self.dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), self.device)
-        self.tokenizer = load_tokenizer(
-            config.tokenizer or str(self.model_dir),
-            trust_remote_code=config.trust_remote_code,
-            revision=config.revision,
-        )
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_dir)
-        self.max_model_len = self._resolve_max_model_len()
+        self.loaded = loaded
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.model_dir = loaded.model_dir
+        self.model_config = loaded.config
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.max_model_len = loaded.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
             self.device.type, 2048
         )
-        self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device)
         self.attention = create_backend(config.attention_backend)
 
         mc = self.model_config
@@ -380,16 +378,6 @@ class LLMEngine:
         )
 
     # ----------------------------------------------------------------- set-up
-    def _resolve_max_model_len(self) -> int:
-        model_limit = self.model_config.max_position_embeddings
-        requested = self.config.max_model_len
-        if requested is not None and requested > model_limit:
-            raise ValueError(
-                f"max_model_len={requested} exceeds the model's "
-                f"max_position_embeddings={model_limit}"
-            )
-        return requested or model_limit
-
     def _profile_forward(self) -> None:
         """One forward at the largest step shape, with no KV cache, to measure peak memory."""
         num_tokens = min(self.max_num_batched_tokens, self.max_model_len)

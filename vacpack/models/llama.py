@@ -122,6 +122,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    config_class = ModelConfig
+    is_decoder = True
     # Checkpoint names that feed one of our merged layers: (our name, shard index).
     MERGED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),

@@ -11,7 +11,6 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from vacpack.models.config import ModelConfig
 from vacpack.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -68,15 +67,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> nn.Module:
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Builds the model on the meta device, then streams each checkpoint tensor into place.
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
     tensor is read from its file, cast, and copied into its (merged, sharded) slot.
     """
-    model_class = model_class_for(config.architecture)
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"{str(model_dir)!r}: config.json names no architectures")
+    model_class = model_class_for(architectures[0])
+    config = model_class.config_class.from_hf(hf_config)
     with torch.device("meta"):
         model = model_class(config).to(dtype)
     model = model.to_empty(device=device)
@@ -96,7 +97,10 @@ def load_model(
                     logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
                     continue
                 tensor = checkpoint.get_tensor(hf_name).to(device=device, dtype=dtype)
-                module.load_shard(attr, tensor, shard_index)
+                if hasattr(module, "load_shard"):
+                    module.load_shard(attr, tensor, shard_index)
+                else:  # a plain torch layer, never sharded
+                    getattr(module, attr).data.copy_(tensor)
                 loaded.add(name)
     missing = expected - loaded
     if missing:

@@ -1,0 +1,75 @@
+"""A checkpoint loaded for inference: model, tokenizer, device and dtype, resolved once.
+
+The generation engine and corpus jobs both start from a LoadedModel, so an LLM that only
+embeds or scores never allocates a KV cache for generation, and one that does both loads its
+weights once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vacpack.config import EngineConfig
+from vacpack.device import configure_threads, resolve_device, resolve_dtype
+from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
+from vacpack.tokenizer import eos_token_ids, load_tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    engine_config: EngineConfig
+    model_dir: Path
+    hf_config: Any
+    model: nn.Module  # model.config is its family's config (a ModelConfig for decoders)
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def is_decoder(self) -> bool:
+        return bool(getattr(self.model, "is_decoder", False))
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    device = resolve_device(config.device)
+    configure_threads(device, config.num_threads)
+    model_dir = resolve_model_path(config.model, config.revision)
+    hf_config = load_hf_config(model_dir, config.trust_remote_code)
+    dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device)
+    tokenizer = load_tokenizer(
+        config.tokenizer or str(model_dir),
+        trust_remote_code=config.trust_remote_code,
+        revision=config.revision,
+    )
+    model = load_model(model_dir, hf_config, dtype, device)
+    return LoadedModel(
+        engine_config=config,
+        model_dir=model_dir,
+        hf_config=hf_config,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(tokenizer, model_dir),
+        device=device,
+        dtype=dtype,
+        max_model_len=_max_model_len(config, model.config.max_position_embeddings),
+    )
+
+
+def _max_model_len(config: EngineConfig, model_limit: int) -> int:
+    requested = config.max_model_len
+    if requested is not None and requested > model_limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={model_limit}"
+        )
+    return requested or model_limit
