@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vacpack import __version__
+from vacpack.corpus.commands import add_corpus_commands, run_corpus_command
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -157,6 +158,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(num_prompts=args.num_prompts, max_tokens=args.max_tokens)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from vacpack.server.config import server_config_from_args
+    from vacpack.server.launch import serve
+
+    return serve(args.model, _engine_kwargs(args), server_config_from_args(args))
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from vacpack.batch.options import batch_options_from_args
+    from vacpack.batch.runner import run_batch_command
+
+    return run_batch_command(args.model, _engine_kwargs(args), batch_options_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vacpack", description=__doc__)
     parser.add_argument("--version", action="version", version=f"vacpack {__version__}")
@@ -171,16 +186,33 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--quiet", action="store_true", help="no progress bar or texts")
     generate.set_defaults(handler=cmd_generate)
 
+    add_corpus_commands(commands, _add_engine_args)
+
     demo = commands.add_parser("demo", help="the built-in job: a bundled batch on a built-in model")
     demo.add_argument("--num-prompts", type=int, default=32)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(handler=cmd_demo)
+
+    from vacpack.batch.options import add_batch_args
+    from vacpack.server.config import add_server_args
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+    run_batch = commands.add_parser("run-batch", help="answer an OpenAI batch file, resumably")
+    _add_engine_args(run_batch)
+    add_batch_args(run_batch)
+    run_batch.set_defaults(handler=cmd_run_batch)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "corpus_command", False):
+            return run_corpus_command(args, _engine_kwargs(args))
         return args.handler(args)
     except ValueError as error:
         print(f"vacpack {args.command}: error: {error}", file=sys.stderr)

@@ -5,15 +5,26 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from vacpack.config import EngineConfig
 from vacpack.engine.engine import LLMEngine
-from vacpack.outputs import RequestOutput, RequestOutputKind
+from vacpack.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    LoglikelihoodOutput,
+    RequestOutput,
+    RequestOutputKind,
+)
+from vacpack.runtime import load
 from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template
+
+if TYPE_CHECKING:
+    from vacpack.corpus.runner import CorpusRunner
+    from vacpack.corpus.tasks import CorpusTask
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -37,13 +48,31 @@ class LLM:
             raise TypeError(
                 f"unknown engine arguments {sorted(unknown)}; known: {sorted(_ENGINE_ARGS)}"
             )
-        self.engine = LLMEngine(
-            EngineConfig(model=model, dtype=dtype, device=device, **engine_args)
-        )
+        self.config = EngineConfig(model=model, dtype=dtype, device=device, **engine_args)
+        self.loaded = load(self.config)
+        self._engine: LLMEngine | None = None
+        self._corpus_runner: CorpusRunner | None = None
         self._request_counter = itertools.count()
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The generation engine, built (with its KV cache) on first use."""
+        if self._engine is None:
+            self._engine = LLMEngine(self.config, self.loaded)
+        return self._engine
+
+    @property
+    def corpus_runner(self) -> CorpusRunner:
+        """Runs corpus jobs in packed bins; its bin budget is measured on first use."""
+        if self._corpus_runner is None:
+            # Imported here: generation-only use never loads the corpus machinery.
+            from vacpack.corpus.runner import CorpusRunner
+
+            self._corpus_runner = CorpusRunner(self.loaded, self.config.max_num_batched_tokens)
+        return self._corpus_runner
+
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.loaded.tokenizer
 
     def generate(
         self,
@@ -79,7 +108,7 @@ class LLM:
         prompts = [
             {
                 "prompt_token_ids": apply_chat_template(
-                    self.engine.tokenizer,
+                    self.loaded.tokenizer,
                     list(conversation),
                     add_generation_prompt=add_generation_prompt,
                     chat_template=chat_template,
@@ -89,9 +118,84 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    # ----------------------------------------------------------------- corpus jobs
+    def embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        truncate: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per input, in input order (`out.outputs.embedding`).
+
+        Encoders honour their sentence-transformers pooling and normalization; decoders pool
+        the last token by default (`pooling="mean"` for the mean). `pooling` and `normalize`
+        given here override the checkpoint's configuration.
+        """
+        from vacpack.corpus.tasks import EmbedTask, resolve_pooling
+
+        config = resolve_pooling(self.loaded, pooling, normalize)
+        task = EmbedTask(self.loaded, config, truncate=truncate)
+        return self._run_corpus(task, inputs, use_tqdm)
+
+    def loglikelihood(
+        self,
+        texts_or_contexts: Sequence[str],
+        continuations: Sequence[str] | None = None,
+        return_token_logprobs: bool = False,
+        truncate: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[LoglikelihoodOutput]:
+        """Log-likelihood of each text, or of each continuation given its context.
+
+        `llm.loglikelihood(texts)` scores whole documents (lm-evaluation-harness's
+        loglikelihood_rolling); `llm.loglikelihood(contexts, continuations)` scores each
+        continuation after its context and says whether it is the greedy one (its
+        loglikelihood). Results carry `logprob` (the sum), `num_tokens`, `is_greedy`, and
+        `token_logprobs` when asked.
+        """
+        from vacpack.corpus.tasks import LoglikelihoodTask
+
+        inputs: Sequence[Any] = texts_or_contexts
+        if continuations is not None:
+            if len(continuations) != len(texts_or_contexts):
+                raise ValueError(
+                    f"got {len(texts_or_contexts)} contexts and {len(continuations)} "
+                    "continuations; give one continuation per context"
+                )
+            inputs = list(zip(texts_or_contexts, continuations, strict=True))
+        task = LoglikelihoodTask(self.loaded, return_token_logprobs, truncate=truncate)
+        return self._run_corpus(task, inputs, use_tqdm)
+
+    def classify(
+        self, inputs: Sequence[str | Sequence[int]], truncate: bool = False, use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Label probabilities per input (`out.outputs.probs`, `.label`), in input order."""
+        from vacpack.corpus.tasks import ClassifyTask
+
+        task = ClassifyTask(self.loaded, truncate=truncate)
+        return self._run_corpus(task, inputs, use_tqdm)
+
+    def _run_corpus(self, task: CorpusTask, inputs: Sequence[Any], use_tqdm: bool) -> list[Any]:
+        """Runs the whole job; failed inputs are reported together at the end, after the rest."""
+        from vacpack.corpus.packing import DocumentError
+
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        results = [r for _, r in self.corpus_runner.run(task, inputs, len(inputs), use_tqdm)]
+        failures = [r for r in results if isinstance(r, DocumentError)]
+        if failures:
+            details = "; ".join(f"input {f.index}: {f.message}" for f in failures[:5])
+            raise ValueError(
+                f"{len(failures)} of {len(results)} inputs failed ({details}); the others were "
+                "computed: llm.corpus_runner.run() streams results with per-input errors"
+            )
+        return results
+
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt)
+            return prompt, self.loaded.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

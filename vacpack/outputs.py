@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class RequestOutputKind(enum.Enum):
     """What each engine output carries, as in vLLM."""
@@ -65,3 +67,56 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+
+# ---------------------------------------------------------------- corpus jobs
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """One input's embedding: `out.outputs.embedding`, as in vLLM."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    probs: list[float]  # one per label, summing to 1
+    label: str  # the most probable label's name
+    labels: list[str]  # the names of probs' entries, from the model config's id2label
+
+
+@dataclass(frozen=True)
+class ClassificationRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass(frozen=True)
+class LoglikelihoodOutput:
+    """The log-likelihood of a document, or of a continuation given its context.
+
+    `logprob` is the sum of `num_tokens` token log-probabilities (natural log). `is_greedy` is
+    whether every scored token was the model's most likely one (continuations only).
+    """
+
+    index: int
+    logprob: float
+    num_tokens: int
+    is_greedy: bool | None = None
+    token_logprobs: list[float] | None = None
+
+
+def embeddings_array(outputs: list[EmbeddingRequestOutput]) -> np.ndarray:
+    """The embeddings of `LLM.embed` as one [num_inputs, dim] float32 numpy array."""
+    return np.asarray([o.outputs.embedding for o in outputs], dtype=np.float32)

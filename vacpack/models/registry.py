@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from torch import nn
 
+from vacpack.models.bert import BertForSequenceClassification, BertModel
 from vacpack.models.llama import LlamaForCausalLM
+from vacpack.models.llama_classifier import LlamaForSequenceClassification
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
 }
 
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -216,14 +217,18 @@ def _fill_random_weights(model: PreTrainedModel, init: RandomWeightInit, seed: i
 
 
 def _build_random_model(
-    config: PretrainedConfig, dtype: torch.dtype, init: RandomWeightInit, seed: int
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    init: RandomWeightInit,
+    seed: int,
+    auto_class: type = AutoModelForCausalLM,
 ) -> PreTrainedModel:
     # Built on the meta device and then given real storage once, so a large model is never held
     # twice (no throwaway default init, no float32 copy before a cast to bfloat16).
     # Cast while still on meta (free) rather than passing a dtype keyword, whose name changed
     # between transformers 4 (torch_dtype) and 5 (dtype).
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config).to(dtype)
+        model = auto_class.from_config(config).to(dtype)
     model.to_empty(device="cpu")
     # to_empty gives each module its own fresh tensor, which splits a tied lm_head from the
     # embedding; re-tie before filling so both share the same values on save.
@@ -243,6 +248,7 @@ def _save_checkpoint(
     seed: int,
     init: RandomWeightInit,
     max_shard_bytes: int | None,
+    auto_class: type = AutoModelForCausalLM,
 ) -> Path:
     out_dir = Path(out_dir)
     spec = _family_spec(family)
@@ -259,7 +265,7 @@ def _save_checkpoint(
         "pad_token_id": tokenizer.pad_token_id,
     }
     config = AutoConfig.for_model(spec.model_type, **all_config_kwargs)
-    model = _build_random_model(config, dtype, init, seed)
+    model = _build_random_model(config, dtype, init, seed, auto_class)
     if max_shard_bytes is None:
         model.save_pretrained(out_dir)
     else:
@@ -302,6 +308,37 @@ def build_tiny_checkpoint(
         seed=seed,
         init=TINY_WEIGHT_INIT,
         max_shard_bytes=max_shard_bytes,
+    )
+
+
+def build_tiny_classifier_checkpoint(
+    family: str,
+    out_dir: Path,
+    num_labels: int = 3,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+) -> Path:
+    """Like build_tiny_checkpoint, but a {Family}ForSequenceClassification with num_labels.
+
+    The labels are named label_0 ... so that a test can tell them from transformers' default
+    LABEL_i names. Returns out_dir.
+    """
+    config_kwargs: dict[str, Any] = {
+        **TinyShape().as_config_kwargs(),
+        "id2label": {index: f"label_{index}" for index in range(num_labels)},
+        **config_overrides,
+    }
+    return _save_checkpoint(
+        config_kwargs,
+        family,
+        out_dir,
+        dtype=dtype,
+        seed=seed,
+        init=TINY_WEIGHT_INIT,
+        max_shard_bytes=None,
+        auto_class=AutoModelForSequenceClassification,
     )
 
 

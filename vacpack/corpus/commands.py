@@ -1,0 +1,111 @@
+"""`vacpack embed | loglikelihood | classify`: a corpus file in, results streamed out in order.
+
+Input: JSONL (one object per line: {"text": ...}, or {"context": ..., "continuation": ...}
+for loglikelihood) or plain text (one document per line). Output: JSONL, one line per input
+in input order: the result, or {"index": i, "error": "..."} for an input that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from vacpack.corpus.packing import DocumentError
+
+TEXT_KEYS = ("text", "input", "prompt")
+
+
+def read_corpus(path: Path, task: str) -> Iterator[Any]:
+    """Streams documents from a file of any size; a bad line becomes a DocumentError."""
+    with path.open(encoding="utf-8") as lines:
+        for index, line in enumerate(lines):
+            number = index + 1
+            line = line.rstrip("\n")
+            if path.suffix != ".jsonl":
+                yield line
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                yield DocumentError(index, f"line {number} is not valid JSON: {error}")
+                continue
+            if not isinstance(record, dict):
+                yield DocumentError(index, f"line {number} is not a JSON object")
+            elif task == "loglikelihood" and "context" in record:
+                yield (str(record["context"]), str(record.get("continuation", "")))
+            elif text := next(
+                (record[k] for k in TEXT_KEYS if isinstance(record.get(k), str)), None
+            ):
+                yield text
+            else:
+                yield DocumentError(index, f"line {number} has no text field (one of {TEXT_KEYS})")
+
+
+def count_lines(path: Path) -> int:
+    with path.open("rb") as data:
+        return sum(1 for _ in data)
+
+
+def result_record(index: int, result: Any) -> dict[str, Any]:
+    if isinstance(result, DocumentError):
+        return {"index": index, "error": result.message}
+    if hasattr(result, "outputs") and hasattr(result.outputs, "embedding"):
+        return {"index": index, "embedding": result.outputs.embedding}
+    if hasattr(result, "outputs") and hasattr(result.outputs, "probs"):
+        probs = dict(zip(result.outputs.labels, result.outputs.probs, strict=True))
+        return {"index": index, "label": result.outputs.label, "probs": probs}
+    record = {"index": index, "logprob": result.logprob, "num_tokens": result.num_tokens}
+    if result.is_greedy is not None:
+        record["is_greedy"] = result.is_greedy
+    if result.token_logprobs is not None:
+        record["token_logprobs"] = result.token_logprobs
+    return record
+
+
+def run_corpus_command(args: argparse.Namespace, llm_kwargs: dict[str, Any]) -> int:
+    from vacpack.corpus.tasks import ClassifyTask, EmbedTask, LoglikelihoodTask, resolve_pooling
+    from vacpack.llm import LLM
+
+    llm = LLM(args.model, **llm_kwargs)
+    loaded = llm.loaded
+    if args.command == "embed":
+        pooling = resolve_pooling(loaded, args.pooling, args.normalize)
+        task = EmbedTask(loaded, pooling, truncate=args.truncate)
+    elif args.command == "classify":
+        task = ClassifyTask(loaded, truncate=args.truncate)
+    else:
+        task = LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+    input_path = Path(args.input)
+    documents = read_corpus(input_path, args.command)
+    sink: TextIO = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        for index, result in llm.corpus_runner.run(task, documents, count_lines(input_path)):
+            sink.write(json.dumps(result_record(index, result), ensure_ascii=False) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    print(llm.corpus_runner.last_report.summary(), file=sys.stderr)
+    return 0
+
+
+def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: Any) -> None:
+    for name, help_text in [
+        ("embed", "embed every document of a corpus"),
+        ("loglikelihood", "log-likelihood of documents, or of continuations after contexts"),
+        ("classify", "label probabilities for every document"),
+    ]:
+        parser = commands.add_parser(name, help=help_text)
+        add_engine_args(parser)
+        parser.add_argument("--input", required=True, help=".jsonl or plain text, any size")
+        parser.add_argument("--output", help="JSONL results in input order (default: stdout)")
+        parser.add_argument("--truncate", action="store_true", help="cut over-long documents")
+        if name == "embed":
+            parser.add_argument("--pooling", choices=["cls", "mean", "last", "max"])
+            parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
+        if name == "loglikelihood":
+            parser.add_argument("--token-logprobs", action="store_true")
+        parser.set_defaults(corpus_command=True)

@@ -1,0 +1,183 @@
+"""CorpusRunner: a whole corpus through the model in padding-free packed bins, results in order.
+
+    inputs -> encode (background thread) -> pack first-fit decreasing (same thread)
+           -> bounded queue of ready bins -> stage (pinned, async copy on CUDA)
+           -> one packed forward per bin -> the task's results, re-ordered to input order
+
+Tokenizing and packing run ahead of the device in a producer thread, so the device only waits
+when the producer cannot keep up; that wait is measured and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from vacpack.attention import create_backend
+from vacpack.corpus.budget import BinBudget, measure_bin_budget
+from vacpack.corpus.forward import PackedForward
+from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPacker, PackedBin
+from vacpack.corpus.pipeline import BackgroundBins
+from vacpack.corpus.report import JobReport
+from vacpack.corpus.staging import BinStager
+from vacpack.corpus.tasks import CorpusTask
+from vacpack.runtime import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+# Documents sorted and packed together: enough for first-fit decreasing to fill bins well,
+# few enough that a corpus of any size streams through in bounded memory.
+WINDOW_DOCS = 1024
+READY_BINS = 4  # bins packed ahead of the device
+
+
+class CorpusRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        budget_tokens: int | None = None,
+        align_to: int | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.forward = PackedForward(loaded, create_backend(loaded.engine_config.attention_backend))
+        self.align_to = align_to
+        self._budget = BinBudget(budget_tokens, "given") if budget_tokens else None
+        self.last_report: JobReport | None = None
+
+    @property
+    def budget(self) -> BinBudget:
+        if self._budget is None:
+            self._budget = measure_bin_budget(
+                self._probe_forward, self.loaded.device, self.loaded.max_model_len
+            )
+        return self._budget
+
+    def _probe_forward(self, num_tokens: int) -> None:
+        token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.loaded.device)
+        positions = torch.arange(num_tokens, device=self.loaded.device)
+        self.forward.packed(token_ids, positions, [num_tokens])
+
+    def run(
+        self,
+        task: CorpusTask,
+        inputs: Iterable[Any],
+        total: int | None = None,
+        use_tqdm: bool = True,
+    ) -> Iterator[tuple[int, Any]]:
+        """Yields (input index, result or DocumentError) in input order."""
+        budget = self.budget
+        report = JobReport(task.name, bin_budget_tokens=budget.tokens, budget_source=budget.source)
+        self.last_report = report
+        packer = FirstFitDecreasingPacker(
+            budget.tokens, WINDOW_DOCS, self.align_to, _pad_token_id(self.loaded)
+        )
+        stager = BinStager(self.loaded.device, budget.tokens)
+        progress = tqdm(total=total, desc=task.name, unit="doc", disable=not use_tqdm)
+        finished: dict[int, Any] = {}
+        next_index = 0
+        try:
+            with BackgroundBins(packer.pack(_documents(task, inputs)), READY_BINS) as bins:
+                for item in bins:
+                    for index, result in self._results(task, item, stager, report):
+                        finished[index] = result
+                    while next_index in finished:
+                        result = finished.pop(next_index)
+                        if isinstance(result, DocumentError):
+                            report.num_failed += 1
+                            report.failures.append((result.index, result.message))
+                        report.num_documents += 1
+                        progress.update(1)
+                        yield next_index, result
+                        next_index += 1
+                    progress.set_postfix_str(f"{report.tokens_per_s:,.0f} tok/s")
+                report.wait_for_bins_s = bins.wait_s
+        finally:
+            progress.close()
+            report.finish(self.loaded.device)
+        if finished:  # every index below the highest seen must have come back
+            raise RuntimeError(f"documents {sorted(finished)[:5]} came back out of sequence")
+
+    def _results(
+        self,
+        task: CorpusTask,
+        item: PackedBin | DocumentError,
+        stager: BinStager,
+        report: JobReport,
+    ) -> list[tuple[int, Any]]:
+        if isinstance(item, DocumentError):
+            return [(item.index, item)]
+        start_s = _now(self.loaded.device)
+        try:
+            if item.oversize:
+                (document,) = item.documents
+                token_ids = torch.as_tensor(document.token_ids, device=self.loaded.device)
+                hidden = self.forward.chunked(token_ids, self.budget.tokens)
+                results = task.process([document], [token_ids.numel()], hidden)
+            else:
+                token_ids, positions = stager.stage(item)
+                hidden = self.forward.packed(token_ids, positions, item.seq_lens)
+                documents, seq_lens, hidden = _real_segments(item, hidden)
+                results = task.process(documents, seq_lens, hidden)
+        except (ValueError, torch.cuda.OutOfMemoryError) as error:
+            # One bad bin must not end the job: its documents fail with the reason.
+            logger.warning("a bin of %d documents failed: %s", len(item.documents), error)
+            return [
+                (doc.index, DocumentError(doc.index, str(error)))
+                for doc in item.documents
+                if doc is not None
+            ]
+        report.device_busy_s += _now(self.loaded.device) - start_s
+        report.num_bins += 1
+        report.num_real_tokens += item.num_tokens - item.num_padding_tokens
+        report.num_padding_tokens += item.num_padding_tokens
+        real_docs = [doc for doc in item.documents if doc is not None]
+        return [(doc.index, result) for doc, result in zip(real_docs, results, strict=True)]
+
+
+def _documents(task: CorpusTask, inputs: Iterable[Any]) -> Iterator[Document | DocumentError]:
+    """Runs in the producer thread: a bad input becomes an error record, not an exception."""
+    for index, item in enumerate(inputs):
+        if isinstance(item, DocumentError):  # the reader already found it unreadable
+            yield item
+            continue
+        try:
+            yield task.encode(index, item)
+        except ValueError as error:
+            yield DocumentError(index, str(error))
+
+
+def _real_segments(
+    packed: PackedBin, hidden: torch.Tensor
+) -> tuple[list[Document], list[int], torch.Tensor]:
+    """Drops alignment-padding segments (and their rows) from a bin's hidden states."""
+    if not packed.num_padding_tokens:
+        return list(packed.documents), list(packed.seq_lens), hidden
+    keep_rows, documents, seq_lens = [], [], []
+    starts = packed.cu_seqlens.tolist()
+    for segment, document in enumerate(packed.documents):
+        if document is not None:
+            keep_rows.extend(range(starts[segment], starts[segment + 1]))
+            documents.append(document)
+            seq_lens.append(packed.seq_lens[segment])
+    rows = torch.tensor(keep_rows, dtype=torch.int64, device=hidden.device)
+    return documents, seq_lens, hidden.index_select(0, rows)
+
+
+def _pad_token_id(loaded: LoadedModel) -> int:
+    tokenizer = loaded.tokenizer
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _now(device: torch.device) -> float:
+    """Wall time after the device has finished its queued work (a sync point on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

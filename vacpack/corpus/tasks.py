@@ -1,0 +1,256 @@
+"""The corpus tasks: how each turns inputs into documents and hidden states into results.
+
+`encode` runs in the packer's background thread (tokenization stays off the device's critical
+path) and raises ValueError for an input it cannot take: the job records that document as
+failed and goes on. `process` gets the hidden states of whole documents, concatenated.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vacpack.corpus.packing import Document
+from vacpack.models.pooling import (
+    PoolingConfig,
+    pool,
+    pooling_config_for,
+    sentence_transformers_max_len,
+)
+from vacpack.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    LoglikelihoodOutput,
+)
+from vacpack.runtime import LoadedModel
+
+# Rows scored per LM-head pass: [rows, vocab] float32 logits stay small (~155 MB for a
+# 152k vocabulary) however large the bin.
+SCORE_ROWS_PER_PASS = 256
+
+
+class CorpusTask(ABC):
+    name: str
+
+    def __init__(self, loaded: LoadedModel, truncate: bool = False) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.truncate = truncate
+        self.max_len = loaded.max_model_len
+
+    @abstractmethod
+    def encode(self, index: int, item: Any) -> Document:
+        """Tokenizes one input; raises ValueError saying what is wrong with it."""
+
+    @abstractmethod
+    def process(
+        self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
+    ) -> list[Any]:
+        """One result per document from its rows of `hidden` (documents back to back)."""
+
+    def _token_ids(self, index: int, item: Any, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(item, str):
+            if not item.strip():
+                raise ValueError("the document is empty")
+            token_ids = self.tokenizer.encode(item, add_special_tokens=add_special_tokens)
+        elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
+            token_ids = list(item)
+        else:
+            raise ValueError(f"expected text or a list of token ids, got {type(item).__name__}")
+        if not token_ids:
+            raise ValueError("the document is empty")
+        return self._fit(token_ids)
+
+    def _fit(self, token_ids: list[int]) -> list[int]:
+        if len(token_ids) <= self.max_len:
+            return token_ids
+        if not self.truncate:
+            raise ValueError(
+                f"{len(token_ids)} tokens is longer than the model's context "
+                f"({self.max_len}); pass truncate=True to cut it"
+            )
+        return token_ids[: self.max_len]
+
+
+def resolve_pooling(
+    loaded: LoadedModel, strategy: str | None = None, normalize: bool | None = None
+) -> PoolingConfig:
+    """The checkpoint's own pooling (sentence-transformers files), overridden where asked.
+
+    Without a configuration, decoders pool their last token (the one that has seen the whole
+    text) and encoders their first ([CLS]) token.
+    """
+    default_strategy = "last" if getattr(loaded.model, "is_causal", True) else "cls"
+    config = pooling_config_for(loaded.model_dir, loaded.hf_config, default_strategy)
+    return PoolingConfig(
+        strategy or config.strategy, config.normalize if normalize is None else normalize
+    )
+
+
+class EmbedTask(CorpusTask):
+    name = "embed"
+
+    def __init__(self, loaded: LoadedModel, pooling: PoolingConfig, truncate: bool = False) -> None:
+        super().__init__(loaded, truncate)
+        self.pooling = pooling
+        # A sentence-transformers checkpoint cuts its inputs at its max_seq_length (256 for
+        # all-MiniLM-L6-v2): doing the same is what makes our embeddings equal to its own.
+        configured_max_len = sentence_transformers_max_len(loaded.model_dir)
+        if configured_max_len is not None:
+            self.max_len = min(self.max_len, configured_max_len)
+            self.truncate = True
+
+    def encode(self, index: int, item: Any) -> Document:
+        return Document(index, self._token_ids(index, item))
+
+    def process(
+        self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
+    ) -> list[EmbeddingRequestOutput]:
+        vectors = pool(hidden, seq_lens, self.pooling).cpu().tolist()
+        return [
+            EmbeddingRequestOutput(str(doc.index), list(doc.token_ids), EmbeddingOutput(vector))
+            for doc, vector in zip(documents, vectors, strict=True)
+        ]
+
+
+class ClassifyTask(CorpusTask):
+    name = "classify"
+
+    def __init__(self, loaded: LoadedModel, truncate: bool = False) -> None:
+        super().__init__(loaded, truncate)
+        model = loaded.model
+        if not hasattr(model, "classify"):
+            raise ValueError(
+                f"model {loaded.engine_config.model!r} ({loaded.config.architecture}) has no "
+                "classification head; classify needs a *ForSequenceClassification checkpoint"
+            )
+        id2label = getattr(loaded.config, "id2label", None) or {}
+        num_labels = int(getattr(loaded.config, "num_labels", len(id2label)))
+        self.labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(num_labels)]
+
+    def encode(self, index: int, item: Any) -> Document:
+        return Document(index, self._token_ids(index, item))
+
+    def process(
+        self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
+    ) -> list[ClassificationRequestOutput]:
+        probs = torch.softmax(self.loaded.model.classify(hidden, seq_lens).float(), dim=-1)
+        results = []
+        for doc, row in zip(documents, probs.cpu().tolist(), strict=True):
+            best = max(range(len(row)), key=row.__getitem__)
+            output = ClassificationOutput(row, self.labels[best], self.labels)
+            results.append(ClassificationRequestOutput(str(doc.index), list(doc.token_ids), output))
+        return results
+
+
+class LoglikelihoodTask(CorpusTask):
+    """Rolling log-likelihood of documents, or of continuations given contexts.
+
+    As evaluation harnesses do it: a whole document is scored after one prefix token (BOS, or
+    EOS where the tokenizer has no BOS), so every one of its tokens counts; a continuation is
+    tokenized together with its context, and the context's trailing whitespace moves onto the
+    continuation so that the split falls on a token boundary.
+    """
+
+    name = "loglikelihood"
+
+    def __init__(
+        self, loaded: LoadedModel, return_token_logprobs: bool = False, truncate: bool = False
+    ) -> None:
+        super().__init__(loaded, truncate)
+        if not hasattr(loaded.model, "compute_logits"):
+            raise ValueError(
+                f"model {loaded.engine_config.model!r} ({loaded.config.architecture}) has no "
+                "language-model head; loglikelihood needs a causal LM"
+            )
+        self.return_token_logprobs = return_token_logprobs
+        tokenizer = self.tokenizer
+        prefix = tokenizer.bos_token_id
+        if prefix is None:
+            prefix = tokenizer.eos_token_id
+        if prefix is None:
+            raise ValueError("the tokenizer has neither a BOS nor an EOS token to score after")
+        self.prefix_token_id = int(prefix)
+
+    def encode(self, index: int, item: Any) -> Document:
+        if isinstance(item, tuple):
+            context, continuation = item
+            if not continuation:
+                raise ValueError("the continuation is empty")
+            stripped = context.rstrip()
+            continuation = context[len(stripped) :] + continuation
+            context_ids = self.tokenizer.encode(stripped, add_special_tokens=False)
+            whole = self.tokenizer.encode(stripped + continuation, add_special_tokens=False)
+            continuation_ids = whole[len(context_ids) :]
+            if not continuation_ids:
+                raise ValueError("the continuation has no tokens")
+            context_ids = context_ids or [self.prefix_token_id]
+            token_ids = self._fit_continuation(context_ids, continuation_ids)
+            return Document(
+                index, token_ids, payload=(len(token_ids) - len(continuation_ids), True)
+            )
+        token_ids = [self.prefix_token_id, *self._token_ids(index, item, add_special_tokens=False)]
+        return Document(index, self._fit(token_ids), payload=(1, False))
+
+    def _fit_continuation(self, context_ids: list[int], continuation_ids: list[int]) -> list[int]:
+        total = len(context_ids) + len(continuation_ids)
+        if total <= self.max_len:
+            return context_ids + continuation_ids
+        if not self.truncate or len(continuation_ids) >= self.max_len:
+            raise ValueError(
+                f"context and continuation are {total} tokens, longer than the model's context "
+                f"({self.max_len}); pass truncate=True to drop the oldest context tokens"
+            )
+        return context_ids[total - self.max_len :] + continuation_ids
+
+    def process(
+        self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
+    ) -> list[LoglikelihoodOutput]:
+        # Row r predicts token r + 1 of its document: score tokens first_scored .. len - 1.
+        rows, targets, counts = [], [], []
+        offset = 0
+        for doc, seq_len in zip(documents, seq_lens, strict=True):
+            first_scored, _ = doc.payload
+            rows.extend(range(offset + first_scored - 1, offset + seq_len - 1))
+            targets.extend(doc.token_ids[first_scored:seq_len])
+            counts.append(seq_len - first_scored)
+            offset += seq_len
+        device = hidden.device
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
+        logprobs, greedy = self._score(hidden, row_index, target_ids)
+        results = []
+        for doc, logprob_part, greedy_part in zip(
+            documents, logprobs.split(counts), greedy.split(counts), strict=True
+        ):
+            _, is_continuation = doc.payload
+            results.append(
+                LoglikelihoodOutput(
+                    index=doc.index,
+                    logprob=float(logprob_part.double().sum()),
+                    num_tokens=logprob_part.numel(),
+                    is_greedy=bool(greedy_part.all()) if is_continuation else None,
+                    token_logprobs=logprob_part.tolist() if self.return_token_logprobs else None,
+                )
+            )
+        return results
+
+    def _score(
+        self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probability of each target and whether it was the argmax, on the host."""
+        model = self.loaded.model
+        logprob_parts, greedy_parts = [], []
+        for start in range(0, rows.numel(), SCORE_ROWS_PER_PASS):
+            part_rows = rows[start : start + SCORE_ROWS_PER_PASS]
+            part_targets = targets[start : start + SCORE_ROWS_PER_PASS]
+            logits = model.compute_logits(hidden.index_select(0, part_rows))
+            logprobs = torch.log_softmax(logits, dim=-1)
+            logprob_parts.append(logprobs.gather(1, part_targets.unsqueeze(1)).squeeze(1))
+            greedy_parts.append(logits.argmax(dim=-1) == part_targets)
+        return torch.cat(logprob_parts).cpu(), torch.cat(greedy_parts).cpu()
