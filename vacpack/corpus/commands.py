@@ -37,10 +37,8 @@ def read_corpus(path: Path, task: str) -> Iterator[Any]:
                 yield DocumentError(index, f"line {number} is not a JSON object")
             elif task == "loglikelihood" and "context" in record:
                 yield (str(record["context"]), str(record.get("continuation", "")))
-            elif text := next(
-                (record[k] for k in TEXT_KEYS if isinstance(record.get(k), str)), None
-            ):
-                yield text
+            elif key := next((k for k in TEXT_KEYS if isinstance(record.get(k), str)), None):
+                yield record[key]  # possibly empty: the task then says so
             else:
                 yield DocumentError(index, f"line {number} has no text field (one of {TEXT_KEYS})")
 

@@ -57,7 +57,13 @@ class CorpusTask(ABC):
         if isinstance(item, str):
             if not item.strip():
                 raise ValueError("the document is empty")
-            token_ids = self.tokenizer.encode(item, add_special_tokens=add_special_tokens)
+            # The tokenizer truncates (when asked) so that special tokens such as [SEP] stay.
+            token_ids = self.tokenizer.encode(
+                item,
+                add_special_tokens=add_special_tokens,
+                truncation=self.truncate,
+                max_length=self.max_len if self.truncate else None,
+            )
         elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
             token_ids = list(item)
         else:

