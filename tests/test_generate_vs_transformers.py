@@ -89,4 +89,4 @@ def test_preemption_leaves_greedy_outputs_unchanged(tiny_checkpoint) -> None:
     outputs = tight.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert tight.engine.stats.num_preemptions > 0
-    assert tight.engine.allocator.num_free_pages == tight.engine.allocator.num_pages
+    assert tight.engine.page_pool.num_free_pages == tight.engine.page_pool.num_pages

@@ -6,7 +6,7 @@ import pytest
 
 from vacpack.engine.request import Request, RequestStatus
 from vacpack.engine.scheduler import Scheduler, SchedulerConfig
-from vacpack.kvcache.page_allocator import PageAllocator
+from vacpack.kvcache.page_pool import PagePool
 from vacpack.outputs import RequestMetrics
 from vacpack.sampling import SamplingParams
 
@@ -38,7 +38,9 @@ def _run_step(scheduler: Scheduler) -> dict[str, int]:
 
 
 def test_budget_chunks_prefill_and_mixes_decodes() -> None:
-    scheduler = Scheduler(SchedulerConfig(8, 10, PAGE_SIZE), PageAllocator(100))
+    scheduler = Scheduler(
+        SchedulerConfig(8, 10, PAGE_SIZE), PagePool(100, PAGE_SIZE, enable_prefix_caching=False)
+    )
     scheduler.add(_request("a", 3))
     scheduler.add(_request("b", 25))
     assert _run_step(scheduler) == {"a": 3, "b": 7}
@@ -51,7 +53,9 @@ def test_budget_chunks_prefill_and_mixes_decodes() -> None:
 
 
 def test_running_cap_and_fifo_admission() -> None:
-    scheduler = Scheduler(SchedulerConfig(2, 100, PAGE_SIZE), PageAllocator(100))
+    scheduler = Scheduler(
+        SchedulerConfig(2, 100, PAGE_SIZE), PagePool(100, PAGE_SIZE, enable_prefix_caching=False)
+    )
     for name in "abcd":
         scheduler.add(_request(name, 5))
     assert set(_run_step(scheduler)) == {"a", "b"}
@@ -60,7 +64,9 @@ def test_running_cap_and_fifo_admission() -> None:
 
 
 def test_head_of_queue_is_not_overtaken_when_pages_run_short() -> None:
-    scheduler = Scheduler(SchedulerConfig(8, 100, PAGE_SIZE), PageAllocator(6))
+    scheduler = Scheduler(
+        SchedulerConfig(8, 100, PAGE_SIZE), PagePool(6, PAGE_SIZE, enable_prefix_caching=False)
+    )
     scheduler.add(_request("big", 20))  # 5 pages
     scheduler.add(_request("huge", 40))  # 10 pages: does not fit while big runs
     scheduler.add(_request("small", 2))  # would fit, but must wait its turn
@@ -70,7 +76,7 @@ def test_head_of_queue_is_not_overtaken_when_pages_run_short() -> None:
 
 
 def test_preemption_takes_the_latest_admitted_and_requeues_it_first() -> None:
-    allocator = PageAllocator(4)
+    allocator = PagePool(4, PAGE_SIZE, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(8, 100, PAGE_SIZE), allocator)
     first, second = _request("first", 8), _request("second", 8)
     scheduler.add(first)
@@ -86,7 +92,7 @@ def test_preemption_takes_the_latest_admitted_and_requeues_it_first() -> None:
 
 @pytest.mark.parametrize("num_pages", [3, 5, 8])
 def test_pages_are_all_returned(num_pages: int) -> None:
-    allocator = PageAllocator(num_pages)
+    allocator = PagePool(num_pages, PAGE_SIZE, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(4, 16, PAGE_SIZE), allocator)
     requests = [_request(str(i), 3 + i) for i in range(5)]
     for request in requests:

@@ -142,12 +142,14 @@ def print_report(llm: Any, outputs: list[Any], elapsed_s: float) -> None:
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     stats = llm.engine.stats
+    cache = llm.engine.page_pool.stats
     print(
         f"\n{len(outputs)} requests in {elapsed_s:.2f} s: "
         f"{num_output / elapsed_s:.1f} output tok/s, "
         f"{(num_prompt + num_output) / elapsed_s:.1f} total tok/s "
         f"({num_prompt} prompt + {num_output} output tokens; "
-        f"{len(stats.steps)} steps, {stats.num_preemptions} preemptions)",
+        f"{len(stats.steps)} steps, {stats.num_preemptions} preemptions; prefix cache hit rate "
+        f"{cache.hit_rate:.1%}, {cache.num_evictions} evictions)",
         file=sys.stderr,
     )
 

@@ -17,7 +17,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # most requests running at once
     max_num_batched_tokens: int | None = None  # token budget of one step; default per device
     block_size: int = 16  # tokens per KV page
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # reuse the KV pages of repeated prefixes
     seed: int = 0
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; else measured
     gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory we may use
@@ -47,10 +47,6 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
             raise ValueError(
                 f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}"
-            )
-        if self.enable_prefix_caching:
-            raise ValueError(
-                "enable_prefix_caching=True is not available yet: prefix caching is not built"
             )
 
 

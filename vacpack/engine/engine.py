@@ -23,7 +23,7 @@ from vacpack.engine.request import Request
 from vacpack.engine.sampler import Sampler, make_request_generator
 from vacpack.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from vacpack.engine.stats import EngineStats
-from vacpack.kvcache import PageAllocator, PagedKVCache, kv_bytes_per_token
+from vacpack.kvcache import PagedKVCache, PagePool, kv_bytes_per_token
 from vacpack.kvcache.sizing import size_kv_cache
 from vacpack.models.forward_context import ForwardContext
 from vacpack.outputs import (
@@ -104,10 +104,10 @@ class LLMEngine:
             self.device,
         )
         self.kv_sizing = sizing
-        self.allocator = PageAllocator(sizing.num_pages)
+        self.page_pool = PagePool(sizing.num_pages, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, config.block_size),
-            self.allocator,
+            self.page_pool,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.runner = ModelRunner(
@@ -175,6 +175,8 @@ class LLMEngine:
                     metrics=RequestMetrics(arrival_time=metrics.arrival_time),
                 )
             )
+        for sequence in sequences[1:]:
+            sequence.prefix_leader = sequences[0]
         self._user_requests[request_id] = _UserRequest(request_id, prompt, sequences, metrics)
         for sequence in sequences:
             self.scheduler.add(sequence)
@@ -216,6 +218,7 @@ class LLMEngine:
         result = self.runner.execute(schedule.scheduled)
         for item in schedule.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+            self.scheduler.register_computed_pages(item.request)
         touched = self._apply_step(schedule.scheduled, result)
         self.stats.record_step(
             start_s=step_start,
@@ -223,7 +226,7 @@ class LLMEngine:
             num_tokens=result.num_tokens,
             num_decode_tokens=result.num_decode_tokens,
             num_preempted=len(schedule.preempted),
-            kv_pages_used=self.allocator.num_used_pages,
+            kv_pages_used=self.page_pool.num_used_pages,
         )
         outputs = []
         for user_request in touched:

@@ -33,6 +33,11 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt then output, the model's whole input
     num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache
     page_table: list[int] = field(default_factory=list)
+    # Chained content hashes of the full pages computed so far (prefix caching).
+    page_hashes: list[int] = field(default_factory=list)
+    # The first of this request's n samples: the others wait for its prompt pages to be cached.
+    prefix_leader: Request | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -7,6 +7,11 @@ budget, sequence slots and KV pages last. When a running request needs a page an
 the most recently admitted request is preempted: its pages are freed, and it goes back to the
 front of the queue to be recomputed later. Earlier requests are never preempted for later ones, so
 no request starves, and as the cache holds at least one whole sequence there is no deadlock.
+
+With prefix caching, a request admitted (or re-admitted after preemption) first takes the
+cached pages of its longest cached prefix and computes only the rest; after each step the
+pages it has filled are indexed for others. The samples of an n > 1 request wait for the first
+sample's prompt pages, so the prompt is computed once for all of them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vacpack.engine.request import Request, RequestStatus
-from vacpack.kvcache.page_allocator import PageAllocator
+from vacpack.kvcache.page_pool import PagePool, page_hashes
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
         self.config = config
-        self.allocator = allocator
+        self.pool = pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -82,17 +87,23 @@ class Scheduler:
                 index += 1
 
         # After a preemption memory is tight: admitting more would only preempt again.
+        position = 0
         while (
             not preempted
-            and self.waiting
+            and position < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[position]
+            if self._waits_for_leader(request):
+                position += 1  # the only overtaking allowed: its leader is still prefilling
+                continue
+            self._take_cached_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve_pages(request, request.num_computed_tokens + num_new):
+                self._release(request)
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            del self.waiting[position]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
@@ -107,23 +118,60 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.allocator.free(request.page_table)
-        request.page_table = []
+        self._release(request)
         request.status = RequestStatus.FINISHED
+
+    def register_computed_pages(self, request: Request) -> None:
+        """Indexes the pages the request has filled completely, for others to reuse."""
+        if not self.pool.enable_prefix_caching:
+            return
+        num_full_pages = request.num_computed_tokens // self.config.page_size
+        num_hashed = len(request.page_hashes)
+        if num_full_pages <= num_hashed:
+            return
+        page_size = self.config.page_size
+        parent = request.page_hashes[-1] if request.page_hashes else None
+        new_tokens = request.token_ids[num_hashed * page_size : num_full_pages * page_size]
+        for offset, page_hash in enumerate(page_hashes(new_tokens, page_size, parent)):
+            self.pool.register(request.page_table[num_hashed + offset], page_hash)
+            request.page_hashes.append(page_hash)
+
+    def _take_cached_prefix(self, request: Request) -> None:
+        if request.page_table or request.wants_prompt_logprobs:
+            return  # prompt logprobs need every prompt position's logits: compute them all
+        # At least the last token is computed, so that there are logits to sample from.
+        max_pages = (request.num_tokens - 1) // self.config.page_size
+        pages, hashes = self.pool.match_prefix(request.token_ids, max_pages)
+        request.page_table = pages
+        request.page_hashes = hashes
+        request.num_computed_tokens = len(pages) * self.config.page_size
+        if request.num_output_tokens == 0:
+            request.num_cached_prompt_tokens = request.num_computed_tokens
+
+    def _waits_for_leader(self, request: Request) -> bool:
+        leader = request.prefix_leader
+        if leader is None or not self.pool.enable_prefix_caching or leader.is_finished:
+            return False
+        full_prompt_tokens = (leader.num_prompt_tokens - 1) // self.config.page_size
+        return leader.num_computed_tokens < full_prompt_tokens * self.config.page_size
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.page_table)
+        request.page_table = []
+        request.page_hashes = []
+        request.num_computed_tokens = 0
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
         num_needed = -(-num_tokens // self.config.page_size) - len(request.page_table)
         if num_needed <= 0:
             return True
-        if num_needed > self.allocator.num_free_pages:
+        if num_needed > self.pool.num_free_pages:
             return False
-        request.page_table.extend(self.allocator.allocate(num_needed))
+        request.page_table.extend(self.pool.allocate(num_needed))
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.allocator.free(request.page_table)
-        request.page_table = []
-        request.num_computed_tokens = 0
+        self._release(request)
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
