@@ -155,3 +155,22 @@ def test_random_add_step_finish_abort_keep_the_pool_consistent(ops, num_pages: i
         scheduler.finish(request)
     pool.check_consistency()
     assert pool.num_free_pages == num_pages
+
+
+def test_continuations_after_a_shared_context_compute_it_once(model_dir) -> None:
+    words = ["rain", "hills", "quiet", "rivers", "over", "the", "warm", "mat"]
+    context = " ".join(words[i % 8] for i in range(70))
+    choices = [" rain fell", " over the hills", " mat", " the quiet rivers ran"]
+    contexts = [context] * 4 + [context + " again"] * 4
+    continuations = choices * 2
+    cached = _llm(model_dir, True)
+    results = cached.loglikelihood(contexts, continuations, use_tqdm=False)
+    plain = _llm(model_dir, False).loglikelihood(contexts, continuations, use_tqdm=False)
+    for a, b in zip(results, plain, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert (a.num_tokens, a.is_greedy) == (b.num_tokens, b.is_greedy)
+    context_len = len(cached.get_tokenizer().encode(context, add_special_tokens=False))
+    computed = cached.engine.stats.num_processed_tokens
+    total = sum(len(cached.get_tokenizer().encode(c + x)) for c, x in zip(contexts, continuations))
+    # Each distinct context once (two of them, sharing most pages), the rest per continuation.
+    assert computed < total - 5 * context_len

@@ -166,6 +166,11 @@ class LLM:
                 )
             inputs = list(zip(texts_or_contexts, continuations, strict=True))
         task = LoglikelihoodTask(self.loaded, return_token_logprobs, truncate=truncate)
+        if continuations is not None and self.config.enable_prefix_caching:
+            # Continuations usually share contexts: the engine's prefix cache computes each once.
+            from vacpack.corpus.shared_context import score_continuations
+
+            return _raise_failures(score_continuations(self.engine, task, inputs, use_tqdm))
         return self._run_corpus(task, inputs, use_tqdm)
 
     def classify(
@@ -178,20 +183,10 @@ class LLM:
         return self._run_corpus(task, inputs, use_tqdm)
 
     def _run_corpus(self, task: CorpusTask, inputs: Sequence[Any], use_tqdm: bool) -> list[Any]:
-        """Runs the whole job; failed inputs are reported together at the end, after the rest."""
-        from vacpack.corpus.packing import DocumentError
-
         if isinstance(inputs, str):
             inputs = [inputs]
-        results = [r for _, r in self.corpus_runner.run(task, inputs, len(inputs), use_tqdm)]
-        failures = [r for r in results if isinstance(r, DocumentError)]
-        if failures:
-            details = "; ".join(f"input {f.index}: {f.message}" for f in failures[:5])
-            raise ValueError(
-                f"{len(failures)} of {len(results)} inputs failed ({details}); the others were "
-                "computed: llm.corpus_runner.run() streams results with per-input errors"
-            )
-        return results
+        runner = self.corpus_runner
+        return _raise_failures([r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)])
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -262,3 +257,17 @@ def _as_params_list(
             f"got {len(params_list)} SamplingParams for {num_prompts} prompts; give one or one each"
         )
     return params_list
+
+
+def _raise_failures(results: list[Any]) -> list[Any]:
+    """Returns the results of a corpus job, or raises one error naming every failed input."""
+    from vacpack.corpus.packing import DocumentError
+
+    failures = [r for r in results if isinstance(r, DocumentError)]
+    if failures:
+        details = "; ".join(f"input {f.index}: {f.message}" for f in failures[:5])
+        raise ValueError(
+            f"{len(failures)} of {len(results)} inputs failed ({details}); the others were "
+            "computed: llm.corpus_runner.run() streams results with per-input errors"
+        )
+    return results

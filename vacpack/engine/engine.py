@@ -149,7 +149,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        prompt_logprobs_start: int = 1,
     ) -> None:
+        """Queues a request. With params.prompt_logprobs, logprobs are computed for prompt
+        positions from `prompt_logprobs_start` on; positions before it may come from the prefix
+        cache (scoring a continuation after a shared context computes the context once)."""
         if request_id in self._user_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
@@ -173,10 +177,9 @@ class LLMEngine:
                     generator=generator,
                     detokenizer=self._detokenizer_for(params),
                     metrics=RequestMetrics(arrival_time=metrics.arrival_time),
+                    prompt_logprobs_start=prompt_logprobs_start,
                 )
             )
-        for sequence in sequences[1:]:
-            sequence.prefix_leader = sequences[0]
         self._user_requests[request_id] = _UserRequest(request_id, prompt, sequences, metrics)
         for sequence in sequences:
             self.scheduler.add(sequence)

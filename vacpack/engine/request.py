@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vacpack.kvcache.page_pool import page_hashes
 from vacpack.outputs import PositionLogprobs, RequestMetrics
 from vacpack.sampling import SamplingParams
 
@@ -35,9 +36,13 @@ class Request:
     page_table: list[int] = field(default_factory=list)
     # Chained content hashes of the full pages computed so far (prefix caching).
     page_hashes: list[int] = field(default_factory=list)
-    # The first of this request's n samples: the others wait for its prompt pages to be cached.
-    prefix_leader: Request | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
+    # The first prompt position whose logprob is wanted: positions before it may come from
+    # the prefix cache (continuation scoring needs only the continuation's logprobs).
+    prompt_logprobs_start: int = 1
+    # Page hashes this request has announced as being computed and not yet indexed.
+    in_flight_hashes: set[int] = field(default_factory=set, repr=False)
+    _token_page_hashes: list[int] = field(default_factory=list, repr=False)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -53,7 +58,8 @@ class Request:
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]  # the first prompt token has no context to score it
+            # The first prompt token has no context to score it; others may not be wanted.
+            self.prompt_logprobs = [None] * max(self.prompt_logprobs_start, 1)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,6 +80,30 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def full_page_hashes(self, page_size: int) -> list[int]:
+        """Chained hashes of every full page of token_ids, extended as the tokens grow."""
+        hashes = self._token_page_hashes
+        num_full_pages = len(self.token_ids) // page_size
+        if len(hashes) < num_full_pages:
+            start = len(hashes) * page_size
+            hashes.extend(
+                page_hashes(
+                    self.token_ids[start : num_full_pages * page_size],
+                    page_size,
+                    hashes[-1] if hashes else None,
+                )
+            )
+        return hashes[:num_full_pages]
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """How much of the sequence may come from the prefix cache: never the last token (its
+        logits are needed), nor a prompt position whose logprob is wanted."""
+        limit = self.num_tokens - 1
+        if self.wants_prompt_logprobs:
+            limit = min(limit, len(self.prompt_logprobs) - 1)
+        return limit
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -10,8 +10,10 @@ no request starves, and as the cache holds at least one whole sequence there is 
 
 With prefix caching, a request admitted (or re-admitted after preemption) first takes the
 cached pages of its longest cached prefix and computes only the rest; after each step the
-pages it has filled are indexed for others. The samples of an n > 1 request wait for the first
-sample's prompt pages, so the prompt is computed once for all of them.
+pages it has filled are indexed for others. A waiting request whose next uncached page is being
+computed right now by a running request waits for it (the one exception to first come, first
+served), so requests that share a prefix and arrive together (n > 1 samples, a common system
+prompt, few-shot contexts) compute it once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vacpack.engine.request import Request, RequestStatus
-from vacpack.kvcache.page_pool import PagePool, page_hashes
+from vacpack.kvcache.page_pool import PagePool
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class Scheduler:
         self.pool = pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Hashes of the full pages running requests are computing and have not indexed yet.
+        self._pages_in_flight: dict[int, int] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -95,8 +99,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[position]
-            if self._waits_for_leader(request):
-                position += 1  # the only overtaking allowed: its leader is still prefilling
+            if self._next_page_in_flight(request):
+                position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
             self._take_cached_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -106,6 +110,7 @@ class Scheduler:
             del self.waiting[position]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._announce_in_flight(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
@@ -129,33 +134,54 @@ class Scheduler:
         num_hashed = len(request.page_hashes)
         if num_full_pages <= num_hashed:
             return
-        page_size = self.config.page_size
-        parent = request.page_hashes[-1] if request.page_hashes else None
-        new_tokens = request.token_ids[num_hashed * page_size : num_full_pages * page_size]
-        for offset, page_hash in enumerate(page_hashes(new_tokens, page_size, parent)):
+        new_hashes = request.full_page_hashes(self.config.page_size)[num_hashed:num_full_pages]
+        for offset, page_hash in enumerate(new_hashes):
             self.pool.register(request.page_table[num_hashed + offset], page_hash)
             request.page_hashes.append(page_hash)
+            self._landed(request, page_hash)
 
     def _take_cached_prefix(self, request: Request) -> None:
-        if request.page_table or request.wants_prompt_logprobs:
-            return  # prompt logprobs need every prompt position's logits: compute them all
-        # At least the last token is computed, so that there are logits to sample from.
-        max_pages = (request.num_tokens - 1) // self.config.page_size
-        pages, hashes = self.pool.match_prefix(request.token_ids, max_pages)
+        if request.page_table:
+            return
+        max_pages = request.max_cached_tokens // self.config.page_size
+        hashes = request.full_page_hashes(self.config.page_size)[:max_pages]
+        pages = self.pool.match_prefix(hashes, request.num_tokens)
         request.page_table = pages
-        request.page_hashes = hashes
+        request.page_hashes = hashes[: len(pages)]
         request.num_computed_tokens = len(pages) * self.config.page_size
         if request.num_output_tokens == 0:
             request.num_cached_prompt_tokens = request.num_computed_tokens
 
-    def _waits_for_leader(self, request: Request) -> bool:
-        leader = request.prefix_leader
-        if leader is None or not self.pool.enable_prefix_caching or leader.is_finished:
+    def _next_page_in_flight(self, request: Request) -> bool:
+        """True when the first page the request would compute is being computed by another."""
+        if not self.pool.enable_prefix_caching or not self._pages_in_flight:
             return False
-        full_prompt_tokens = (leader.num_prompt_tokens - 1) // self.config.page_size
-        return leader.num_computed_tokens < full_prompt_tokens * self.config.page_size
+        max_pages = request.max_cached_tokens // self.config.page_size
+        hashes = request.full_page_hashes(self.config.page_size)[:max_pages]
+        num_cached = self.pool.num_cached_prefix_pages(hashes)
+        return num_cached < len(hashes) and hashes[num_cached] in self._pages_in_flight
+
+    def _announce_in_flight(self, request: Request) -> None:
+        """Marks the full pages the request is about to compute, so others wait for them."""
+        if not self.pool.enable_prefix_caching:
+            return
+        hashes = request.full_page_hashes(self.config.page_size)[len(request.page_hashes) :]
+        request.in_flight_hashes = set(hashes)
+        for page_hash in request.in_flight_hashes:
+            self._pages_in_flight[page_hash] = self._pages_in_flight.get(page_hash, 0) + 1
+
+    def _landed(self, request: Request, page_hash: int) -> None:
+        """The request has indexed (or given up) a page it announced."""
+        if page_hash not in request.in_flight_hashes:
+            return
+        request.in_flight_hashes.discard(page_hash)
+        count = self._pages_in_flight.pop(page_hash)
+        if count > 1:
+            self._pages_in_flight[page_hash] = count - 1
 
     def _release(self, request: Request) -> None:
+        for page_hash in list(request.in_flight_hashes):
+            self._landed(request, page_hash)
         self.pool.free(request.page_table)
         request.page_table = []
         request.page_hashes = []

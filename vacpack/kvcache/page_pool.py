@@ -105,25 +105,33 @@ class PagePool:
                 self._free.append(page)
 
     # ------------------------------------------------------------------ prefix caching
-    def match_prefix(self, token_ids: Sequence[int], max_pages: int) -> tuple[list[int], list[int]]:
-        """Takes a reference to the cached pages holding the longest cached prefix of
-        `token_ids`, at most `max_pages` of them; returns them and their hashes, in order."""
+    def match_prefix(self, hashes: Sequence[int], num_tokens: int) -> list[int]:
+        """Takes a reference to the cached pages of the longest cached run of `hashes` (chained
+        page hashes of a sequence of `num_tokens` tokens) and returns them, in order."""
         if not self.enable_prefix_caching:
-            return [], []
-        pages, hashes = [], []
-        for page_hash in page_hashes(token_ids[: max_pages * self.page_size], self.page_size):
+            return []
+        pages = []
+        for page_hash in hashes:
             page = self._page_by_hash.get(page_hash)
             if page is None:
                 break
             pages.append(page)
-            hashes.append(page_hash)
         for page in pages:
             if self._ref_counts[page] == 0:
                 del self._evictable[page]
             self._ref_counts[page] += 1
-        self.stats.num_queried_tokens += len(token_ids)
+        self.stats.num_queried_tokens += num_tokens
         self.stats.num_hit_tokens += len(pages) * self.page_size
-        return pages, hashes
+        return pages
+
+    def num_cached_prefix_pages(self, hashes: Sequence[int]) -> int:
+        """How many of these chained page hashes, from the first on, are cached (no side effect)."""
+        count = 0
+        for page_hash in hashes:
+            if page_hash not in self._page_by_hash:
+                break
+            count += 1
+        return count
 
     def register(self, page: int, page_hash: int) -> None:
         """Indexes a page its sequence has just filled completely."""
