@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +31,11 @@ from harness import (
     best_linear_tflops,
     heartbeat,
     machine_description,
-    peak_rss_bytes,
+    machine_summary,
+    markdown_cell,
+    run_catching_errors,
+    save_bar_chart,
+    save_worker_result,
     timed_section,
 )
 
@@ -44,7 +45,7 @@ MATMUL_PEAK_WORKER = "matmul_peak"
 BASELINES: tuple[str, ...] = ("hf_generate", "hf_generate_batch")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = REPO_ROOT / "bench" / ".cache" / "g1-qwen2.5-0.5b-shapes"
+DEFAULT_MODEL_DIR = harness.QWEN2_5_0_5B_SHAPES_DIR
 DEFAULT_OUTPUT_PATH = REPO_ROOT / "bench" / "results" / "g1_cpu.json"
 DEFAULT_PLOT_PATH = REPO_ROOT / "bench" / "results" / "g1_cpu.png"
 
@@ -81,21 +82,6 @@ def make_prompts(
         torch.randint(0, vocab_size, (int(prompt_len),), generator=generator).tolist()
         for prompt_len in prompt_lens
     ]
-
-
-def ensure_checkpoint(model_dir: Path) -> Path:
-    """Builds the G1 checkpoint once; later runs reuse the cached copy."""
-    if (model_dir / "config.json").exists():
-        return model_dir
-    from vacpack.testing.tiny_models import build_random_checkpoint, qwen2_5_0_5b_shapes
-
-    log(f"building the random-weight Qwen2.5-0.5B-shaped checkpoint in {model_dir}")
-    # Built beside the target and renamed into place, so an interrupted build never leaves a
-    # half-written directory that a later run would take for a finished one.
-    partial_dir = model_dir.with_name(f"{model_dir.name}.partial-{os.getpid()}")
-    build_random_checkpoint(qwen2_5_0_5b_shapes(), "qwen2", partial_dir)
-    partial_dir.rename(model_dir)
-    return model_dir
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
@@ -338,17 +324,12 @@ WORKERS: dict[str, Callable[[argparse.Namespace, list[list[int]]], dict[str, Any
 def worker_main(args: argparse.Namespace) -> int:
     vocab_size = int(read_model_config(args.model_dir)["vocab_size"])
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size)
-    try:
-        result = WORKERS[args.worker](args, prompts)
-    except Exception as error:  # one system failing must not lose the others' results
-        result = {"error": f"{type(error).__name__}: {error}"}
+    result = run_catching_errors(lambda: WORKERS[args.worker](args, prompts))
     if result.get("all_outputs_full_length") is False:
         # Short outputs would make tokens/s incomparable across systems; say so loudly.
         result["warning"] = f"not every prompt got exactly {args.max_tokens} output tokens"
         log(f"{args.worker}: WARNING: {result['warning']}")
-    result["peak_rss_bytes"] = peak_rss_bytes()
-    result["torch_threads"] = torch.get_num_threads()
-    Path(args.worker_output).write_text(json.dumps(result))
+    save_worker_result(result, Path(args.worker_output))
     return 0
 
 
@@ -374,20 +355,9 @@ def worker_command(args: argparse.Namespace, worker: str, worker_output: Path) -
 
 
 def run_worker(args: argparse.Namespace, worker: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="g1-worker-") as tmp_dir:
-        worker_output = Path(tmp_dir) / "result.json"
-        start_s = time.perf_counter()
-        # stderr is inherited, so the worker's progress lines show up live.
-        completed = subprocess.run(worker_command(args, worker, worker_output), check=False)
-        elapsed_s = time.perf_counter() - start_s
-        if not worker_output.exists():
-            return {"error": f"worker exited with code {completed.returncode} and wrote no result"}
-        result: dict[str, Any] = json.loads(worker_output.read_text())
-    log(
-        f"{worker}: worker done in {elapsed_s:.0f} s"
-        + (f"; {result['error']}" if "error" in result else "")
+    return harness.run_worker(
+        lambda worker_output: worker_command(args, worker, worker_output), worker, "g1"
     )
-    return result
 
 
 def first_token_agreement(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -453,9 +423,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     for name, system in results["systems"].items():
         rss_gib = system.get("peak_rss_bytes", 0) / 2**30
         if "error" in system:
-            # One line, no pipes, so an error message cannot break the table.
-            error_text = " ".join(system["error"].split()).replace("|", "/")
-            lines.append(f"| {name} | failed: {error_text} | | | | {rss_gib:.2f} | |")
+            lines.append(
+                f"| {name} | failed: {markdown_cell(system['error'])} | | | | {rss_gib:.2f} | |"
+            )
             continue
         ratio = ratios.get(f"vacpack/{name}")
         ratio_text = "—" if name == "vacpack" else (f"{ratio:.2f}x" if ratio else "n/a")
@@ -488,28 +458,15 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 
 def save_plot(results: dict[str, Any], plot_path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a benchmark machine
-    import matplotlib.pyplot as plt
-
     ran = {n: s for n, s in results["systems"].items() if "output_tokens_per_s" in s}
-    machine = results["machine"]
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    bars = axes.bar(list(ran), [s["output_tokens_per_s"] for s in ran.values()], color="tab:blue")
-    axes.bar_label(bars, fmt="%.1f")
-    axes.set_ylabel("output tokens/s")
     workload = results["workload"]
-    axes.set_title(
-        f"G1 (Qwen2.5-0.5B shapes, bf16, {workload['num_prompts']} prompts x "
-        f"{workload['max_tokens']} tokens)\non {machine['cpu_model']}, "
-        f"{machine['num_usable_cores']} cores, torch {machine['torch_version']}",
-        fontsize=10,
+    save_bar_chart(
+        {name: system["output_tokens_per_s"] for name, system in ran.items()},
+        plot_path,
+        ylabel="output tokens/s",
+        title=f"G1 (Qwen2.5-0.5B shapes, bf16, {workload['num_prompts']} prompts x "
+        f"{workload['max_tokens']} tokens)\n{machine_summary(results['machine'])}",
     )
-    figure.tight_layout()
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(plot_path, dpi=120)
-    plt.close(figure)
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -517,7 +474,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     unknown = sorted(set(systems_to_run) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    model_dir = ensure_checkpoint(args.model_dir)
+    model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "g1")
     vocab_size = int(read_model_config(model_dir)["vocab_size"])
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size)
     prompt_lens = [len(p) for p in prompts]

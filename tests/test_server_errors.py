@@ -1,0 +1,238 @@
+"""Bad requests get OpenAI error bodies with the right status; nothing stalls the server.
+
+Also: many concurrent streams, a client that leaves mid-stream, a full waiting queue (503), and
+a graceful SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_process import ServerProcess, metric_value, running_server
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 1024
+LONG_PROMPT_IDS = [5] * (MAX_MODEL_LEN + 10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint) -> Iterator[ServerProcess]:
+    with running_server(
+        tiny_checkpoint("qwen2"),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes", str(8 << 20),
+        "--served-model-name", "tiny",
+        env={"VACPACK_API_KEY": API_KEY},
+    ) as process:  # fmt: skip
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=30.0) as http:
+        yield http
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "hello", "max_tokens": 2, **fields}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+C, CHAT, EMB = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+# (name, method, path, body (dict, or raw bytes), status, param at fault, words in the message)
+BAD_REQUESTS = [
+    ("malformed JSON", "POST", C, b'{"prompt": "hi", ', 400, None, "not valid JSON"),
+    ("body not an object", "POST", C, b"[1, 2]", 400, None, "JSON object"),
+    ("missing prompt", "POST", C, {"model": "tiny"}, 400, "prompt", "required"),
+    ("prompt of wrong type", "POST", C, _completion(prompt=5), 400, "prompt", "must be"),
+    ("max_tokens a string", "POST", C, _completion(max_tokens="8"), 400, "max_tokens", "integer"),
+    ("negative max_tokens", "POST", C, _completion(max_tokens=-1), 400, "max_tokens", ">= 0"),
+    ("temperature < 0", "POST", C, _completion(temperature=-0.5), 400, "temperature", ">= 0"),
+    ("top_p > 1", "POST", C, _completion(top_p=1.5), 400, "top_p", "(0, 1]"),
+    ("n = 0", "POST", C, _completion(n=0), 400, "n", ">= 1"),
+    ("n a bool", "POST", C, _completion(n=True), 400, "n", "integer"),
+    ("too many logprobs", "POST", C, _completion(logprobs=50), 400, "logprobs", "20"),
+    ("stop a number", "POST", C, _completion(stop=3), 400, "stop", "string"),
+    ("unknown model", "POST", C, _completion(model="gpt-9"), 404, "model", "does not exist"),
+    ("empty prompt list", "POST", C, _completion(prompt=[]), 400, "prompt", "empty"),
+    ("token id out of vocab", "POST", C, _completion(prompt=[10**7]), 400, "prompt", "token ids"),
+    (
+        "prompt over the context",
+        "POST", C, _completion(prompt=LONG_PROMPT_IDS), 400, "prompt", f"{MAX_MODEL_LEN} tokens",
+    ),
+    (
+        "prompt + max_tokens over the context",
+        "POST", C, _completion(prompt=[5] * 1000, max_tokens=100), 400, "prompt", "1100 tokens",
+    ),
+    ("missing messages", "POST", CHAT, {"model": "tiny"}, 400, "messages", "required"),
+    (
+        "message content a number",
+        "POST", CHAT, _chat(messages=[{"role": "user", "content": 1}]), 400,
+        "messages.0.content", "string",
+    ),
+    (
+        "top_logprobs without logprobs",
+        "POST", CHAT, _chat(top_logprobs=2), 400, "top_logprobs", "logprobs",
+    ),
+    (
+        "negative max_completion_tokens",
+        "POST", CHAT, _chat(max_completion_tokens=-3), 400, "max_completion_tokens", ">= 0",
+    ),
+    ("chat unknown model", "POST", CHAT, _chat(model="nope"), 404, "model", "does not exist"),
+    (
+        "embeddings from a decoder",
+        "POST", EMB, {"model": "tiny", "input": "hi"}, 400, "model", "does not serve embeddings",
+    ),
+    ("unknown route", "POST", "/v1/nothing", {}, 404, None, "no route"),
+    ("wrong method", "GET", C, None, 405, None, ""),
+]  # fmt: skip
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None, words: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert words in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def _assert_answers(client: httpx.Client) -> None:
+    response = client.post(C, json=_completion(temperature=0))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param", "words"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_bad_request_gets_an_openai_error_and_the_server_goes_on(
+    client: httpx.Client, method, path, body, status, param, words
+) -> None:
+    if isinstance(body, bytes):
+        response = client.request(method, path, content=body)
+    else:
+        response = client.request(method, path, json=body)
+    _assert_error(response, status, param, words)
+    _assert_answers(client)
+
+
+def test_api_key_is_required_on_v1_only(server: ServerProcess, client: httpx.Client) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{server.api_url}/completions", json=_completion(), headers=headers)
+        _assert_error(response, 401, None, "API key")
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+    _assert_answers(client)
+
+
+async def _stream_text(http: httpx.AsyncClient, prompt: str) -> str:
+    body = _completion(prompt=prompt, max_tokens=16, temperature=0, stream=True)
+    text = ""
+    async with http.stream("POST", C, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_64_concurrent_streams_finish_with_correct_outputs(
+    server: ServerProcess, client: httpx.Client
+) -> None:
+    prompts = [f"numbers {i} and {i * 7}" for i in range(64)]
+    batch = client.post(C, json=_completion(prompt=prompts, max_tokens=16, temperature=0))
+    expected = [choice["text"] for choice in batch.json()["choices"]]
+
+    async def run_all() -> list[str]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(
+            base_url=server.base_url, headers=AUTH, timeout=60.0, limits=limits
+        ) as http:
+            return await asyncio.gather(*(_stream_text(http, p) for p in prompts))
+
+    assert asyncio.run(run_all()) == expected
+
+
+def _metrics(client: httpx.Client) -> str:
+    return client.get("/metrics").text
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_pages(client: httpx.Client) -> None:
+    aborted_before = metric_value(_metrics(client), "vacpack:request_aborted_total")
+    # Long enough (4 x 1000 tokens) that it is still running when the client leaves.
+    body = _completion(max_tokens=1000, n=4, stream=True, ignore_eos=True)
+    with client.stream("POST", C, json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert metric_value(_metrics(client), "vacpack:kv_cache_used_pages") > 0
+    # Leaving the `with` closed the connection mid-stream.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = _metrics(client)
+        if metric_value(metrics, "vacpack:request_aborted_total") > aborted_before:
+            break
+        time.sleep(0.05)
+    assert metric_value(metrics, "vacpack:request_aborted_total") == aborted_before + 1
+    assert metric_value(metrics, "vacpack:kv_cache_used_pages") == 0
+    assert metric_value(metrics, "vacpack:num_requests_running") == 0
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        assert metric_value(metrics, f"vacpack:{name}_count") > 0
+    assert metric_value(metrics, "vacpack:generation_tokens_total") > 0
+    _assert_answers(client)
+
+
+@pytest.fixture
+def one_slot_server(tiny_checkpoint) -> Iterator[ServerProcess]:
+    """One running sequence at most, one waiting: the third request finds the queue full."""
+    with running_server(
+        tiny_checkpoint("qwen2"),
+        "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(4 << 20),
+        "--max-num-seqs", "1",
+        "--max-waiting-requests", "1",
+        "--shutdown-timeout-s", "20",
+    ) as process:  # fmt: skip
+        yield process
+
+
+def test_full_queue_gets_503_and_sigterm_lets_streams_finish(
+    one_slot_server: ServerProcess,
+) -> None:
+    long_body = _completion(model=None, max_tokens=1000, ignore_eos=True, stream=True)
+    with (
+        httpx.Client(base_url=one_slot_server.base_url, timeout=60.0) as http,
+        http.stream("POST", C, json=long_body) as running,
+    ):
+        running_lines = running.iter_lines()
+        assert next(line for line in running_lines if line.startswith("data: "))
+        with http.stream("POST", C, json=long_body) as waiting:
+            assert waiting.status_code == 200  # taken, waiting for the slot
+            refused = http.post(C, json=_completion(model=None))
+            assert refused.status_code == 503
+            assert refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["code"] == "server_overloaded"
+
+            # SIGTERM: no new connections, but the two streams in flight run to the end.
+            one_slot_server.process.send_signal(signal.SIGTERM)
+            finish_reasons = []
+            for lines in (running_lines, waiting.iter_lines()):
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                finish_reasons.append(json.loads(events[-2])["choices"][0]["finish_reason"])
+            assert finish_reasons == ["length", "length"]
+    assert one_slot_server.process.wait(timeout=30) in (0, -signal.SIGTERM)

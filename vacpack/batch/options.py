@@ -1,0 +1,53 @@
+"""Batch-run options: a frozen config, and the `vacpack run-batch` flags that fill it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    input_path: Path
+    output_path: Path
+    # Engine requests (prompts) taken in at once. More than the engine runs at once keeps its
+    # waiting queue full between steps; a bound keeps memory flat however long the file is.
+    # None: twice the engine's max_num_seqs.
+    max_in_flight: int | None = None
+    fsync_interval_s: float = 1.0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.fsync_interval_s < 0:
+            raise ValueError(f"fsync_interval_s must be >= 0, got {self.fsync_interval_s}")
+        if Path(self.input_path).resolve() == Path(self.output_path).resolve():
+            raise ValueError("the output file must not be the input file")
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("batch")
+    group.add_argument("-i", "--input-file", required=True, help="OpenAI batch input (JSONL)")
+    group.add_argument(
+        "-o", "--output-file", required=True, help="results (JSONL); an existing one is resumed"
+    )
+    group.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="prompts held at once (default: twice --max-num-seqs)",
+    )
+    group.add_argument("--fsync-interval-s", type=float, default=1.0)
+    group.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def batch_options_from_args(args: argparse.Namespace) -> BatchOptions:
+    return BatchOptions(
+        input_path=Path(args.input_file),
+        output_path=Path(args.output_file),
+        max_in_flight=args.max_in_flight,
+        fsync_interval_s=args.fsync_interval_s,
+        show_progress=not args.quiet,
+    )

@@ -1,0 +1,324 @@
+"""Answer an OpenAI batch file with the engine, streaming: flat memory, resumable, never idle.
+
+Input lines are read one at a time and taken in while fewer than `max_in_flight` prompts are
+in the engine; between every two engine steps finished requests are written out and new lines
+taken in, so the engine's queue never runs dry while input remains. Embedding lines (for an
+embedding model) are gathered up to the same bound and embedded as one packed job. Requests are
+translated and answered by vacpack.openai_api, the same code the HTTP server uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from vacpack.batch.lines import BatchLine, LineError, count_requests, iter_lines
+from vacpack.batch.options import BatchOptions
+from vacpack.batch.records import line_error_record, response_record
+from vacpack.batch.result_file import AnsweredSet, ResultWriter, recover_answered
+from vacpack.llm import LLM
+from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    parse_body,
+)
+from vacpack.openai_api.requests import (
+    PreparedGeneration,
+    prepare_chat,
+    prepare_completion,
+    prepare_embedding,
+)
+from vacpack.openai_api.responses import (
+    PromptResult,
+    chat_body,
+    completion_body,
+    embedding_body,
+    new_response_id,
+    now_s,
+)
+from vacpack.openai_api.serving import (
+    EmbedInput,
+    embed_function,
+    embed_groups,
+    generation_engine,
+)
+from vacpack.outputs import RequestOutput, RequestOutputKind
+
+logger = logging.getLogger(__name__)
+
+_RESPONSE_ID_PREFIXES = {
+    "/v1/chat/completions": "chatcmpl",
+    "/v1/completions": "cmpl",
+    "/v1/embeddings": "embd",
+}
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    num_requests: int  # non-blank input lines
+    num_resumed: int  # answered by an earlier run, skipped now
+    num_answered: int  # answered by this run, errors included
+    num_failed: int  # answered by this run with an error
+    num_duplicates: int  # lines whose custom_id an earlier line of this run already had
+    num_output_tokens: int
+    peak_in_flight: int  # most prompts (or embedding inputs) held at once
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """A line translated for the engine: a generation, or inputs to embed."""
+
+    line: BatchLine
+    response_id: str
+    prepared: PreparedGeneration | None = None
+    embed_inputs: list[EmbedInput] | None = None
+    encoding_format: str = "float"
+
+    @property
+    def size(self) -> int:
+        return len(self.prepared.prompts) if self.prepared else len(self.embed_inputs or ())
+
+
+@dataclass
+class _Pending:
+    """A generation line whose prompts are in the engine."""
+
+    ready: _Ready
+    created: int
+    results: list[PromptResult | None]
+    num_unfinished: int
+
+
+class BatchRunner:
+    def __init__(self, llm: LLM, options: BatchOptions) -> None:
+        self._engine = generation_engine(llm)
+        self._embed = embed_function(llm)
+        self._tokenizer = llm.get_tokenizer()
+        self._max_model_len = llm.loaded.max_model_len
+        self._model_name = llm.config.model
+        self._options = options
+        self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
+        self._pending: dict[str, tuple[_Pending, int]] = {}  # engine request id -> (line, prompt)
+        self._embed_buffer: list[_Ready] = []
+        self._seen_custom_ids: set[str] = set()
+        self._num_resumed = 0
+        self._num_answered = 0
+        self._num_failed = 0
+        self._num_duplicates = 0
+        self._num_output_tokens = 0
+        self._peak_in_flight = 0
+
+    def run(self) -> BatchSummary:
+        start_s = time.perf_counter()
+        options = self._options
+        answered = recover_answered(options.output_path)
+        num_requests = count_requests(options.input_path)
+        self._progress = tqdm(
+            total=num_requests, desc="run-batch", unit="req", disable=not options.show_progress
+        )
+        try:
+            with ResultWriter(options.output_path, options.fsync_interval_s) as writer:
+                self._writer = writer
+                self._feed_and_drain(iter_lines(options.input_path), answered)
+        finally:
+            for request_id in list(self._pending):  # interrupted: leave nothing running
+                assert self._engine is not None
+                self._engine.abort_request(request_id)
+            self._progress.close()
+        return BatchSummary(
+            num_requests=num_requests,
+            num_resumed=self._num_resumed,
+            num_answered=self._num_answered,
+            num_failed=self._num_failed,
+            num_duplicates=self._num_duplicates,
+            num_output_tokens=self._num_output_tokens,
+            peak_in_flight=self._peak_in_flight,
+            elapsed_s=time.perf_counter() - start_s,
+        )
+
+    def _feed_and_drain(
+        self, lines: Iterator[BatchLine | LineError], answered: AnsweredSet
+    ) -> None:
+        held: _Ready | None = None
+        exhausted = False
+        while True:
+            # Take lines in up to the bound; the line that would cross it waits for room.
+            while not exhausted:
+                if held is None:
+                    item = next(lines, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    held = self._triage(item, answered)
+                    if held is None:
+                        continue
+                if held.embed_inputs is not None:
+                    if self._embed_buffer and self._num_buffered + held.size > self._max_in_flight:
+                        self._flush_embeddings()
+                    self._embed_buffer.append(held)
+                    self._note_in_flight(self._num_buffered)
+                elif self._pending and len(self._pending) + held.size > self._max_in_flight:
+                    break
+                else:
+                    self._submit(held)
+                held = None
+            if self._engine is not None and self._engine.has_unfinished_requests():
+                for output in self._engine.step():
+                    self._on_output(output)
+            elif exhausted:
+                self._flush_embeddings()
+                return
+
+    # ------------------------------------------------------------ lines in
+    def _triage(self, item: BatchLine | LineError, answered: AnsweredSet) -> _Ready | None:
+        """A line ready to run, or None when it was skipped or answered right away."""
+        if item in answered:
+            self._num_resumed += 1
+            self._progress.update(1)
+            return None
+        if isinstance(item, LineError):
+            self._write(line_error_record(item), failed=True)
+            return None
+        if item.custom_id in self._seen_custom_ids:
+            logger.warning(
+                "line %d repeats custom_id %r: skipped", item.line_number, item.custom_id
+            )
+            self._num_duplicates += 1
+            self._progress.update(1)
+            return None
+        self._seen_custom_ids.add(item.custom_id)
+        response_id = new_response_id(_RESPONSE_ID_PREFIXES[item.url])
+        try:
+            return self._translate(item, response_id)
+        except APIError as error:
+            self._write_response(item.custom_id, response_id, error.status_code, error.to_body())
+            return None
+
+    def _translate(self, line: BatchLine, response_id: str) -> _Ready:
+        if line.url == "/v1/embeddings":
+            embedding_request = parse_body(EmbeddingRequest, line.body)
+            if self._embed is None:
+                raise bad_request("this model does not serve embeddings", "model")
+            inputs = prepare_embedding(embedding_request)
+            encoding_format = embedding_request.encoding_format or "float"
+            return _Ready(line, response_id, embed_inputs=inputs, encoding_format=encoding_format)
+        if self._engine is None:
+            raise bad_request("this model does not generate text; it serves embeddings", "model")
+        kind = RequestOutputKind.FINAL_ONLY  # one output per request: nothing built per step
+        if line.url == "/v1/chat/completions":
+            chat_request = parse_body(ChatCompletionRequest, line.body)
+            prepared = prepare_chat(chat_request, self._tokenizer, self._max_model_len, kind)
+        else:
+            request = parse_body(CompletionRequest, line.body)
+            prepared = prepare_completion(request, self._tokenizer, self._max_model_len, kind)
+        return _Ready(line, response_id, prepared=prepared)
+
+    def _submit(self, ready: _Ready) -> None:
+        assert self._engine is not None and ready.prepared is not None
+        prompts = ready.prepared.prompts
+        pending = _Pending(ready, now_s(), [None] * len(prompts), len(prompts))
+        added: list[str] = []
+        for index, prompt in enumerate(prompts):
+            request_id = f"{ready.response_id}-{index}"
+            try:
+                self._engine.add_request(
+                    request_id, prompt.token_ids, ready.prepared.params, prompt.text
+                )
+            except ValueError as error:
+                for added_id in added:
+                    self._engine.abort_request(added_id)
+                    del self._pending[added_id]
+                where = f"prompt {index}: " if len(prompts) > 1 else ""
+                body = bad_request(f"{where}{error}", "prompt").to_body()
+                self._write_response(ready.line.custom_id, ready.response_id, 400, body)
+                return
+            added.append(request_id)
+            self._pending[request_id] = (pending, index)
+        self._note_in_flight(len(self._pending))
+
+    @property
+    def _num_buffered(self) -> int:
+        return sum(ready.size for ready in self._embed_buffer)
+
+    def _note_in_flight(self, num_in_flight: int) -> None:
+        self._peak_in_flight = max(self._peak_in_flight, num_in_flight)
+
+    # ------------------------------------------------------------ results out
+    def _flush_embeddings(self) -> None:
+        if not self._embed_buffer:
+            return
+        assert self._embed is not None
+        buffer, self._embed_buffer = self._embed_buffer, []
+        groups = [ready.embed_inputs or [] for ready in buffer]
+        for ready, outputs in zip(buffer, embed_groups(self._embed, groups), strict=True):
+            if isinstance(outputs, ValueError):
+                error = bad_request(str(outputs), "input")
+                self._write_response(ready.line.custom_id, ready.response_id, 400, error.to_body())
+                continue
+            body = embedding_body(self._model_name, outputs, ready.encoding_format)
+            self._write_response(ready.line.custom_id, ready.response_id, 200, body)
+
+    def _on_output(self, output: RequestOutput) -> None:
+        pending, index = self._pending.pop(output.request_id)
+        ready = pending.ready
+        assert ready.prepared is not None
+        prompt = ready.prepared.prompts[index]
+        pending.results[index] = PromptResult.from_final_output(prompt, output)
+        pending.num_unfinished -= 1
+        if pending.num_unfinished:
+            return
+        results = [r for r in pending.results if r is not None]
+        args = (ready.response_id, pending.created, self._model_name, ready.prepared)
+        if ready.prepared.kind == "chat":
+            body = chat_body(*args, results[0], self._decode_token)
+        else:
+            body = completion_body(*args, results, self._decode_token)
+        self._num_output_tokens += body["usage"]["completion_tokens"]
+        self._write_response(ready.line.custom_id, ready.response_id, 200, body)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _write_response(
+        self, custom_id: str, request_id: str, status_code: int, body: dict[str, Any]
+    ) -> None:
+        record = response_record(custom_id, request_id, status_code, body)
+        self._write(record, failed=status_code != 200)
+
+    def _write(self, record: dict[str, Any], failed: bool) -> None:
+        self._writer.write(record)
+        self._num_answered += 1
+        self._num_failed += failed
+        self._progress.update(1)
+        elapsed_s = self._progress.format_dict["elapsed"] or 1e-9
+        self._progress.set_postfix_str(
+            f"{self._num_output_tokens / elapsed_s:.1f} out tok/s", refresh=False
+        )
+
+
+def run_batch(llm: LLM, options: BatchOptions) -> BatchSummary:
+    return BatchRunner(llm, options).run()
+
+
+def run_batch_command(model: str, engine_kwargs: dict[str, Any], options: BatchOptions) -> int:
+    """`vacpack run-batch`: load the model, answer the file, report."""
+    llm = LLM(model, **engine_kwargs)
+    summary = run_batch(llm, options)
+    print(
+        f"{summary.num_answered} requests answered ({summary.num_failed} with errors), "
+        f"{summary.num_resumed} already answered, {summary.num_duplicates} duplicate custom_ids "
+        f"skipped; {summary.num_output_tokens} output tokens in {summary.elapsed_s:.1f} s "
+        f"({summary.num_output_tokens / max(summary.elapsed_s, 1e-9):.1f} tok/s) -> "
+        f"{options.output_path}",
+        file=sys.stderr,
+    )
+    return 0

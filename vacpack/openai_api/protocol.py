@@ -1,0 +1,149 @@
+"""The request bodies we accept, as pydantic models, and parsing that fails with a 400.
+
+Fields and defaults follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p,
+repetition_penalty, ignore_eos, ...). Types are strict (a string is not a number, true is not
+1) because a client that sends the wrong type has a bug we should report, not guess around.
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do, so newer clients
+keep working.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from vacpack.openai_api.errors import bad_request
+
+# A prompt (or an embedding input): text, texts, token ids, or lists of token ids.
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+# What a union-typed field must be, said once for the client instead of once per union branch.
+_FIELD_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "input": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(_Body):
+    """Fields common to completions and chat completions."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+Request = TypeVar("Request", bound=_Body)
+
+
+def parse_body(model: type[Request], body: bytes | str | dict[str, Any]) -> Request:
+    """A request model from raw JSON (or an already-decoded object); APIError 400 if invalid."""
+    if isinstance(body, dict):
+        data: Any = body
+    else:
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise bad_request(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise bad_request(*_describe(error)) from None
+
+
+def _describe(error: ValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first field at fault."""
+    first = error.errors(include_url=False)[0]
+    if first["type"] == "missing":
+        param = ".".join(str(part) for part in first["loc"])
+        return f"{param} is required", param
+    path: list[str] = []
+    for part in first["loc"]:
+        path.append(str(part))
+        if part in _FIELD_SHAPES:
+            # A union field: the rest of the location names union branches, noise to a client.
+            param = ".".join(path)
+            return f"{param} must be {_FIELD_SHAPES[str(part)]}", param
+    param = ".".join(path) or None
+    return f"{param}: {first['msg']}", param

@@ -1,0 +1,256 @@
+"""A parsed OpenAI request -> what the engine runs: prompts as token ids and SamplingParams.
+
+Every check a request can fail before it reaches the engine lives here, so the server and batch
+files refuse the same requests with the same messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    PromptInput,
+)
+from vacpack.outputs import RequestOutputKind
+from vacpack.sampling import SamplingParams
+from vacpack.tokenizer import apply_chat_template
+
+_SAMPLING_FIELD_NAMES = {f.name for f in fields(SamplingParams)}
+
+
+@dataclass(frozen=True)
+class EnginePrompt:
+    """One prompt as the engine takes it. `text` is None unless given or needed for echo."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class PreparedGeneration:
+    """A completions or chat request, ready for the engine: one engine request per prompt."""
+
+    kind: Literal["completion", "chat"]
+    prompts: list[EnginePrompt]
+    params: SamplingParams
+    echo: bool  # completions only: the prompt's text (and logprobs) lead each choice
+    want_logprobs: bool
+    stream: bool
+    include_usage_in_stream: bool
+
+    @property
+    def num_choices_per_prompt(self) -> int:
+        return self.params.n
+
+
+def prepare_completion(
+    request: CompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    max_model_len: int,
+    output_kind: RequestOutputKind,
+) -> PreparedGeneration:
+    if request.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if request.best_of is not None and request.best_of != (request.n or 1):
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    echo = bool(request.echo)
+    prompts = [
+        EnginePrompt(
+            token_ids, text if text is not None or not echo else tokenizer.decode(token_ids)
+        )
+        for text, token_ids in _tokenize_prompts(request.prompt, tokenizer, "prompt")
+    ]
+    params = _sampling_params(
+        request,
+        max_tokens=request.max_tokens,
+        logprobs=request.logprobs,
+        prompt_logprobs=request.logprobs if echo else None,
+        output_kind=output_kind,
+        renamed={"prompt_logprobs": "logprobs"},
+    )
+    for index, prompt in enumerate(prompts):
+        where = f"prompt {index}" if len(prompts) > 1 else "the prompt"
+        check_context(len(prompt.token_ids), params.max_tokens, max_model_len, where, "prompt")
+    return PreparedGeneration(
+        kind="completion",
+        prompts=prompts,
+        params=params,
+        echo=echo,
+        want_logprobs=request.logprobs is not None,
+        stream=bool(request.stream),
+        include_usage_in_stream=request.include_usage_in_stream,
+    )
+
+
+def prepare_chat(
+    request: ChatCompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    max_model_len: int,
+    output_kind: RequestOutputKind,
+) -> PreparedGeneration:
+    if request.tools:
+        raise bad_request("tools are not supported", "tools")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if not request.messages:
+        raise bad_request("messages must not be empty", "messages")
+    conversation: list[dict[str, Any]] = []
+    for message in request.messages:
+        turn: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name is not None:
+            turn["name"] = message.name
+        conversation.append(turn)
+    try:
+        token_ids = apply_chat_template(
+            tokenizer,
+            conversation,
+            add_generation_prompt=request.add_generation_prompt is not False,
+            **(request.chat_template_kwargs or {}),
+        )
+    except (TemplateError, ValueError, TypeError) as error:
+        message = f"the chat template could not render messages: {error}"
+        raise bad_request(message, "messages") from None
+    max_tokens_field = "max_tokens"
+    max_tokens = request.max_tokens
+    if request.max_completion_tokens is not None:
+        max_tokens_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
+    params = _sampling_params(
+        request,
+        max_tokens=max_tokens,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        prompt_logprobs=None,
+        output_kind=output_kind,
+        renamed={"logprobs": "top_logprobs", "max_tokens": max_tokens_field},
+    )
+    check_context(len(token_ids), params.max_tokens, max_model_len, "the messages", "messages")
+    return PreparedGeneration(
+        kind="chat",
+        prompts=[EnginePrompt(token_ids)],
+        params=params,
+        echo=False,
+        want_logprobs=bool(request.logprobs),
+        stream=bool(request.stream),
+        include_usage_in_stream=request.include_usage_in_stream,
+    )
+
+
+def prepare_embedding(request: EmbeddingRequest) -> list[str | list[int]]:
+    """The inputs to embed, as texts or token-id lists (the embedding job tokenizes text)."""
+    if request.dimensions is not None:
+        raise bad_request("dimensions is not supported", "dimensions")
+    given = request.input
+    inputs: list[str | list[int]]
+    if isinstance(given, str):
+        inputs = [given]
+    elif given and isinstance(given[0], int):
+        inputs = [list(given)]  # type: ignore[arg-type]
+    else:
+        inputs = [item if isinstance(item, str) else list(item) for item in given]  # type: ignore[union-attr]
+    if not inputs:
+        raise bad_request("input must not be an empty list", "input")
+    for index, item in enumerate(inputs):
+        if not (item.strip() if isinstance(item, str) else item):
+            raise bad_request(f"input {index} is empty", "input")
+    return inputs
+
+
+def check_context(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    where: str,
+    param: str,
+) -> None:
+    """400 unless the prompt plus the tokens asked for fit in the context, as OpenAI checks."""
+    if num_prompt_tokens == 0:
+        raise bad_request(f"{where} is empty: give at least one token", param)
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens, and {where} "
+                f"has {num_prompt_tokens} tokens: at most {max_model_len - 1} prompt tokens "
+                "leave room for one output token. Shorten the prompt.",
+                param,
+            )
+        return
+    if num_prompt_tokens + max(max_tokens, 1) > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+            f"{where}, {max_tokens} in the completion). Shorten the prompt or max_tokens.",
+            param,
+        )
+
+
+def _tokenize_prompts(
+    prompt: PromptInput, tokenizer: PreTrainedTokenizerBase, param: str
+) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) for each prompt in a prompt input."""
+    if isinstance(prompt, str):
+        return [(prompt, tokenizer.encode(prompt))]
+    if not prompt:
+        raise bad_request(f"{param} must not be an empty list", param)
+    if isinstance(prompt[0], int):
+        return [(None, list(prompt))]  # type: ignore[arg-type]
+    if isinstance(prompt[0], str):
+        return [(text, tokenizer.encode(text)) for text in prompt]  # type: ignore[union-attr]
+    return [(None, list(token_ids)) for token_ids in prompt]  # type: ignore[union-attr]
+
+
+def _sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    output_kind: RequestOutputKind,
+    renamed: dict[str, str],
+) -> SamplingParams:
+    """SamplingParams from the request; None fields keep SamplingParams' defaults.
+
+    `renamed` maps a SamplingParams field to the request field it came from, so a 400 names
+    the field the client actually sent.
+    """
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    given: dict[str, Any] = {
+        "n": request.n,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+    }
+    kwargs = {name: value for name, value in given.items() if value is not None}
+    try:
+        return SamplingParams(max_tokens=max_tokens, output_kind=output_kind, **kwargs)
+    except ValueError as error:
+        message = str(error)
+        field_name = message.split(" ", 1)[0]
+        if field_name not in _SAMPLING_FIELD_NAMES:
+            raise bad_request(message) from None
+        param = renamed.get(field_name, field_name)
+        raise APIError(
+            400, message.replace(field_name, param, 1), param=param, code="invalid_value"
+        ) from None

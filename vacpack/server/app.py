@@ -1,0 +1,121 @@
+"""The FastAPI app: routes, bearer-token auth, and every error in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vacpack.openai_api.errors import APIError
+from vacpack.openai_api.responses import now_s
+from vacpack.server.handlers import ClientDisconnected, OpenAIHandlers, json_response
+from vacpack.server.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# Not a real HTTP status: nginx's "client closed request", logged for requests nobody awaits.
+_CLIENT_CLOSED_REQUEST = 499
+
+
+def error_response(error: APIError) -> Response:
+    return json_response(error.to_body(), error.status_code, headers=error.headers)
+
+
+class BearerAuth:
+    """Pure ASGI (not BaseHTTPMiddleware, which would break streaming and disconnects)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = APIError(
+                    401,
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
+    engine = handlers.engine
+    shutdown_timeout_s = handlers.config.shutdown_timeout_s
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop(timeout_s=shutdown_timeout_s)
+
+    app = FastAPI(title="vacpack", lifespan=lifespan, docs_url=None, redoc_url=None)
+    created = now_s()
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, error: HTTPException) -> Response:
+        message = {404: f"no route {request.method} {request.url.path}"}.get(
+            error.status_code, str(error.detail)
+        )
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return error_response(APIError(error.status_code, message, code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
+        return error_response(APIError(400, str(error)))
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, error: ClientDisconnected) -> Response:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unexpected error answering %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return error_response(APIError(503, "the engine thread is not running"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return handlers.models(created)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handlers.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handlers.chat_completions(request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await handlers.embeddings(request)
+
+    if handlers.config.api_key:
+        app.add_middleware(BearerAuth, api_key=handlers.config.api_key)
+    return app

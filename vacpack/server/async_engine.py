@@ -1,0 +1,382 @@
+"""The engine on a thread of its own, bridged to asyncio.
+
+The engine is not thread-safe, so exactly one thread touches it: a loop that drains a queue of
+commands (add, abort, embed, stop), then steps while there is work, then blocks on the queue.
+Outputs go back to the event loop with one `call_soon_threadsafe` per step, into a per-request
+asyncio.Queue, so a slow client never holds up the engine or another request.
+
+Anything a request does wrong is caught on the engine thread and sent to that request only; an
+error inside a step (which cannot be pinned on one request) fails the requests in flight, and
+the loop carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vacpack.engine.engine import LLMEngine
+from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.serving import EmbedFunction, EmbedInput, embed_groups
+from vacpack.outputs import EmbeddingRequestOutput, RequestOutput
+from vacpack.sampling import SamplingParams
+from vacpack.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+class _Accepted:
+    """The engine thread took a stream's requests into the engine."""
+
+
+_ACCEPTED = _Accepted()
+
+
+class RequestStream:
+    """What the engine thread sends one client request: an acceptance, then outputs, or an error.
+
+    Iterating yields RequestOutputs until every engine request in it has finished; an error sent
+    by the engine thread is raised instead.
+    """
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        self.request_ids = list(request_ids)
+        self._unfinished = set(request_ids)
+        self._items: asyncio.Queue[RequestOutput | BaseException | _Accepted] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException | _Accepted) -> None:
+        self._items.put_nowait(item)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    async def wait_accepted(self) -> None:
+        item = await self._items.get()
+        if isinstance(item, BaseException):
+            raise item
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._items.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        assert isinstance(item, RequestOutput)
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+
+@dataclass(frozen=True)
+class _Add:
+    requests: list[EngineRequest]
+    stream: RequestStream
+    arrival_s: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class _Embed:
+    inputs: list[EmbedInput]
+    future: asyncio.Future[list[EmbeddingRequestOutput]]
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class _Timing:
+    arrival_s: float
+    last_output_s: float | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine | None,
+        metrics: ServerMetrics,
+        *,
+        embed: EmbedFunction | None = None,
+        max_waiting_requests: int | None = None,
+        retry_after_s: int = 1,
+    ) -> None:
+        self._engine = engine
+        self._embed = embed
+        self._metrics = metrics
+        self._max_waiting = max_waiting_requests
+        self._retry_after_s = retry_after_s
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Embed | _Stop] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Engine-thread state: which stream each engine request reports to, and its timing.
+        self._streams: dict[str, RequestStream] = {}
+        self._timings: dict[str, _Timing] = {}
+        # What this turn of the loop sends to streams: handed over in one call per turn.
+        self._deliveries: list[tuple[RequestStream, Any]] = []
+
+    @property
+    def serves_generation(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def serves_embeddings(self) -> bool:
+        return self._embed is not None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------ the event loop's side
+    def start(self) -> None:
+        """Starts the engine thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="vacpack-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Aborts what is left and ends the engine thread."""
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        self._thread.join(timeout_s)
+
+    async def submit(self, requests: list[EngineRequest]) -> RequestStream:
+        """Hands requests to the engine; returns once it took them, raising APIError if not."""
+        stream = RequestStream([r.request_id for r in requests])
+        self._commands.put(_Add(requests, stream, time.perf_counter()))
+        try:
+            await stream.wait_accepted()
+        except asyncio.CancelledError:
+            self.abort(stream.request_ids)
+            raise
+        return stream
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Frees the requests' KV pages at the engine's next turn; unknown ids are ignored."""
+        self._commands.put(_Abort(list(request_ids)))
+
+    async def embed(self, inputs: list[EmbedInput]) -> list[EmbeddingRequestOutput]:
+        """Embeddings, computed on the engine thread; APIError 400 for a bad input."""
+        assert self._loop is not None, "start() first"
+        future: asyncio.Future[list[EmbeddingRequestOutput]] = self._loop.create_future()
+        self._commands.put(_Embed(inputs, future))
+        return await future
+
+    # ------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        running = True
+        while running:
+            try:
+                running = self._handle_commands()
+                if running and self._engine is not None and self._engine.has_unfinished_requests():
+                    self._step()
+                self._publish_state()
+            except Exception:  # the loop must outlive any one failure
+                logger.exception("engine loop error")
+            self._flush_deliveries()
+
+    def _handle_commands(self) -> bool:
+        """Runs queued commands, blocking for one when there is no work; False on stop."""
+        idle = self._engine is None or not self._engine.has_unfinished_requests()
+        commands = [self._commands.get()] if idle else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        embeds: list[_Embed] = []
+        for command in commands:
+            if isinstance(command, _Stop):
+                shutting_down = APIError(503, "the server is shutting down", code="shutdown")
+                self._abort_all(shutting_down)
+                self._settle_embeds(embeds, [shutting_down] * len(embeds))
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_ids)
+            else:
+                embeds.append(command)
+        if embeds:
+            self._run_embeds(embeds)
+        return True
+
+    def _add(self, command: _Add) -> None:
+        engine = self._engine
+        if engine is None:
+            self._deliver(command.stream, bad_request("this model does not generate text", "model"))
+            return
+        num_waiting = len(engine.scheduler.waiting)
+        if self._max_waiting is not None and num_waiting >= self._max_waiting:
+            self._metrics.requests_rejected.inc()
+            error = APIError(
+                503,
+                f"the server is busy: {num_waiting} sequences are waiting; retry later",
+                code="server_overloaded",
+                headers={"Retry-After": str(self._retry_after_s)},
+            )
+            self._deliver(command.stream, error)
+            return
+        added: list[str] = []
+        try:
+            for index, request in enumerate(command.requests):
+                try:
+                    engine.add_request(
+                        request.request_id, request.prompt_token_ids, request.params, request.prompt
+                    )
+                except ValueError as error:
+                    where = f"prompt {index}: " if len(command.requests) > 1 else ""
+                    raise bad_request(f"{where}{error}", "prompt") from None
+                added.append(request.request_id)
+        except Exception as error:
+            for request_id in added:
+                engine.abort_request(request_id)
+            if not isinstance(error, APIError):
+                logger.exception("adding a request failed")
+                error = APIError(500, f"the engine could not take the request: {error}")
+            self._deliver(command.stream, error)
+            return
+        for request in command.requests:
+            self._streams[request.request_id] = command.stream
+            self._timings[request.request_id] = _Timing(command.arrival_s)
+            self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        self._deliver(command.stream, _ACCEPTED)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if self._engine is None:
+            return
+        for request_id in request_ids:
+            if self._streams.pop(request_id, None) is not None:
+                self._timings.pop(request_id, None)
+                self._engine.abort_request(request_id)
+                self._metrics.requests_aborted.inc()
+
+    def _abort_all(self, error: APIError) -> None:
+        streams = dict(self._streams)
+        if streams:
+            self._abort(list(streams))
+        for stream in set(streams.values()):
+            self._deliver(stream, error)
+
+    def _run_embeds(self, commands: list[_Embed]) -> None:
+        """All embedding requests that arrived together run as one packed job."""
+        results: list[Any]
+        try:
+            if self._embed is None:
+                raise bad_request("this model does not serve embeddings", "model")
+            results = embed_groups(self._embed, [command.inputs for command in commands])
+            results = [
+                bad_request(str(r), "input") if isinstance(r, ValueError) else r for r in results
+            ]
+        except APIError as error:
+            results = [error] * len(commands)
+        except Exception as error:
+            logger.exception("embedding failed")
+            results = [APIError(500, f"embedding failed: {error}")] * len(commands)
+        self._settle_embeds(commands, results)
+
+    def _settle_embeds(self, commands: list[_Embed], results: list[Any]) -> None:
+        assert self._loop is not None
+        for command, result in zip(commands, results, strict=True):
+            with contextlib.suppress(RuntimeError):  # the event loop has closed
+                self._loop.call_soon_threadsafe(_settle, command.future, result)
+
+    def _step(self) -> None:
+        assert self._engine is not None
+        try:
+            outputs = self._engine.step()
+        except Exception as error:
+            logger.exception(
+                "engine step failed; failing the %d requests in it", len(self._streams)
+            )
+            self._abort_all(APIError(500, f"the engine failed while running the request: {error}"))
+            return
+        now = time.perf_counter()
+        metrics = self._metrics
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted after this step was scheduled
+            timing = self._timings[output.request_id]
+            num_new_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if num_new_tokens:
+                metrics.generation_tokens.inc(num_new_tokens)
+                if timing.last_output_s is None:
+                    metrics.time_to_first_token.observe(now - timing.arrival_s)
+                else:
+                    metrics.inter_token_latency.observe(now - timing.last_output_s)
+                timing.last_output_s = now
+            for completion in output.outputs:
+                if completion.finish_reason is not None:
+                    metrics.count_finished(completion.finish_reason)
+            if output.prompt_logprobs is not None:
+                # The engine keeps appending to this list during a chunked prefill: the event
+                # loop must read a copy, not the list this thread is writing.
+                output.prompt_logprobs = list(output.prompt_logprobs)
+            if output.finished:
+                metrics.e2e_request_latency.observe(now - timing.arrival_s)
+                del self._streams[output.request_id]
+                del self._timings[output.request_id]
+            self._deliver(stream, output)
+
+    def _publish_state(self) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        self._metrics.set_engine_state(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            used_pages=engine.page_pool.num_used_pages,
+            total_pages=engine.page_pool.num_pages,
+        )
+
+    def _deliver(self, stream: RequestStream, item: Any) -> None:
+        self._deliveries.append((stream, item))
+
+    def _flush_deliveries(self) -> None:
+        if not self._deliveries:
+            return
+        deliveries, self._deliveries = self._deliveries, []
+        assert self._loop is not None
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(_put_all, deliveries)
+
+
+def _put_all(deliveries: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in deliveries:
+        stream.put(item)
+
+
+def _settle(future: asyncio.Future[Any], result: Any) -> None:
+    if future.done():  # the client went away meanwhile
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

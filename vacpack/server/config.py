@@ -1,0 +1,65 @@
+"""Server options: a frozen config, and the `vacpack serve` flags that fill it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "VACPACK_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    # Sequences waiting for a slot beyond which new requests get 503 + Retry-After.
+    max_waiting_requests: int | None = None
+    retry_after_s: int = 1
+    # On SIGTERM: how long in-flight requests may run before they are cut off.
+    shutdown_timeout_s: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(
+                f"max_waiting_requests must be >= 1 or None, got {self.max_waiting_requests}"
+            )
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--api-key", default=None, help=f"require this bearer token (default: ${API_KEY_ENV})"
+    )
+    group.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: --model)"
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 while this many sequences wait for a slot (default: no limit)",
+    )
+    group.add_argument("--shutdown-timeout-s", type=float, default=30.0)
+    group.add_argument("--log-level", default="info")
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        log_level=args.log_level,
+    )

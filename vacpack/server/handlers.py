@@ -1,0 +1,240 @@
+"""The OpenAI endpoints: parse, hand to the engine thread, answer (whole, or as a stream).
+
+Every engine request a client started is aborted when the client goes away before it finishes:
+a streaming response is cancelled by Starlette on disconnect, and a non-streaming one races its
+work against a disconnect watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    parse_body,
+)
+from vacpack.openai_api.requests import (
+    PreparedGeneration,
+    prepare_chat,
+    prepare_completion,
+    prepare_embedding,
+)
+from vacpack.openai_api.responses import (
+    PromptResult,
+    chat_body,
+    completion_body,
+    embedding_body,
+    new_response_id,
+    now_s,
+)
+from vacpack.openai_api.streaming import StreamState
+from vacpack.outputs import RequestOutputKind
+from vacpack.server.async_engine import AsyncEngine, EngineRequest, RequestStream
+from vacpack.server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def json_response(body: dict[str, Any], status_code: int = 200, **kwargs: Any) -> Response:
+    # ensure_ascii=False: text stays as the model wrote it, and smaller on the wire.
+    content = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return Response(content, status_code, media_type="application/json", **kwargs)
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class OpenAIHandlers:
+    config: ServerConfig
+    engine: AsyncEngine
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+
+    # ------------------------------------------------------------ small endpoints
+    def models(self, created: int) -> Response:
+        model = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vacpack",
+            "max_model_len": self.max_model_len,
+        }
+        return json_response({"object": "list", "data": [model]})
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.config.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _require_generation(self) -> None:
+        if not self.engine.serves_generation:
+            raise bad_request("this model does not generate text; it serves embeddings", "model")
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ------------------------------------------------------------ generation
+    # Parsing, the chat template and tokenizing run on a worker thread: a huge prompt must not
+    # hold up the event loop, and with it every other client.
+    async def completions(self, raw: Request) -> Response:
+        prepared = await asyncio.to_thread(self._prepare_completion, await raw.body())
+        return await self._generate(raw, prepared, new_response_id("cmpl"))
+
+    async def chat_completions(self, raw: Request) -> Response:
+        prepared = await asyncio.to_thread(self._prepare_chat, await raw.body())
+        return await self._generate(raw, prepared, new_response_id("chatcmpl"))
+
+    def _prepare_completion(self, body: bytes) -> PreparedGeneration:
+        request = parse_body(CompletionRequest, body)
+        self._check_model(request.model)
+        self._require_generation()
+        return prepare_completion(
+            request, self.tokenizer, self.max_model_len, RequestOutputKind.DELTA
+        )
+
+    def _prepare_chat(self, body: bytes) -> PreparedGeneration:
+        request = parse_body(ChatCompletionRequest, body)
+        self._check_model(request.model)
+        self._require_generation()
+        return prepare_chat(request, self.tokenizer, self.max_model_len, RequestOutputKind.DELTA)
+
+    async def _generate(
+        self, raw: Request, prepared: PreparedGeneration, response_id: str
+    ) -> Response:
+        engine_requests = [
+            EngineRequest(f"{response_id}-{index}", prompt.token_ids, prepared.params, prompt.text)
+            for index, prompt in enumerate(prepared.prompts)
+        ]
+        n = prepared.num_choices_per_prompt
+        state = StreamState(
+            response_id=response_id,
+            created=now_s(),
+            model_name=self.config.served_model_name,
+            prepared=prepared,
+            results=[PromptResult.start(prompt, n) for prompt in prepared.prompts],
+            decode_token=self._decode_token,
+        )
+        stream = await _unless_disconnected(self.engine.submit(engine_requests), raw)
+        if prepared.stream:
+            return StreamingResponse(
+                self._stream_events(stream, state),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            await _unless_disconnected(self._collect(stream, state), raw)
+        finally:
+            if not stream.finished:
+                self.engine.abort(stream.request_ids)
+        if prepared.kind == "chat":
+            body = chat_body(
+                response_id,
+                state.created,
+                state.model_name,
+                prepared,
+                state.results[0],
+                self._decode_token,
+            )
+        else:
+            body = completion_body(
+                response_id,
+                state.created,
+                state.model_name,
+                prepared,
+                state.results,
+                self._decode_token,
+            )
+        return json_response(body)
+
+    @staticmethod
+    async def _collect(stream: RequestStream, state: StreamState) -> None:
+        prompt_index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
+        async for output in stream:
+            state.results[prompt_index[output.request_id]].add_delta(output)
+
+    async def _stream_events(self, stream: RequestStream, state: StreamState) -> AsyncIterator[str]:
+        prompt_index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
+        is_chat = state.prepared.kind == "chat"
+        try:
+            if is_chat:
+                yield "".join(_sse(chunk) for chunk in state.chat_role_chunks())
+            async for output in stream:
+                chunks = (
+                    state.chat_chunks(output)
+                    if is_chat
+                    else state.completion_chunks(prompt_index[output.request_id], output)
+                )
+                events = "".join(_sse(chunk) for chunk in chunks)
+                if events:
+                    yield events
+            usage = state.usage_chunk()
+            yield (_sse(usage) if usage else "") + _SSE_DONE
+        except APIError as error:
+            # The status line has gone out already: the error travels as a last event.
+            yield _sse(error.to_body()) + _SSE_DONE
+        finally:
+            # Reached on normal end, on an error, and when Starlette cancels us on disconnect.
+            if not stream.finished:
+                self.engine.abort(stream.request_ids)
+
+    # ------------------------------------------------------------ embeddings
+    async def embeddings(self, raw: Request) -> Response:
+        request = await asyncio.to_thread(parse_body, EmbeddingRequest, await raw.body())
+        self._check_model(request.model)
+        if not self.engine.serves_embeddings:
+            raise bad_request("this model does not serve embeddings", "model")
+        inputs = prepare_embedding(request)
+        outputs = await _unless_disconnected(self.engine.embed(inputs), raw)
+        body = embedding_body(
+            self.config.served_model_name, outputs, request.encoding_format or "float"
+        )
+        return json_response(body)
+
+
+async def _unless_disconnected(work: Awaitable[T], raw: Request) -> T:
+    """The work's result, or ClientDisconnected (with the work cancelled) if the client left."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if not work_task.done() or work_task.cancelled():
+        raise ClientDisconnected()
+    return work_task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body has been read, so the next ASGI message for this request is the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

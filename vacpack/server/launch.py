@@ -1,0 +1,66 @@
+"""`vacpack serve`: load the model, then serve it over HTTP until SIGTERM or Ctrl-C.
+
+On SIGTERM uvicorn stops accepting connections, lets in-flight requests finish for up to
+`shutdown_timeout_s`, cancels what is left (which aborts those engine requests), and the app's
+lifespan then stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import uvicorn
+
+from vacpack.llm import LLM
+from vacpack.openai_api.serving import embed_function, generation_engine
+from vacpack.server.app import build_app
+from vacpack.server.async_engine import AsyncEngine
+from vacpack.server.config import ServerConfig
+from vacpack.server.handlers import OpenAIHandlers
+from vacpack.server.metrics import ServerMetrics
+from vacpack.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def build_server_app(llm: LLM, config: ServerConfig) -> Any:
+    """The FastAPI app serving `llm`; the engine thread starts with the app's lifespan."""
+    metrics = ServerMetrics(config.served_model_name)
+    async_engine = AsyncEngine(
+        generation_engine(llm),
+        metrics,
+        embed=embed_function(llm),
+        max_waiting_requests=config.max_waiting_requests,
+        retry_after_s=config.retry_after_s,
+    )
+    # The HTTP side tokenizes with its own tokenizer: the engine's belongs to the engine thread.
+    loaded = llm.loaded
+    tokenizer = load_tokenizer(
+        llm.config.tokenizer or str(loaded.model_dir),
+        trust_remote_code=llm.config.trust_remote_code,
+        revision=llm.config.revision,
+    )
+    handlers = OpenAIHandlers(config, async_engine, tokenizer, loaded.max_model_len)
+    return build_app(handlers, metrics)
+
+
+def serve(model: str, engine_kwargs: dict[str, Any], config: ServerConfig) -> int:
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    llm = LLM(model, **engine_kwargs)
+    app = build_server_app(llm, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
+            access_log=config.log_level == "debug",
+        )
+    )
+    logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
+    server.run()
+    return 0

@@ -1,0 +1,97 @@
+"""Prometheus metrics of one server, in a registry of its own (nothing global to reset).
+
+Gauges are set by the engine thread after every step; counters and histograms are observed there
+as outputs leave the engine, so the timings are the engine's, not the event loop's.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_ITL_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+_E2E_BUCKETS_S = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, list(labels), registry=registry, buckets=buckets).labels(
+                **labels
+            )
+
+        self.num_requests_running = gauge(
+            "vacpack:num_requests_running", "Sequences in the running batch."
+        )
+        self.num_requests_waiting = gauge(
+            "vacpack:num_requests_waiting", "Sequences waiting for a slot or for KV pages."
+        )
+        self.kv_cache_used_pages = gauge("vacpack:kv_cache_used_pages", "KV pages in use.")
+        self.kv_cache_total_pages = gauge("vacpack:kv_cache_total_pages", "KV pages in all.")
+        self.kv_cache_usage = gauge(
+            "vacpack:kv_cache_usage_perc", "Share of KV pages in use (1 = full)."
+        )
+        self.prompt_tokens = counter("vacpack:prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("vacpack:generation_tokens", "Tokens generated.")
+        self.time_to_first_token = histogram(
+            "vacpack:time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            _TTFT_BUCKETS_S,
+        )
+        self.inter_token_latency = histogram(
+            "vacpack:inter_token_latency_seconds",
+            "Between successive outputs of a request, per token.",
+            _ITL_BUCKETS_S,
+        )
+        self.e2e_request_latency = histogram(
+            "vacpack:e2e_request_latency_seconds",
+            "From a request's arrival to its last token.",
+            _E2E_BUCKETS_S,
+        )
+        self._finished = Counter(
+            "vacpack:request_success",
+            "Requests that finished, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=registry,
+        )
+        self._model_name = model_name
+        self.requests_aborted = counter(
+            "vacpack:request_aborted", "Requests aborted (client gone, or shutdown)."
+        )
+        self.requests_rejected = counter(
+            "vacpack:request_rejected", "Requests refused with 503 because the queue was full."
+        )
+
+    def count_finished(self, finish_reason: str) -> None:
+        self._finished.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
+
+    def set_engine_state(
+        self, num_running: int, num_waiting: int, used_pages: int, total_pages: int
+    ) -> None:
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_used_pages.set(used_pages)
+        self.kv_cache_total_pages.set(total_pages)
+        self.kv_cache_usage.set(used_pages / total_pages if total_pages else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
