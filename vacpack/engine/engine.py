@@ -352,7 +352,7 @@ class LLMEngine:
                 if (c := _delta_completion(index, sequence)) is not None
             ]
             first_output = not any(s.num_reported_tokens for s in user_request.sequences)
-            prompt_logprobs = first.prompt_logprobs if first_output else None
+            prompt_logprobs = _copy(first.prompt_logprobs) if first_output else None
             for sequence in user_request.sequences:
                 sequence.num_reported_tokens = sequence.num_output_tokens
         else:
@@ -360,7 +360,7 @@ class LLMEngine:
                 _cumulative_completion(index, sequence)
                 for index, sequence in enumerate(user_request.sequences)
             ]
-            prompt_logprobs = first.prompt_logprobs
+            prompt_logprobs = _copy(first.prompt_logprobs)
         metrics = user_request.metrics
         metrics.first_token_time = min(
             (
@@ -426,3 +426,8 @@ def _delta_completion(index: int, sequence: Request) -> CompletionOutput | None:
         finish_reason=sequence.finish_reason,
         stop_reason=sequence.stop_reason,
     )
+
+
+def _copy(prompt_logprobs: list | None) -> list | None:
+    """Outputs get their own list: the engine keeps appending to the request's."""
+    return None if prompt_logprobs is None else list(prompt_logprobs)

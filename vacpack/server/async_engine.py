@@ -334,10 +334,6 @@ class AsyncEngine:
             for completion in output.outputs:
                 if completion.finish_reason is not None:
                     metrics.count_finished(completion.finish_reason)
-            if output.prompt_logprobs is not None:
-                # The engine keeps appending to this list during a chunked prefill: the event
-                # loop must read a copy, not the list this thread is writing.
-                output.prompt_logprobs = list(output.prompt_logprobs)
             if output.finished:
                 metrics.e2e_request_latency.observe(now - timing.arrival_s)
                 del self._streams[output.request_id]
