@@ -26,6 +26,9 @@ from vacpack.kvcache.paged_cache import KVLayer
 # few kernel launches per layer, so tiny groups cost more than the padding they save.
 DECODE_GROUP_MIN_FILL = 0.7
 DECODE_GROUP_MIN_SEQS = 8
+# Whole short sequences of a packed bin (no KV cache) run the same way, padded to the longest
+# of their group: one SDPA call for many embedding-sized documents instead of one each.
+PACKED_GROUP_MIN_FILL = 0.7
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,18 @@ class DecodeGroup:
     pages_per_seq: int
     context_len: int  # the group's longest context
     mask: torch.Tensor | None  # [seqs, 1, 1, context_len]; None when all contexts are equal
+
+
+@dataclass(frozen=True)
+class PackedGroup:
+    """Whole sequences of similar length, run as one padded, masked SDPA call."""
+
+    gather_rows: torch.Tensor  # [seqs * longest] stream row of each padded slot (padding: 0)
+    num_seqs: int
+    longest: int
+    mask: torch.Tensor  # [seqs, 1, longest, longest]: real keys, and causal when causal
+    real_slots: torch.Tensor  # [num_real] which padded slots hold real tokens
+    out_rows: torch.Tensor  # [num_real] the stream rows those slots belong to
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,7 @@ class SdpaMetadata:
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSegment, ...]
     causal: bool = True
+    packed_groups: tuple[PackedGroup, ...] = ()
 
 
 def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
@@ -60,14 +76,19 @@ def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torc
     return (pages.unsqueeze(-1) * page_size + offsets).flatten(-2)[..., :num_tokens]
 
 
-def _group_by_length(context_lens: Sequence[int]) -> list[list[int]]:
-    order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+def _group_by_length(
+    lengths: Sequence[int],
+    min_fill: float = DECODE_GROUP_MIN_FILL,
+    min_seqs: int = DECODE_GROUP_MIN_SEQS,
+) -> list[list[int]]:
+    """Indices grouped longest first; a group closes below min_fill of its longest member,
+    once it has min_seqs members."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for index in order:
         group = groups[-1] if groups else None
         if group is None or (
-            len(group) >= DECODE_GROUP_MIN_SEQS
-            and context_lens[index] < DECODE_GROUP_MIN_FILL * context_lens[group[0]]
+            len(group) >= min_seqs and lengths[index] < min_fill * lengths[group[0]]
         ):
             groups.append([index])
         else:
@@ -80,7 +101,7 @@ class TorchSdpaBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SdpaMetadata:
         if not layout.page_tables:
-            return self._prefill_only_metadata(layout)
+            return self._prefill_only_metadata(layout, device)
         page_size = layout.page_size
         slot_chunks = []
         for query_len, context_len, pages in zip(
@@ -111,13 +132,18 @@ class TorchSdpaBackend(AttentionBackend):
         return SdpaMetadata(slot_mapping, decode_groups, tuple(prefills))
 
     @staticmethod
-    def _prefill_only_metadata(layout: BatchLayout) -> SdpaMetadata:
-        starts = [0, *itertools.accumulate(layout.query_lens)][:-1]
-        prefills = tuple(
-            PrefillSegment(start, n, None, None)
-            for start, n in zip(starts, layout.query_lens, strict=True)
-        )
-        return SdpaMetadata(None, (), prefills, causal=layout.causal)
+    def _prefill_only_metadata(layout: BatchLayout, device: torch.device) -> SdpaMetadata:
+        lengths = list(layout.query_lens)
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+        singles, packed_groups = [], []
+        for members in _group_by_length(lengths, PACKED_GROUP_MIN_FILL, min_seqs=1):
+            if len(members) == 1:
+                singles.append(PrefillSegment(starts[members[0]], lengths[members[0]], None, None))
+            else:
+                group_starts = [starts[i] for i in members]
+                group_lens = [lengths[i] for i in members]
+                packed_groups.append(_packed_group(group_starts, group_lens, layout.causal, device))
+        return SdpaMetadata(None, (), tuple(singles), layout.causal, tuple(packed_groups))
 
     @staticmethod
     def _decode_group(members: list[int], layout: BatchLayout, device: torch.device) -> DecodeGroup:
@@ -152,6 +178,8 @@ class TorchSdpaBackend(AttentionBackend):
         out = torch.empty_like(q)
         for group in metadata.decode_groups:
             out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), kv_layer, group))
+        for group in metadata.packed_groups:
+            out.index_copy_(0, group.out_rows, _packed(q, k, v, group))
         for seg in metadata.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.query_len)
             if seg.context_slots is None:
@@ -170,6 +198,43 @@ class TorchSdpaBackend(AttentionBackend):
             )
             out[rows] = attn.squeeze(0).transpose(0, 1)
         return out
+
+
+def _packed_group(
+    starts: list[int], lengths: list[int], causal: bool, device: torch.device
+) -> PackedGroup:
+    longest = max(lengths)
+    slot_positions = torch.arange(longest)
+    real = slot_positions < torch.tensor(lengths).unsqueeze(1)  # [seqs, longest]
+    rows = torch.tensor(starts).unsqueeze(1) + slot_positions
+    gather_rows = torch.where(real, rows, torch.zeros_like(rows)).flatten()
+    mask = real[:, None, None, :].expand(-1, 1, longest, -1)
+    if causal:
+        # Padded query rows still see the real keys before them, so no row is fully masked.
+        mask = mask & (slot_positions.unsqueeze(0) <= slot_positions.unsqueeze(1))
+    real_slots = real.flatten().nonzero().squeeze(1)
+    return PackedGroup(
+        gather_rows=gather_rows.to(device),
+        num_seqs=len(lengths),
+        longest=longest,
+        mask=mask.contiguous().to(device),
+        real_slots=real_slots.to(device),
+        out_rows=rows.flatten()[real_slots].to(device),
+    )
+
+
+def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PackedGroup) -> torch.Tensor:
+    """Attention of a group of whole sequences, padded to [seqs, heads, longest, head_dim]."""
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        rows = x.index_select(0, group.gather_rows)
+        return rows.view(group.num_seqs, group.longest, *x.shape[1:]).transpose(1, 2)
+
+    attn = F.scaled_dot_product_attention(
+        padded(q), padded(k), padded(v), attn_mask=group.mask, enable_gqa=True
+    )
+    flat = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
+    return flat.index_select(0, group.real_slots)
 
 
 def _gather_pages(cache: torch.Tensor, group: DecodeGroup, page_size: int) -> torch.Tensor:

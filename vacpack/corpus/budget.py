@@ -82,8 +82,12 @@ def _probe(
     else:
         # ru_maxrss only grows: the process's peak above what it was before any probe.
         used_bytes = max(host_peak_memory_bytes() - baseline_bytes, 0)
-    start_s = time.perf_counter()
-    forward(num_tokens)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return num_tokens / (time.perf_counter() - start_s), float(used_bytes)
+    # The best of two timed runs: one run on a shared machine is easily slowed by others.
+    best_s = float("inf")
+    for _ in range(2):
+        start_s = time.perf_counter()
+        forward(num_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best_s = min(best_s, time.perf_counter() - start_s)
+    return num_tokens / best_s, float(used_bytes)

@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 # few enough that a corpus of any size streams through in bounded memory.
 WINDOW_DOCS = 1024
 READY_BINS = 4  # bins packed ahead of the device
+# The probe forwards hold sequences of this many tokens (or the context, if shorter), at most
+# MAX_BIN_SEQUENCES of them: the search stops there if throughput still grows.
+PROBE_SEQ_LEN = 512
+MAX_BIN_SEQUENCES = 64
 
 
 class CorpusRunner:
@@ -53,14 +57,25 @@ class CorpusRunner:
     def budget(self) -> BinBudget:
         if self._budget is None:
             self._budget = measure_bin_budget(
-                self._probe_forward, self.loaded.device, self.loaded.max_model_len
+                self._probe_forward, self.loaded.device, MAX_BIN_SEQUENCES * self._probe_seq_len
             )
         return self._budget
 
+    @property
+    def _probe_seq_len(self) -> int:
+        # A bin holds many documents: probe with sequences of a typical long document, never
+        # past the model's context (BERT has 512 positions).
+        return min(self.loaded.max_model_len, PROBE_SEQ_LEN)
+
     def _probe_forward(self, num_tokens: int) -> None:
-        token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.loaded.device)
-        positions = torch.arange(num_tokens, device=self.loaded.device)
-        self.forward.packed(token_ids, positions, [num_tokens])
+        seq_len = self._probe_seq_len
+        seq_lens = [seq_len] * (num_tokens // seq_len) + (
+            [num_tokens % seq_len] if num_tokens % seq_len else []
+        )
+        device = self.loaded.device
+        token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
+        self.forward.packed(token_ids, positions, seq_lens)
 
     def run(
         self,
