@@ -7,8 +7,10 @@ checkpoint), random-token prompts (seed 0):
 - shared_prompt: requests sharing a 1,024-token system prompt, each with a unique suffix of
   32..128 tokens, 64 greedy output tokens each (EOS ignored). 128 requests (the issue's number).
 - multiple_choice: questions with a 600-token few-shot context and 4 continuations of 5..30
-  tokens, scored with `LLM.loglikelihood(contexts, continuations)`. 250 questions on a GPU; on
-  this 2-core CPU the default is 50 (the off side recomputes every context: ~2,500 s for 250).
+  tokens, cut from the bundled English text (random token ids would not survive a round trip
+  through the text a harness sends), scored with `LLM.loglikelihood(contexts, continuations)`.
+  250 questions on a GPU; on this 2-core CPU the default is 50 (the off side recomputes every
+  context: ~2,500 s for 250).
 
 Each (workload, cache setting) runs in its own subprocess. Reports end-to-end throughput, the
 prefill tokens actually computed, the cache hit rate, and the on/off ratios.
@@ -52,16 +54,21 @@ def shared_prompt_requests(args: argparse.Namespace, vocab_size: int) -> list[li
     ]
 
 
-def multiple_choice_items(
-    args: argparse.Namespace, vocab_size: int
-) -> tuple[list[list[int]], list[list[int]]]:
+def multiple_choice_items(args: argparse.Namespace, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """Few-shot contexts and answers cut from the bundled English text, as a harness sends
+    them: each context about context_len tokens, each answer 5..30 tokens."""
+    from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH
+
+    corpus_ids = tokenizer.encode(TOKENIZER_CORPUS_PATH.read_text(encoding="utf-8"))
     generator = torch.Generator().manual_seed(0)
     contexts, continuations = [], []
     for _ in range(args.num_questions):
-        context = torch.randint(0, vocab_size, (args.context_len,), generator=generator).tolist()
+        start = int(torch.randint(0, len(corpus_ids) - args.context_len, (1,), generator=generator))
+        context = tokenizer.decode(corpus_ids[start : start + args.context_len])
         for n in torch.randint(5, 31, (4,), generator=generator).tolist():
+            at = int(torch.randint(0, len(corpus_ids) - n, (1,), generator=generator))
             contexts.append(context)
-            continuations.append(torch.randint(0, vocab_size, (n,), generator=generator).tolist())
+            continuations.append(" " + tokenizer.decode(corpus_ids[at : at + n]).strip())
     return contexts, continuations
 
 
@@ -91,11 +98,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             "prefill_tokens_computed": sum(s.num_tokens - s.num_decode_tokens for s in steps),
             "cache_hit_rate": llm.engine.page_pool.stats.hit_rate,
         }
-    contexts, continuations = multiple_choice_items(args, vocab_size)
-    # Token ids are decoded to text, as an evaluation harness would hand them over.
-    tokenizer = llm.get_tokenizer()
-    context_texts = [tokenizer.decode(c) for c in contexts]
-    continuation_texts = [tokenizer.decode(c) for c in continuations]
+    context_texts, continuation_texts = multiple_choice_items(args, llm.get_tokenizer())
     llm.loglikelihood(["warm up"], [" now"], use_tqdm=False)  # also measures the bin budget
     engine_tokens_before = llm.engine.stats.num_processed_tokens if enable else 0
     with harness.timed_section() as section:
