@@ -80,10 +80,6 @@ class PackedBin:
     def num_documents(self) -> int:
         return self.num_segments - self.doc_indices.count(PADDING_DOC_INDEX)
 
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens)
-
 
 PackerOutput = PackedBin | DocumentError
 

@@ -163,15 +163,16 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         sequences = []
         for index in range(params.n):
+            # Each of the n samples gets its own seed, so that they differ, reproducibly.
+            sample_params = params.child_params(index)
             generator = None
-            if params.seed is not None:
-                # Each of the n samples gets its own stream, all reproducible from the seed.
-                generator = make_request_generator(params.seed + index, self.device)
+            if sample_params.seed is not None:
+                generator = make_request_generator(sample_params.seed, self.device)
             sequences.append(
                 Request(
                     request_id=f"{request_id}/{index}",
                     prompt_token_ids=list(prompt_token_ids),
-                    params=params,
+                    params=sample_params,
                     stop_token_ids=stop_ids,
                     max_total_tokens=self.max_model_len,
                     generator=generator,

@@ -68,10 +68,6 @@ class PagePool:
     def num_used_pages(self) -> int:
         return self.num_pages - self.num_free_pages
 
-    @property
-    def num_cached_pages(self) -> int:
-        return len(self._hash_by_page)
-
     def ref_count(self, page: int) -> int:
         return self._ref_counts[page]
 
