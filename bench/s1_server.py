@@ -55,9 +55,9 @@ def log(message: str) -> None:
 
 
 def make_prompts(
-    num_prompts: int, min_prompt_len: int, max_prompt_len: int, vocab_size: int
+    num_prompts: int, min_prompt_len: int, max_prompt_len: int, vocab_size: int, seed: int
 ) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    generator = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(
         min_prompt_len, max_prompt_len + 1, (num_prompts,), generator=generator
     )
@@ -211,7 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "s1")
     vocab_size = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    prompts = make_prompts(args.num_requests, args.min_prompt_len, args.max_prompt_len, vocab_size)
+    # Fresh prompts for every level: the server's prefix cache would otherwise serve a later
+    # level's prompts from an earlier level's pages and flatter its latencies.
+    prompts_per_level = [
+        make_prompts(
+            args.num_requests,
+            args.min_prompt_len,
+            args.max_prompt_len,
+            vocab_size,
+            seed=PROMPT_SEED + level,
+        )
+        for level in range(len(args.concurrency))
+    ]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     log_path = args.output.with_suffix(".server.log")
     port = free_port()
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     server = start_server(args, port, log_path)
     try:
         levels = []
-        for concurrency in args.concurrency:
+        for concurrency, prompts in zip(args.concurrency, prompts_per_level, strict=True):
             log(f"{concurrency} concurrent clients, {len(prompts)} requests")
             level = asyncio.run(
                 run_level(f"http://{LOOPBACK}:{port}", prompts, concurrency, args.max_tokens)
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_requests": args.num_requests,
             "min_prompt_len": args.min_prompt_len,
             "max_prompt_len": args.max_prompt_len,
-            "num_prompt_tokens": sum(len(p) for p in prompts),
+            "num_prompt_tokens_per_level": [sum(map(len, p)) for p in prompts_per_level],
             "max_tokens": args.max_tokens,
             "greedy": True,
             "ignore_eos": True,
