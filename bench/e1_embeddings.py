@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import random
 import sys
 import tempfile
@@ -407,11 +406,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         },
     }
 
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    save_plot(results, args.plot)
-    log(f"wrote {args.output} and {args.plot}")
-    print(markdown_table(results))
+    harness.publish_results(
+        results, args.output, args.plot, save_plot, markdown_table(results), "e1"
+    )
     return 0
 
 

@@ -234,6 +234,22 @@ def save_worker_result(result: dict[str, Any], worker_output: Path) -> None:
     worker_output.write_text(json.dumps(result))
 
 
+def publish_results(
+    results: dict[str, Any],
+    output_path: Path,
+    plot_path: Path,
+    save_plot: Callable[[dict[str, Any], Path], None],
+    table: str,
+    log_prefix: str,
+) -> None:
+    """The end of every benchmark run: the JSON file, the chart, and the table on stdout."""
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    output_path.write_text(json.dumps(results, indent=2) + "\n")
+    save_plot(results, plot_path)
+    log(f"wrote {output_path} and {plot_path}", log_prefix)
+    print(table)
+
+
 # ---------------------------------------------------------------------------- charts
 
 

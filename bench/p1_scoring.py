@@ -454,11 +454,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     for system in systems.values():
         system.pop("document_logprobs", None)
 
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    save_plot(results, args.plot)
-    log(f"wrote {args.output} and {args.plot}")
-    print(markdown_table(results))
+    harness.publish_results(
+        results, args.output, args.plot, save_plot, markdown_table(results), "p1"
+    )
     return 0
 
 

@@ -26,7 +26,6 @@ Quick check:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -132,11 +131,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             )
         results["workloads"][workload] = summarize(workload, runs)
     results["settings"] = {k: str(v) for k, v in vars(args).items()}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(markdown_table(results))
-    save_plot(results, args.plot)
-    log(f"wrote {args.output} and {args.plot}")
+    harness.publish_results(
+        results, args.output, args.plot, save_plot, markdown_table(results), "prefix"
+    )
     return 0
 
 
