@@ -22,7 +22,13 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; else measured
     gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory we may use
     cpu_kv_cache_fraction: float = 0.4  # CPU: share of available RAM, after loading, for KV
-    attention_backend: str = "torch_sdpa"
+    # auto: the fastest backend present for the device (see vacpack.attention.select_backend).
+    attention_backend: str = "auto"
+    # The host prepares step N+1 while the device runs step N. None: on where it is measured to
+    # help (CUDA), off elsewhere. Outputs are identical either way.
+    async_scheduling: bool | None = None
+    # CUDA graphs for decode steps (CUDA only); False runs every step eagerly.
+    enable_cuda_graphs: bool = True
     num_threads: int | None = None  # CPU: torch intra-op threads; default all cores
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vacpack.attention import create_backend
+from vacpack.attention import select_backend
 from vacpack.corpus.budget import BinBudget, measure_bin_budget
 from vacpack.corpus.forward import PackedForward
 from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPacker, PackedBin
@@ -48,7 +48,9 @@ class CorpusRunner:
         align_to: int | None = None,
     ) -> None:
         self.loaded = loaded
-        self.forward = PackedForward(loaded, create_backend(loaded.engine_config.attention_backend))
+        self.forward = PackedForward(
+            loaded, select_backend(loaded.engine_config.attention_backend, loaded.device)
+        )
         self.align_to = align_to
         self._budget = BinBudget(budget_tokens, "given") if budget_tokens else None
         self.last_report: JobReport | None = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vacpack.attention import create_backend
+from vacpack.attention import select_backend
 from vacpack.attention.backend import BatchLayout
 from vacpack.config import EngineConfig
 from vacpack.detokenizer import RequestDetokenizer
@@ -78,7 +78,7 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
             self.device.type, 2048
         )
-        self.attention = create_backend(config.attention_backend)
+        self.attention = select_backend(config.attention_backend, self.device)
 
         mc = self.model_config
         sizing = size_kv_cache(
