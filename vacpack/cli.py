@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vacpack import __version__
+from vacpack.bench_command import add_bench_command
 from vacpack.corpus.commands import add_corpus_commands, run_corpus_command
 
 
@@ -27,13 +28,26 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Tru
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--trust-remote-code", action="store_true")
+    group.add_argument("--attention-backend", default="auto", help="auto, or a backend's name")
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prepare step N+1 while the device runs step N (default: on for CUDA)",
+    )
+    group.add_argument(
+        "--no-cuda-graphs",
+        dest="enable_cuda_graphs",
+        action="store_false",
+        help="run every decode step eagerly",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "tokenizer", "dtype", "device", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "seed",
-        "trust_remote_code",
+        "trust_remote_code", "attention_backend", "async_scheduling", "enable_cuda_graphs",
     ]  # fmt: skip
     return {name: getattr(args, name) for name in names}
 
@@ -152,6 +166,9 @@ def print_report(llm: Any, outputs: list[Any], elapsed_s: float) -> None:
         f"{cache.hit_rate:.1%}, {cache.num_evictions} evictions)",
         file=sys.stderr,
     )
+    timeline = getattr(llm.engine, "timeline", None)
+    if timeline is not None:
+        print(f"step timeline: {timeline.summary().describe()}", file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -189,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=cmd_generate)
 
     add_corpus_commands(commands, _add_engine_args)
+    add_bench_command(commands, _add_engine_args)
 
     demo = commands.add_parser("demo", help="the built-in job: a bundled batch on a built-in model")
     demo.add_argument("--num-prompts", type=int, default=32)

@@ -321,4 +321,9 @@ def run_batch_command(model: str, engine_kwargs: dict[str, Any], options: BatchO
         f"{options.output_path}",
         file=sys.stderr,
     )
+    # Only a run that generated has a step timeline; asking an embedding-only run for its
+    # engine would build one (and its KV cache) just to report nothing.
+    timeline = getattr(llm.engine, "timeline", None) if summary.num_output_tokens else None
+    if timeline is not None:
+        print(f"step timeline: {timeline.summary().describe()}", file=sys.stderr)
     return 0

@@ -70,6 +70,18 @@ class TimelineSummary:
     peak_kv_pages_used: int
     kv_pages_total: int  # as of the last step
 
+    def describe(self) -> str:
+        """One line for a report: how busy the device was and what the host spent per step."""
+        if self.num_steps == 0:
+            return "no engine steps recorded"
+        return (
+            f"{self.num_steps} steps, device busy {self.device_busy_fraction:.1%}, "
+            f"mean idle gap {self.mean_idle_gap_s * 1e3:.2f} ms, "
+            f"host prepare {self.mean_host_prepare_s * 1e3:.2f} ms/step, "
+            f"process {self.mean_host_process_s * 1e3:.2f} ms/step, "
+            f"padded slots {self.padded_share:.1%}"
+        )
+
 
 def _empty_summary() -> TimelineSummary:
     return TimelineSummary(

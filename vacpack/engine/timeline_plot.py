@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # files only: no display is needed, and none may exist
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
+from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
 from vacpack.engine.timeline import (
@@ -111,6 +112,12 @@ def _batch_color(step: StepTiming) -> str:
     return MIXED_COLOR
 
 
+def _lighter(color: str, amount: float) -> tuple[float, float, float]:
+    """`color` mixed with white: 0 keeps it, 1 is white."""
+    red, green, blue = to_rgb(color)
+    return red + (1.0 - red) * amount, green + (1.0 - green) * amount, blue + (1.0 - blue) * amount
+
+
 def _ms(seconds: float) -> float:
     return seconds * 1e3
 
@@ -134,8 +141,7 @@ def _draw_lanes(ax: Axes, steps: list[StepTiming], origin_s: float) -> None:
     ax.broken_barh(
         [span(s.device_start_s, s.device_end_s) for s in steps],
         (_DEVICE_Y + bottom, _LANE_HEIGHT),
-        facecolors=[_batch_color(s) for s in steps],
-        alpha=[1.0 if i % 2 == 0 else 0.75 for i in range(len(steps))],
+        facecolors=[_lighter(_batch_color(s), 0.3 if i % 2 else 0.0) for i, s in enumerate(steps)],
     )
     ax.set_yticks([_DEVICE_Y, _HOST_Y], ["device", "host"], fontsize=11)
     ax.set_ylim(_DEVICE_Y - 0.6, _HOST_Y + 0.6)
