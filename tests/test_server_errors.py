@@ -213,7 +213,10 @@ def one_slot_server(tiny_checkpoint) -> Iterator[ServerProcess]:
 def test_full_queue_gets_503_and_sigterm_lets_streams_finish(
     one_slot_server: ServerProcess,
 ) -> None:
-    long_body = _completion(model=None, max_tokens=1000, ignore_eos=True, stream=True)
+    long_body = _completion(
+        model=None, max_tokens=1000, ignore_eos=True, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
     with (
         httpx.Client(base_url=one_slot_server.base_url, timeout=60.0) as http,
         http.stream("POST", C, json=long_body) as running,
@@ -229,10 +232,23 @@ def test_full_queue_gets_503_and_sigterm_lets_streams_finish(
 
             # SIGTERM: no new connections, but the two streams in flight run to the end.
             one_slot_server.process.send_signal(signal.SIGTERM)
-            finish_reasons = []
+            _assert_refuses_connections_while_draining(one_slot_server)
             for lines in (running_lines, waiting.iter_lines()):
                 events = [line[6:] for line in lines if line.startswith("data: ")]
                 assert events[-1] == "[DONE]"
-                finish_reasons.append(json.loads(events[-2])["choices"][0]["finish_reason"])
-            assert finish_reasons == ["length", "length"]
-    assert one_slot_server.process.wait(timeout=30) in (0, -signal.SIGTERM)
+                assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+                assert json.loads(events[-2])["usage"]["completion_tokens"] == 1000
+    # Well within --shutdown-timeout-s: the drain ended when the streams did.
+    assert one_slot_server.process.wait(timeout=20) == 0
+
+
+def _assert_refuses_connections_while_draining(server: ServerProcess) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{server.base_url}/health", timeout=1.0)
+        except httpx.ConnectError:
+            assert server.process.poll() is None, "the server exited instead of draining"
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server still took new connections 5 s after SIGTERM")

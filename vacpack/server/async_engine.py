@@ -27,7 +27,7 @@ from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.serving import EmbedFunction, EmbedInput, embed_groups
 from vacpack.outputs import EmbeddingRequestOutput, RequestOutput
 from vacpack.sampling import SamplingParams
-from vacpack.server.metrics import ServerMetrics
+from vacpack.server.metrics import EngineState, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,10 @@ class AsyncEngine:
         self._timings: dict[str, _Timing] = {}
         # What this turn of the loop sends to streams: handed over in one call per turn.
         self._deliveries: list[tuple[RequestStream, Any]] = []
+        # Preemptions tallied from the engine's step records read so far; reading only the new
+        # records keeps this O(1) a step where the engine's own total re-sums every step.
+        self._num_step_records_read = 0
+        self._num_preemptions = 0
 
     @property
     def serves_generation(self) -> bool:
@@ -155,6 +159,8 @@ class AsyncEngine:
     def start(self) -> None:
         """Starts the engine thread; call from the event loop that will consume outputs."""
         self._loop = asyncio.get_running_loop()
+        # The pool's size is on /metrics before the first request; no engine thread runs yet.
+        self._publish_state()
         self._thread = threading.Thread(target=self._run, name="vacpack-engine", daemon=True)
         self._thread.start()
 
@@ -344,11 +350,21 @@ class AsyncEngine:
         engine = self._engine
         if engine is None:
             return
+        steps = engine.stats.steps
+        self._num_preemptions += sum(s.num_preempted for s in steps[self._num_step_records_read :])
+        self._num_step_records_read = len(steps)
+        cache = engine.page_pool.stats
         self._metrics.set_engine_state(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
-            used_pages=engine.page_pool.num_used_pages,
-            total_pages=engine.page_pool.num_pages,
+            EngineState(
+                num_running=len(engine.scheduler.running),
+                num_waiting=len(engine.scheduler.waiting),
+                used_pages=engine.page_pool.num_used_pages,
+                total_pages=engine.page_pool.num_pages,
+                num_prefix_queried_tokens=cache.num_queried_tokens,
+                num_prefix_hit_tokens=cache.num_hit_tokens,
+                num_evictions=cache.num_evictions,
+                num_preemptions=self._num_preemptions,
+            )
         )
 
     def _deliver(self, stream: RequestStream, item: Any) -> None:

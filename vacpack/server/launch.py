@@ -2,12 +2,16 @@
 
 On SIGTERM uvicorn stops accepting connections, lets in-flight requests finish for up to
 `shutdown_timeout_s`, cancels what is left (which aborts those engine requests), and the app's
-lifespan then stops the engine thread.
+lifespan then stops the engine thread; the process then exits with status 0.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -62,5 +66,23 @@ def serve(model: str, engine_kwargs: dict[str, Any], config: ServerConfig) -> in
         )
     )
     logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
-    server.run()
+    with _sigterm_after_drain_is_harmless():
+        server.run()
+    logger.info("server stopped")
     return 0
+
+
+@contextmanager
+def _sigterm_after_drain_is_harmless() -> Iterator[None]:
+    """Once it has drained, uvicorn raises the SIGTERM it caught again, for the handler it found
+    installed. The default handler would kill the process after a clean shutdown (exit status
+    -15, which supervisors read as a crash); this one lets `serve` return 0 instead."""
+    previous = signal.signal(signal.SIGTERM, _drained)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _drained(signum: int, frame: FrameType | None) -> None:
+    """Nothing is left to do: uvicorn has drained and the lifespan has stopped the engine."""

@@ -1,10 +1,14 @@
 """Prometheus metrics of one server, in a registry of its own (nothing global to reset).
 
-Gauges are set by the engine thread after every step; counters and histograms are observed there
-as outputs leave the engine, so the timings are the engine's, not the event loop's.
+Gauges, and the counters of what the engine tallies itself (prefix-cache lookups and hits,
+evictions, preemptions), are set by the engine thread after every step; the other counters and
+histograms are observed there as outputs leave the engine, so the timings are the engine's, not
+the event loop's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -20,6 +24,21 @@ _ITL_BUCKETS_S = (
     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 _E2E_BUCKETS_S = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the engine thread reads off the engine after a step: levels now, totals so far."""
+
+    num_running: int
+    num_waiting: int
+    used_pages: int
+    total_pages: int
+    # Totals since the engine started; the counters advance by the change since the last state.
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_evictions: int = 0
+    num_preemptions: int = 0
 
 
 class ServerMetrics:
@@ -50,6 +69,26 @@ class ServerMetrics:
         self.kv_cache_usage = gauge(
             "vacpack:kv_cache_usage_perc", "Share of KV pages in use (1 = full)."
         )
+        self.prefix_cache_queries = counter(
+            "vacpack:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (again after a preemption).",
+        )
+        self.prefix_cache_hits = counter(
+            "vacpack:prefix_cache_hits", "Of the prompt tokens looked up, those found cached."
+        )
+        self.prefix_cache_hit_rate = gauge(
+            "vacpack:prefix_cache_hit_rate",
+            "Share of looked-up prompt tokens found cached since the server started.",
+        )
+        self.prefix_cache_evictions = counter(
+            "vacpack:prefix_cache_evictions",
+            "Cached KV pages dropped from the prefix cache to make room for fresh ones.",
+        )
+        self.num_preemptions = counter(
+            "vacpack:num_preemptions",
+            "Running sequences that gave their KV pages back to be recomputed later.",
+        )
+        self._last_state = EngineState(0, 0, 0, 0)
         self.prompt_tokens = counter("vacpack:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("vacpack:generation_tokens", "Tokens generated.")
         self.time_to_first_token = histogram(
@@ -84,14 +123,21 @@ class ServerMetrics:
     def count_finished(self, finish_reason: str) -> None:
         self._finished.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
 
-    def set_engine_state(
-        self, num_running: int, num_waiting: int, used_pages: int, total_pages: int
-    ) -> None:
-        self.num_requests_running.set(num_running)
-        self.num_requests_waiting.set(num_waiting)
-        self.kv_cache_used_pages.set(used_pages)
-        self.kv_cache_total_pages.set(total_pages)
-        self.kv_cache_usage.set(used_pages / total_pages if total_pages else 0.0)
+    def set_engine_state(self, state: EngineState) -> None:
+        self.num_requests_running.set(state.num_running)
+        self.num_requests_waiting.set(state.num_waiting)
+        self.kv_cache_used_pages.set(state.used_pages)
+        self.kv_cache_total_pages.set(state.total_pages)
+        self.kv_cache_usage.set(state.used_pages / state.total_pages if state.total_pages else 0.0)
+        last, self._last_state = self._last_state, state
+        self.prefix_cache_queries.inc(
+            state.num_prefix_queried_tokens - last.num_prefix_queried_tokens
+        )
+        self.prefix_cache_hits.inc(state.num_prefix_hit_tokens - last.num_prefix_hit_tokens)
+        self.prefix_cache_evictions.inc(state.num_evictions - last.num_evictions)
+        self.num_preemptions.inc(state.num_preemptions - last.num_preemptions)
+        queried = state.num_prefix_queried_tokens
+        self.prefix_cache_hit_rate.set(state.num_prefix_hit_tokens / queried if queried else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,85 @@
+"""/metrics reports the prefix cache (lookups, hits, hit rate, evictions) and preemptions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_process import ServerProcess, metric_value, running_server
+
+MAX_MODEL_LEN = 256
+PAGE_SIZE_TOKENS = 16
+# The tiny float32 model keeps 2 layers x (K + V) x 2 heads x 16 dims x 4 bytes per token.
+KV_BYTES_PER_PAGE = 2 * 2 * 2 * 16 * 4 * PAGE_SIZE_TOKENS
+# 20 pages (320 tokens): one full-length sequence fits, four long ones running together do not.
+NUM_KV_PAGES = 20
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint) -> Iterator[ServerProcess]:
+    with running_server(
+        tiny_checkpoint("qwen2"),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--block-size", str(PAGE_SIZE_TOKENS),
+        "--kv-cache-memory-bytes", str(NUM_KV_PAGES * KV_BYTES_PER_PAGE),
+        "--served-model-name", "tiny",
+    ) as process:  # fmt: skip
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
+        yield http
+
+
+def _metrics(client: httpx.Client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    assert metric_value(text, "vacpack:kv_cache_total_pages") == NUM_KV_PAGES
+    names = [
+        "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_hit_rate",
+        "prefix_cache_evictions_total", "num_preemptions_total",
+    ]  # fmt: skip
+    return {name: metric_value(text, f"vacpack:{name}") for name in names}
+
+
+def _complete(client: httpx.Client, **fields: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True, **fields}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_repeated_prompt_is_a_prefix_cache_hit(client: httpx.Client) -> None:
+    prompt_ids = [(7 * i) % 97 + 3 for i in range(100)]  # 6 full pages and a partial one
+    before = _metrics(client)
+    _complete(client, prompt=prompt_ids, max_tokens=2)
+    _complete(client, prompt=prompt_ids, max_tokens=2)
+    after = _metrics(client)
+
+    queried = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
+    hits = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    assert queried == 2 * len(prompt_ids)
+    assert hits == 6 * PAGE_SIZE_TOKENS  # the second request found every full page cached
+    assert after["prefix_cache_hit_rate"] == pytest.approx(
+        after["prefix_cache_hits_total"] / after["prefix_cache_queries_total"]
+    )
+    assert after["prefix_cache_hit_rate"] > 0
+
+
+def test_a_tiny_kv_cache_preempts_and_evicts(client: httpx.Client) -> None:
+    before = _metrics(client)
+    # Four sequences admitted together, each growing to 40 + 200 tokens (15 pages): 60 pages
+    # wanted, 20 there. They grow in step, so the pool runs dry long before any finishes.
+    prompts = [[(13 * i + seed) % 89 + 3 for i in range(40)] for seed in range(4)]
+    response = _complete(client, prompt=prompts, max_tokens=200)
+    assert [c["finish_reason"] for c in response["choices"]] == ["length"] * 4
+    after = _metrics(client)
+
+    assert after["num_preemptions_total"] > before["num_preemptions_total"]
+    # A preempted sequence's full pages stay cached; the survivors' new pages evict them.
+    assert after["prefix_cache_evictions_total"] > before["prefix_cache_evictions_total"]
+    text = client.get("/metrics").text
+    assert metric_value(text, "vacpack:kv_cache_used_pages") == 0
