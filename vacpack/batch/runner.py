@@ -321,6 +321,13 @@ def run_batch_command(model: str, engine_kwargs: dict[str, Any], options: BatchO
         f"{options.output_path}",
         file=sys.stderr,
     )
+    if llm.loaded.is_decoder:  # the engine exists: BatchRunner built it
+        engine = llm.engine
+        print(
+            f"memory pressure: {engine.stats.num_preemptions} preemptions; "
+            f"{engine.page_pool.stats.describe()}",
+            file=sys.stderr,
+        )
     # Only a run that generated has a step timeline; asking an embedding-only run for its
     # engine would build one (and its KV cache) just to report nothing.
     timeline = getattr(llm.engine, "timeline", None) if summary.num_output_tokens else None

@@ -33,6 +33,12 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
+    def describe(self) -> str:
+        return (
+            f"prefix cache hit rate {self.hit_rate:.1%} ({self.num_hit_tokens} of "
+            f"{self.num_queried_tokens} prompt tokens), {self.num_evictions} evictions"
+        )
+
 
 def page_hashes(
     token_ids: Sequence[int], page_size: int, parent_hash: int | None = None
