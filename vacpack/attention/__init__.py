@@ -1,5 +1,28 @@
 from vacpack.attention import torch_sdpa  # noqa: F401  (registers the portable backend)
-from vacpack.attention.backend import AttentionBackend, BatchLayout, create_backend
+from vacpack.attention.backend import (
+    AttentionBackend,
+    BatchLayout,
+    DecodeGraphBuffers,
+    create_backend,
+    register_backend,
+)
 from vacpack.attention.selection import select_backend
 
-__all__ = ["AttentionBackend", "BatchLayout", "create_backend", "select_backend"]
+
+def _triton_backend() -> AttentionBackend:
+    # Imported when first asked for: importing triton takes a while, and a CPU test must set
+    # TRITON_INTERPRET before the kernels are defined.
+    from vacpack.attention.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+register_backend("triton", _triton_backend)
+
+__all__ = [
+    "AttentionBackend",
+    "BatchLayout",
+    "DecodeGraphBuffers",
+    "create_backend",
+    "select_backend",
+]

@@ -44,8 +44,37 @@ class BatchLayout:
         return sum(1 for n in self.query_lens if n == 1)
 
 
+class DecodeGraphBuffers(ABC):
+    """Decode metadata in tensors of fixed shape and address, for a captured CUDA graph.
+
+    A graph replays the kernels it captured with the arguments they had, so a decode step's
+    metadata must live in the same tensors every step: `fill` rewrites their contents in place,
+    and `metadata` views their first rows as the backend's metadata for a batch of that size.
+    """
+
+    @abstractmethod
+    def metadata(self, num_seqs: int) -> Any:
+        """Metadata over the first `num_seqs` rows; views of the same tensors on every call."""
+
+    @abstractmethod
+    def fill(self, layout: BatchLayout, num_seqs: int, scratch_page: int) -> None:
+        """Writes a decode-only layout into the first `num_seqs` rows.
+
+        Rows past the layout's sequences are padding: their one token writes its keys and values
+        to the first slot of `scratch_page` and attends to that slot alone (context length 1),
+        so they touch no sequence's pages and never divide by an empty softmax.
+        """
+
+
 class AttentionBackend(ABC):
     name: str
+
+    def make_decode_graph_buffers(
+        self, max_num_seqs: int, max_pages_per_seq: int, page_size: int, device: torch.device
+    ) -> DecodeGraphBuffers | None:
+        """Static decode metadata for CUDA graphs; None when this backend cannot be captured
+        (its metadata has shapes that change from step to step)."""
+        return None
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:

@@ -1,8 +1,12 @@
 """The paged KV cache: per-layer key and value tensors cut into fixed-size pages.
 
-Storage is one flat run of token slots per layer (`num_pages * page_size` of them); slot
-`page * page_size + offset` holds one token's keys and values. Which pages a request owns is its
-page table, kept by the request and the allocator, never by these tensors.
+Storage is one flat run of token slots per layer; slot `page * page_size + offset` holds one
+token's keys and values. Which pages a request owns is its page table, kept by the request and
+the allocator, never by these tensors.
+
+One page beyond the `num_pages` the allocator hands out is the scratch page: a batch padded to a
+fixed shape (a captured CUDA graph) writes its dummy rows' keys and values there, where no
+sequence reads them.
 """
 
 from __future__ import annotations
@@ -42,15 +46,22 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_pages = num_pages
+        self.num_pages = num_pages  # pages for sequences, numbered 0 .. num_pages - 1
         self.page_size = page_size
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.scratch_page = num_pages
+        shape = (num_layers, (num_pages + 1) * page_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
+    def scratch_slot(self) -> int:
+        return self.scratch_page * self.page_size
+
+    @property
     def num_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        """Bytes of the pages that hold sequences (the one scratch page is not counted)."""
+        bytes_per_slot = self.keys[:, 0].numel() * self.keys.element_size()  # all layers' keys
+        return 2 * self.num_pages * self.page_size * bytes_per_slot
 
     def layer(self, index: int) -> KVLayer:
         return KVLayer(self.keys[index], self.values[index], self.page_size)
