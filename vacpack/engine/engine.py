@@ -18,11 +18,13 @@ from vacpack.attention import select_backend
 from vacpack.attention.backend import BatchLayout
 from vacpack.config import EngineConfig
 from vacpack.detokenizer import RequestDetokenizer
-from vacpack.engine.model_runner import ModelRunner, StepResult
+from vacpack.engine.model_runner import ModelRunner, PreparedStep, StepResult
 from vacpack.engine.request import Request
 from vacpack.engine.sampler import Sampler, make_request_generator
 from vacpack.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from vacpack.engine.stats import EngineStats
+from vacpack.engine.step_executor import StepHandle, create_executor
+from vacpack.engine.timeline import StepTimeline, StepTiming
 from vacpack.kvcache import PagedKVCache, PagePool, kv_bytes_per_token
 from vacpack.kvcache.sizing import size_kv_cache
 from vacpack.models.forward_context import ForwardContext
@@ -41,6 +43,20 @@ logger = logging.getLogger(__name__)
 # A step's token budget when none is given: large enough that prefill matmuls run near the
 # device's peak, small enough that decodes sharing the step are not held up for long.
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+@dataclass(frozen=True)
+class _LaunchedStep:
+    """A step handed to the device whose results the host has not read yet."""
+
+    step_index: int
+    prepared: PreparedStep
+    handle: StepHandle
+    token_indices: list[int]  # where each sampled token goes in its request's token_ids
+    reaches_end: list[bool]  # per scheduled request: this step computes its last known token
+    prepare_start_s: float
+    launch_s: float
+    num_preempted: int
 
 
 @dataclass
@@ -111,9 +127,19 @@ class LLMEngine:
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.runner = ModelRunner(
-            self.model, self.kv_cache, self.attention, self.sampler, self.device
+            self.model,
+            self.kv_cache,
+            self.attention,
+            self.sampler,
+            self.device,
+            config.max_num_seqs,
         )
+        self.async_scheduling = _resolve_async_scheduling(config.async_scheduling, self.device)
+        self.executor = create_executor(self.device, self.async_scheduling)
         self.stats = EngineStats()
+        self.timeline = StepTimeline()
+        self._in_flight: _LaunchedStep | None = None
+        self._num_launched_steps = 0
         self._user_requests: dict[str, _UserRequest] = {}
         logger.info(
             "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s)",
@@ -200,10 +226,12 @@ class LLMEngine:
             return
         for sequence in user_request.sequences:
             if not sequence.is_finished:
+                sequence.drop_pending_tokens()
                 self.scheduler.finish(sequence)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._user_requests)
+        """True while a request is unfinished or a launched step is still to be read."""
+        return bool(self._user_requests) or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -211,27 +239,71 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns an output for each user request that progressed."""
-        step_start = time.perf_counter()
+        """Runs one batch; returns an output for each user request that progressed.
+
+        Synchronous: schedule -> prepare -> launch -> wait -> read results. With async
+        scheduling the results read in a call are those of the step launched by the previous
+        call, so the host reads step N (stop checks, detokenizing, outputs) and prepares step
+        N+1 while the device computes: step N+1 is launched before step N is read.
+        """
+        prepare_start_s = time.perf_counter()
+        outputs: list[RequestOutput] = []
         schedule = self.scheduler.schedule()
-        if not schedule.scheduled:
-            return []
-        for item in schedule.scheduled:
+        scheduled = schedule.scheduled
+        if scheduled and self._in_flight is not None and _needs_known_outputs(scheduled):
+            # Penalties count the output tokens on the host: read the running step first.
+            outputs += self._read(self._in_flight)
+            self._in_flight = None
+            scheduled = [item for item in scheduled if not item.request.is_finished]
+        launched = None
+        if scheduled:
+            launched = self._launch(scheduled, prepare_start_s, len(schedule.preempted))
+        if self._in_flight is not None:
+            outputs += self._read(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._read(launched)
+            self._in_flight = None
+        return outputs
+
+    def _launch(
+        self, scheduled: list[ScheduledRequest], prepare_start_s: float, num_preempted: int
+    ) -> _LaunchedStep:
+        for item in scheduled:
             if item.request.metrics.first_scheduled_time is None:
-                item.request.metrics.first_scheduled_time = step_start
-        result = self.runner.execute(schedule.scheduled)
-        for item in schedule.scheduled:
+                item.request.metrics.first_scheduled_time = prepare_start_s
+        with self.executor.stream_context():
+            prepared = self.runner.prepare(scheduled)
+            launch_s = time.perf_counter()
+            handle = self.executor.launch(lambda: self.runner.run(prepared))
+        reaches_end = [item.samples for item in scheduled]
+        # Lengths advance at launch: the next step is scheduled as if this one had finished.
+        for item in scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
-            self.scheduler.register_computed_pages(item.request)
-        touched = self._apply_step(schedule.scheduled, result)
-        self.stats.record_step(
-            start_s=step_start,
-            end_s=time.perf_counter(),
-            num_tokens=result.num_tokens,
-            num_decode_tokens=result.num_decode_tokens,
-            num_preempted=len(schedule.preempted),
-            kv_pages_used=self.page_pool.num_used_pages,
+        token_indices = [
+            request.add_pending_token(prepared.placeholder(row))
+            for row, request in enumerate(prepared.sampled_requests)
+        ]
+        step_index = self._num_launched_steps
+        self._num_launched_steps += 1
+        return _LaunchedStep(
+            step_index,
+            prepared,
+            handle,
+            token_indices,
+            reaches_end,
+            prepare_start_s,
+            launch_s,
+            num_preempted,
         )
+
+    def _read(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Waits for a launched step's results and applies them to its requests."""
+        device_output, device_timing = launched.handle.wait()
+        process_start_s = time.perf_counter()
+        prepared = launched.prepared
+        result = self.runner.result(prepared, device_output)
+        touched = self._apply_step(launched, result)
         outputs = []
         for user_request in touched:
             if user_request.num_unfinished == 0:
@@ -239,15 +311,44 @@ class LLMEngine:
             output = self._make_output(user_request)
             if output is not None:
                 outputs.append(output)
+        process_end_s = time.perf_counter()
+        self.stats.record_step(
+            start_s=launched.prepare_start_s,
+            end_s=process_end_s,
+            num_tokens=result.num_tokens,
+            num_decode_tokens=result.num_decode_tokens,
+            num_preempted=launched.num_preempted,
+            kv_pages_used=self.page_pool.num_used_pages,
+        )
+        self.timeline.record(
+            StepTiming(
+                step_index=launched.step_index,
+                prepare_start_s=launched.prepare_start_s,
+                launch_s=launched.launch_s,
+                device_start_s=device_timing.device_start_s,
+                device_end_s=device_timing.device_end_s,
+                process_start_s=process_start_s,
+                process_end_s=process_end_s,
+                num_prefill_tokens=result.num_tokens - result.num_decode_tokens,
+                num_decode_tokens=result.num_decode_tokens,
+                num_padded_slots=result.num_padded_slots,
+                kv_pages_used=self.page_pool.num_used_pages,
+                kv_pages_total=self.page_pool.num_pages,
+            )
+        )
         return outputs
 
-    def _apply_step(
-        self, scheduled: list[ScheduledRequest], result: StepResult
-    ) -> list[_UserRequest]:
+    def _apply_step(self, launched: _LaunchedStep, result: StepResult) -> list[_UserRequest]:
         now = time.perf_counter()
+        scheduled = launched.prepared.scheduled
+        # Requests finished (stopped, aborted) after this step was launched: their rows are
+        # computed but mean nothing now.
+        finished_before = {id(item.request) for item in scheduled if item.request.is_finished}
         touched: dict[str, _UserRequest] = {}
         for prompt_result in result.prompt_logprobs:
             request = prompt_result.request
+            if id(request) in finished_before:
+                continue
             lp = prompt_result.logprobs
             num_topk = request.params.prompt_logprobs
             for i in range(lp.token_logprobs.shape[0]):
@@ -261,20 +362,36 @@ class LLMEngine:
                         lp.topk_logprobs[i, :num_topk].tolist(),
                     )
                 )
-        for row, (request, token_id) in enumerate(
-            zip(result.sampled_requests, result.sampled_token_ids, strict=True)
-        ):
+        sampled = list(
+            zip(
+                result.sampled_requests,
+                result.sampled_token_ids,
+                launched.token_indices,
+                strict=True,
+            )
+        )
+        for request, token_id, token_index in sampled:
+            if not request.is_finished:
+                request.resolve_pending_token(token_index, token_id)
+        # Index the pages filled so far before stop checks free a finishing request's pages.
+        for item in scheduled:
+            if id(item.request) not in finished_before:
+                self.scheduler.register_computed_pages(item.request)
+        for row, (request, token_id, _) in enumerate(sampled):
+            if request.is_finished:
+                continue
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            request.token_ids.append(token_id)
             self.stats.num_generated_tokens += 1
             if request.logprobs is not None:
                 self._record_logprobs(request, token_id, row, result)
             self._check_stop(request, token_id)
-        for item in scheduled:
+        for item, reaches_end in zip(scheduled, launched.reaches_end, strict=True):
             request = item.request
+            if id(request) in finished_before:
+                continue
             user_request = self._user_requests[request.request_id.rpartition("/")[0]]
-            if request.params.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+            if request.params.max_tokens == 0 and reaches_end:
                 self._finish(request, "length", None)
             if request.is_finished:
                 user_request.num_unfinished -= 1
@@ -298,7 +415,7 @@ class LLMEngine:
         elif stop_string is not None:
             self._finish(request, "stop", stop_string)
         elif request.num_output_tokens >= (params.max_tokens or request.max_total_tokens) or (
-            request.num_tokens >= request.max_total_tokens
+            request.num_known_tokens >= request.max_total_tokens
         ):
             self._finish(request, "length", None)
 
@@ -306,6 +423,9 @@ class LLMEngine:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.detokenizer.finish()
+        # Its pages may still be written by a launched step; a later step that reuses them
+        # runs after it on the device (see step_executor).
+        request.drop_pending_tokens()
         self.scheduler.finish(request)
 
     def _record_logprobs(
@@ -396,6 +516,26 @@ class LLMEngine:
             token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             hidden = self.model(token_ids, torch.arange(num_tokens, device=self.device), ctx)
             self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs) :])
+
+
+def _resolve_async_scheduling(setting: bool | None, device: torch.device) -> bool:
+    """On by default where the device runs while the host works (CUDA). On a CPU the host and
+    the "device" share the same cores, so it stays off unless asked for."""
+    return device.type == "cuda" if setting is None else setting
+
+
+def _needs_known_outputs(scheduled: list[ScheduledRequest]) -> bool:
+    """True when a scheduled request's sampling reads its earlier output tokens on the host
+    (penalties) and one of them is still being sampled."""
+    return any(
+        item.request.num_pending_tokens
+        and (
+            item.request.params.repetition_penalty != 1.0
+            or item.request.params.frequency_penalty != 0.0
+            or item.request.params.presence_penalty != 0.0
+        )
+        for item in scheduled
+    )
 
 
 def _cumulative_completion(index: int, sequence: Request) -> CompletionOutput:

@@ -3,17 +3,25 @@
 The step's sequences are laid out as one packed stream (decodes first, then prefill chunks). The
 LM head runs only on the rows that need logits: each sampling request's last row, and the prompt
 rows of requests that asked for prompt logprobs.
+
+A step goes through three calls: `prepare` (host: lists and attention metadata), `run` (the
+device work, handed to a StepExecutor: input copy, forward, sampling, result copies; nothing in
+it waits for the device) and `result` (host values, once the device work is done). Sampled ids
+also stay on the device in `future_tokens`, so the next step can be launched before the host
+has read them: its input ids name them by placeholder (see PreparedStep.token_ids).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout
+from vacpack.engine.input_staging import InputStager
 from vacpack.engine.request import Request
 from vacpack.engine.sampler import (
     Sampler,
@@ -49,13 +57,52 @@ class PromptLogprobResult:
 
 
 @dataclass(frozen=True)
+class PreparedStep:
+    """A step's inputs, built on the host before it is launched."""
+
+    scheduled: list[ScheduledRequest]
+    # Token ids; a negative id -(slot + 1) is a token sampled by an earlier step that the host
+    # has not read yet: the device takes it from slot `slot` of the runner's future buffer.
+    token_ids: list[int]
+    positions: list[int]
+    layout: BatchLayout
+    metadata: Any  # the attention backend's, already on the device
+    sample_rows: list[int]  # stream rows whose logits are sampled
+    sampled_requests: list[Request]
+    sampling_rows: list[SamplingRow]
+    future_slots: list[int]  # where each sampled token goes in the future buffer
+    prompt_spans: list[PromptLogprobSpan]
+
+    @property
+    def has_placeholders(self) -> bool:
+        return any(t < 0 for t in self.token_ids[: self.layout.num_decodes])
+
+    def placeholder(self, row: int) -> int:
+        """The id by which the next step refers to the token sampled for `row`."""
+        return -(self.future_slots[row] + 1)
+
+
+@dataclass(frozen=True)
 class StepResult:
+    """A step's results on the host."""
+
     sampled_requests: list[Request]
     sampled_token_ids: list[int]
     sampler_output: SamplerOutput | None  # host copies, for logprobs
     prompt_logprobs: list[PromptLogprobResult]
     num_tokens: int
     num_decode_tokens: int
+    num_padded_slots: int = 0
+
+
+@dataclass(frozen=True)
+class _DeviceOutput:
+    """What the device work returns: host tensors (pinned, possibly still being filled on
+    CUDA until the step's end event)."""
+
+    sampler_output: SamplerOutput | None
+    prompt_logprobs: list[tuple[PromptLogprobSpan, TokenLogprobs]]
+    num_padded_slots: int
 
 
 class ModelRunner:
@@ -66,15 +113,23 @@ class ModelRunner:
         attention: AttentionBackend,
         sampler: Sampler,
         device: torch.device,
+        max_num_seqs: int,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
         self.device = device
+        self.stager = InputStager(device)
+        # Sampled token ids stay on the device here so that the next step can read them
+        # before the host has. A placeholder lives at most two steps (launched with one step,
+        # read back after the next is launched), and a step samples at most max_num_seqs rows,
+        # so three steps' worth of slots used round-robin never overwrite a live one.
+        self.future_tokens = torch.zeros(3 * max_num_seqs, dtype=torch.int64, device=device)
+        self._next_future_slot = 0
 
-    @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> PreparedStep:
+        """Host work: the step's inputs as lists, and the attention metadata."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -92,7 +147,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(num_new)
             context_lens.append(end)
-            page_tables.append(request.page_table)
+            page_tables.append(list(request.page_table))
             if request.wants_prompt_logprobs:
                 # Row j predicts token j + 1; score only prompt tokens not scored before.
                 first = max(start, len(request.prompt_logprobs) - 1)
@@ -106,36 +161,66 @@ class ModelRunner:
                 sampled_requests.append(request)
 
         layout = BatchLayout(query_lens, context_lens, page_tables, self.kv_cache.page_size)
-        metadata = self.attention.build_metadata(layout, self.device)
-        ctx = ForwardContext(self.attention, metadata, self.kv_cache)
-        hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True),
-            torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
-            ctx,
-        )
-
-        sampled_ids: list[int] = []
-        sampler_output = None
-        if sampled_requests:
-            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            sampler_output = _to_host(
-                self.sampler(logits, [_sampling_row(r) for r in sampled_requests])
-            )
-            sampled_ids = sampler_output.sampled_token_ids.tolist()
-        prompt_results = [self._prompt_logprobs(hidden, span) for span in prompt_spans]
-        return StepResult(
+        num_slots = self.future_tokens.shape[0]
+        future_slots = [(self._next_future_slot + i) % num_slots for i in range(len(sample_rows))]
+        self._next_future_slot = (self._next_future_slot + len(sample_rows)) % num_slots
+        return PreparedStep(
+            scheduled=list(scheduled),
+            token_ids=token_ids,
+            positions=positions,
+            layout=layout,
+            metadata=self.attention.build_metadata(layout, self.device),
+            sample_rows=sample_rows,
             sampled_requests=sampled_requests,
-            sampled_token_ids=sampled_ids,
-            sampler_output=sampler_output,
-            prompt_logprobs=prompt_results,
-            num_tokens=len(token_ids),
-            num_decode_tokens=layout.num_decodes,
+            sampling_rows=[_sampling_row(r) for r in sampled_requests],
+            future_slots=future_slots,
+            prompt_spans=prompt_spans,
         )
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, span: PromptLogprobSpan
-    ) -> PromptLogprobResult:
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> _DeviceOutput:
+        """Device work: copy inputs, run the model, sample, start the copies of the results to
+        the host. Nothing here waits for the device."""
+        token_ids, positions, sample_rows, future_slots = self.stager.stage(
+            [step.token_ids, step.positions, step.sample_rows, step.future_slots]
+        )
+        if step.has_placeholders:
+            from_future = self.future_tokens[(-token_ids - 1).clamp_(min=0)]
+            token_ids = torch.where(token_ids < 0, from_future, token_ids)
+        ctx = ForwardContext(self.attention, step.metadata, self.kv_cache)
+        hidden = self.model(token_ids, positions, ctx)
+
+        sampler_output = None
+        if step.sampled_requests:
+            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+            sampler_output = self.sampler(logits, step.sampling_rows)
+            self.future_tokens.index_copy_(0, future_slots, sampler_output.sampled_token_ids)
+            sampler_output = _to_host(sampler_output)
+        prompt_logprobs = [
+            (span, _to_host(self._prompt_logprobs(hidden, span))) for span in step.prompt_spans
+        ]
+        return _DeviceOutput(sampler_output, prompt_logprobs, num_padded_slots=0)
+
+    @staticmethod
+    def result(step: PreparedStep, output: _DeviceOutput) -> StepResult:
+        """The step's results as host values; call once the device work is done."""
+        sampler_output = output.sampler_output
+        return StepResult(
+            sampled_requests=step.sampled_requests,
+            sampled_token_ids=(
+                [] if sampler_output is None else sampler_output.sampled_token_ids.tolist()
+            ),
+            sampler_output=sampler_output,
+            prompt_logprobs=[
+                PromptLogprobResult(span.request, span.first_position, logprobs)
+                for span, logprobs in output.prompt_logprobs
+            ],
+            num_tokens=len(step.token_ids),
+            num_decode_tokens=step.layout.num_decodes,
+            num_padded_slots=output.num_padded_slots,
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> TokenLogprobs:
         request = span.request
         num_topk = request.params.prompt_logprobs
         next_tokens = request.prompt_token_ids[
@@ -148,20 +233,16 @@ class ModelRunner:
             logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
             targets = torch.tensor(next_tokens[offset : offset + count], device=self.device)
             parts.append(gather_logprobs(logprobs, targets, num_topk))
-        merged = TokenLogprobs(
-            *(
-                torch.cat([getattr(p, f) for p in parts]).cpu()
-                for f in TokenLogprobs.__dataclass_fields__
-            )
+        return TokenLogprobs(
+            *(torch.cat([getattr(p, f) for p in parts]) for f in TokenLogprobs.__dataclass_fields__)
         )
-        return PromptLogprobResult(request, span.first_position, merged)
 
 
 def _sampling_row(request: Request) -> SamplingRow:
     params = request.params
-    suppress = (
-        request.stop_token_ids if request.num_output_tokens < params.min_tokens else frozenset()
-    )
+    # Counted with the tokens still being sampled: this row samples the token after them.
+    too_short = request.num_scheduled_output_tokens < params.min_tokens
+    suppress = request.stop_token_ids if too_short else frozenset()
     return SamplingRow(
         params=params,
         prompt_token_ids=request.prompt_token_ids,
@@ -171,10 +252,15 @@ def _sampling_row(request: Request) -> SamplingRow:
     )
 
 
-def _to_host(output: SamplerOutput) -> SamplerOutput:
-    return SamplerOutput(
+_Output = TypeVar("_Output", SamplerOutput, TokenLogprobs)
+
+
+def _to_host(output: _Output) -> _Output:
+    """Host copies of a result's tensors. On CUDA the copies go to pinned memory without
+    waiting; they are complete once the step's end event has passed."""
+    return type(output)(
         *(
-            None if t is None else t.cpu()
-            for t in (getattr(output, f) for f in SamplerOutput.__dataclass_fields__)
+            None if t is None else t.to("cpu", non_blocking=True)
+            for t in (getattr(output, f) for f in output.__dataclass_fields__)
         )
     )

@@ -31,8 +31,13 @@ class Request:
     generator: torch.Generator | None
     detokenizer: Any
     metrics: RequestMetrics
-    token_ids: list[int] = field(init=False)  # prompt then output, the model's whole input
-    num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache
+    # Prompt then output, the model's whole input. The last `num_pending_tokens` entries are
+    # placeholders (negative ids) for tokens sampled by a step still running on the device:
+    # with async scheduling a request's length advances when its step is launched, and the
+    # next step reads the real id on the device before the host knows it.
+    token_ids: list[int] = field(init=False)
+    num_pending_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose keys and values are (being) written to the cache
     page_table: list[int] = field(default_factory=list)
     # Chained content hashes of the full pages computed so far (prefix caching).
     page_hashes: list[int] = field(default_factory=list)
@@ -70,21 +75,61 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows: all but the pending placeholders."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """The output tokens known so far (pending placeholders left out)."""
+        return self.token_ids[self.num_prompt_tokens : self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens known so far."""
+        return self.num_known_tokens - self.num_prompt_tokens
+
+    @property
+    def num_scheduled_output_tokens(self) -> int:
+        """Output tokens sampled or being sampled: what the next sample's index depends on."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def all_tokens_scheduled(self) -> bool:
+        """True when the steps already launched produce the request's last possible token, so
+        it will finish by length when they are read and must not be scheduled again."""
+        max_tokens = self.params.max_tokens
+        return self.num_pending_tokens > 0 and (
+            (max_tokens is not None and self.num_scheduled_output_tokens >= max_tokens)
+            or self.num_tokens >= self.max_total_tokens
+        )
+
+    def add_pending_token(self, placeholder: int) -> int:
+        """Appends a placeholder for a token being sampled; returns its index in token_ids."""
+        self.token_ids.append(placeholder)
+        self.num_pending_tokens += 1
+        return len(self.token_ids) - 1
+
+    def resolve_pending_token(self, index: int, token_id: int) -> None:
+        """The oldest pending token, at `index`, turns out to be `token_id`."""
+        assert index == self.num_known_tokens, "pending tokens resolve oldest first"
+        self.token_ids[index] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending_tokens(self) -> None:
+        """A finished request forgets tokens sampled past its end by steps already launched."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens :]
+            self.num_pending_tokens = 0
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def full_page_hashes(self, page_size: int) -> list[int]:
-        """Chained hashes of every full page of token_ids, extended as the tokens grow."""
+        """Chained hashes of every full page of known tokens, extended as the tokens grow."""
         hashes = self._token_page_hashes
-        num_full_pages = len(self.token_ids) // page_size
+        num_full_pages = self.num_known_tokens // page_size
         if len(hashes) < num_full_pages:
             start = len(hashes) * page_size
             hashes.extend(

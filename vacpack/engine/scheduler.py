@@ -14,6 +14,10 @@ pages it has filled are indexed for others. A waiting request whose next uncache
 computed right now by a running request waits for it (the one exception to first come, first
 served), so requests that share a prefix and arrive together (n > 1 samples, a common system
 prompt, few-shot contexts) compute it once.
+
+With async scheduling, the next step is scheduled while the previous one still runs: request
+lengths already count the tokens being sampled (see Request.num_pending_tokens), and a request
+whose launched steps produce its last token (max_tokens, context limit) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.all_tokens_scheduled:
+                index += 1  # finishes by length once its launched steps are read
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self._reserve_pages(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -99,6 +106,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[position]
+            if request.num_pending_tokens:
+                break  # preempted with a token still being sampled: readmitted once it is read
             if self._next_page_in_flight(request):
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
