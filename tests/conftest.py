@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU our Triton kernels run in Triton's interpreter. It must be switched on
+    # before triton is first imported (transformers imports it through torch._dynamo).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path

@@ -1,7 +1,7 @@
 """The Triton backend equals the portable SDPA backend: random ragged batches and a whole model.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (slow, so shapes are tiny);
-test_triton_interpreter.py runs this module in a process where the interpreter is on.
+tests/conftest.py switches the interpreter on before triton is imported.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="no GPU and no Triton interpreter here: test_triton_interpreter.py runs these",
+    reason="no GPU, and TRITON_INTERPRET was set off (tests/conftest.py sets it on)",
 )
 
 from vacpack import LLM, SamplingParams  # noqa: E402

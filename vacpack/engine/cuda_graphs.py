@@ -74,22 +74,28 @@ class DecodeGraphRunner:
         index = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[index] if index < len(self.buckets) else None
 
+    def can_run(self, layout: BatchLayout) -> bool:
+        """True when the step is decode-only and fits a bucket and the static buffers."""
+        num_seqs = len(layout.query_lens)
+        return (
+            num_seqs > 0
+            and self.buffers is not None
+            and self.bucket_for(num_seqs) is not None
+            and layout.num_tokens == num_seqs
+            and max(layout.context_lens) <= self.max_pages_per_seq * self.kv_cache.page_size
+        )
+
     @torch.inference_mode()
     def run(
         self, token_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout
     ) -> tuple[torch.Tensor, int] | None:
         """Hidden states [num_seqs, hidden] of a decode-only step and the number of dummy rows
         it was padded with; None when this step must run eagerly."""
+        if not self.can_run(layout):
+            return None
         num_seqs = len(layout.query_lens)
         bucket = self.bucket_for(num_seqs)
-        if (
-            num_seqs == 0
-            or self.buffers is None
-            or bucket is None
-            or layout.num_tokens != num_seqs
-            or max(layout.context_lens) > self.max_pages_per_seq * self.kv_cache.page_size
-        ):
-            return None
+        assert bucket is not None
         # Dummy rows keep whatever token ids and positions they held: any valid value will do,
         # since their results are dropped and their keys land on the scratch page.
         self.token_ids[:num_seqs].copy_(token_ids, non_blocking=True)

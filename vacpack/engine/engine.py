@@ -18,6 +18,7 @@ from vacpack.attention import select_backend
 from vacpack.attention.backend import BatchLayout
 from vacpack.config import EngineConfig
 from vacpack.detokenizer import RequestDetokenizer
+from vacpack.engine.cuda_graphs import DecodeGraphRunner
 from vacpack.engine.model_runner import ModelRunner, PreparedStep, StepResult
 from vacpack.engine.request import Request
 from vacpack.engine.sampler import Sampler, make_request_generator
@@ -133,6 +134,7 @@ class LLMEngine:
             self.sampler,
             self.device,
             config.max_num_seqs,
+            self._graph_runner(),
         )
         self.async_scheduling = _resolve_async_scheduling(config.async_scheduling, self.device)
         self.executor = create_executor(self.device, self.async_scheduling)
@@ -505,6 +507,26 @@ class LLMEngine:
         )
 
     # ----------------------------------------------------------------- set-up
+    def _graph_runner(self) -> DecodeGraphRunner | None:
+        """CUDA graphs of decode steps, captured now, after the KV cache exists (the graphs
+        hold its addresses); None off CUDA, when disabled, or when the backend cannot."""
+        if self.device.type != "cuda" or not self.config.enable_cuda_graphs:
+            return None
+        graph_runner = DecodeGraphRunner(
+            self.model,
+            self.kv_cache,
+            self.attention,
+            self.config.max_num_seqs,
+            -(-self.max_model_len // self.config.block_size),
+            self.device,
+            capture=True,
+        )
+        if not graph_runner.enabled:
+            logger.info("attention backend %s cannot replay graphs: eager decode", self.attention)
+            return None
+        logger.info("captured CUDA graphs for decode batch sizes %s", graph_runner.buckets)
+        return graph_runner
+
     def _profile_forward(self) -> None:
         """One forward at the largest step shape, with no KV cache, to measure peak memory."""
         num_tokens = min(self.max_num_batched_tokens, self.max_model_len)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout
+from vacpack.engine.cuda_graphs import DecodeGraphRunner
 from vacpack.engine.input_staging import InputStager
 from vacpack.engine.request import Request
 from vacpack.engine.sampler import (
@@ -66,7 +67,8 @@ class PreparedStep:
     token_ids: list[int]
     positions: list[int]
     layout: BatchLayout
-    metadata: Any  # the attention backend's, already on the device
+    metadata: Any  # the attention backend's, already on the device; None for a graph replay
+    use_graph: bool  # a decode-only step that replays a captured CUDA graph
     sample_rows: list[int]  # stream rows whose logits are sampled
     sampled_requests: list[Request]
     sampling_rows: list[SamplingRow]
@@ -114,8 +116,10 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         max_num_seqs: int,
+        graph_runner: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
+        self.graph_runner = graph_runner
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
@@ -161,6 +165,7 @@ class ModelRunner:
                 sampled_requests.append(request)
 
         layout = BatchLayout(query_lens, context_lens, page_tables, self.kv_cache.page_size)
+        use_graph = self.graph_runner is not None and self.graph_runner.can_run(layout)
         num_slots = self.future_tokens.shape[0]
         future_slots = [(self._next_future_slot + i) % num_slots for i in range(len(sample_rows))]
         self._next_future_slot = (self._next_future_slot + len(sample_rows)) % num_slots
@@ -169,7 +174,8 @@ class ModelRunner:
             token_ids=token_ids,
             positions=positions,
             layout=layout,
-            metadata=self.attention.build_metadata(layout, self.device),
+            metadata=None if use_graph else self.attention.build_metadata(layout, self.device),
+            use_graph=use_graph,
             sample_rows=sample_rows,
             sampled_requests=sampled_requests,
             sampling_rows=[_sampling_row(r) for r in sampled_requests],
@@ -187,8 +193,15 @@ class ModelRunner:
         if step.has_placeholders:
             from_future = self.future_tokens[(-token_ids - 1).clamp_(min=0)]
             token_ids = torch.where(token_ids < 0, from_future, token_ids)
-        ctx = ForwardContext(self.attention, step.metadata, self.kv_cache)
-        hidden = self.model(token_ids, positions, ctx)
+        num_padded_slots = 0
+        if step.use_graph:
+            assert self.graph_runner is not None
+            replayed = self.graph_runner.run(token_ids, positions, step.layout)
+            assert replayed is not None, "prepare checked that the graph runner can run it"
+            hidden, num_padded_slots = replayed
+        else:
+            ctx = ForwardContext(self.attention, step.metadata, self.kv_cache)
+            hidden = self.model(token_ids, positions, ctx)
 
         sampler_output = None
         if step.sampled_requests:
@@ -199,7 +212,7 @@ class ModelRunner:
         prompt_logprobs = [
             (span, _to_host(self._prompt_logprobs(hidden, span))) for span in step.prompt_spans
         ]
-        return _DeviceOutput(sampler_output, prompt_logprobs, num_padded_slots=0)
+        return _DeviceOutput(sampler_output, prompt_logprobs, num_padded_slots)
 
     @staticmethod
     def result(step: PreparedStep, output: _DeviceOutput) -> StepResult:
