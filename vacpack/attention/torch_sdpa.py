@@ -1,12 +1,11 @@
-"""Portable attention on torch's scaled_dot_product_attention, for CPU and CUDA alike.
+"""Portable attention in plain PyTorch, for CPU and CUDA alike.
 
-Decodes (one query token each) are grouped by context length; each group gathers its pages
-into a [seqs, kv_heads, longest_context, head_dim] view and runs one batched SDPA call with a
-length mask. Grouping keeps the padding of short contexts to the longest one bounded.
-Grouped-query heads are folded into the query-length axis, so keys and values are never
-repeated per query head. Prefill segments run one SDPA call each: causal over their own
-tokens, or over their gathered pages with an offset causal mask when earlier chunks of the
-sequence are already cached.
+Decodes (one query token each) run as paged matmuls in chunks of similar context length
+(paged_decode.py); decodes whose page tables start with the same pages (a cached prefix) attend
+to that prefix together, once, and to their own pages apart (cascade.py). Grouped-query heads
+are folded into the query rows, so keys and values are never repeated per query head. Prefill
+segments run one SDPA call each: causal over their own tokens, or over their gathered pages
+with an offset causal mask when earlier chunks of the sequence are already cached.
 """
 
 from __future__ import annotations
@@ -19,25 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout, register_backend
+from vacpack.attention.cascade import (
+    MIN_CASCADE_PREFIX_PAGES,
+    MIN_CASCADE_SAVED_TOKENS,
+    CascadeGroup,
+    CascadePlan,
+    cascade_attention,
+)
+from vacpack.attention.paged_decode import DecodeChunk, build_chunk, chunk_attention, plan_chunks
+from vacpack.attention.shared_prefix import find_shared_prefixes
 from vacpack.kvcache.paged_cache import KVLayer
 
-# A decode group closes when the next context is shorter than this share of the group's
-# longest, unless the group is still smaller than DECODE_GROUP_MIN_SEQS: each group costs a
-# few kernel launches per layer, so tiny groups cost more than the padding they save.
-DECODE_GROUP_MIN_FILL = 0.7
-DECODE_GROUP_MIN_SEQS = 8
 # Whole short sequences of a packed bin (no KV cache) run the same way, padded to the longest
 # of their group: one SDPA call for many embedding-sized documents instead of one each.
 PACKED_GROUP_MIN_FILL = 0.7
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    rows: torch.Tensor  # [seqs] the group's rows in the token stream
-    pages: torch.Tensor  # [seqs * pages_per_seq] page ids, row-major, padded with page 0
-    pages_per_seq: int
-    context_len: int  # the group's longest context
-    mask: torch.Tensor | None  # [seqs, 1, 1, context_len]; None when all contexts are equal
 
 
 @dataclass(frozen=True)
@@ -65,10 +59,11 @@ class PrefillSegment:
 @dataclass(frozen=True)
 class SdpaMetadata:
     slot_mapping: torch.Tensor | None  # [num_tokens] where each token's k and v are written
-    decode_groups: tuple[DecodeGroup, ...]
+    decode_chunks: tuple[DecodeChunk, ...]  # decodes without a shared prefix
     prefills: tuple[PrefillSegment, ...]
     causal: bool = True
     packed_groups: tuple[PackedGroup, ...] = ()
+    cascade: CascadePlan | None = None  # decodes with one
 
 
 def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
@@ -76,11 +71,7 @@ def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torc
     return (pages.unsqueeze(-1) * page_size + offsets).flatten(-2)[..., :num_tokens]
 
 
-def _group_by_length(
-    lengths: Sequence[int],
-    min_fill: float = DECODE_GROUP_MIN_FILL,
-    min_seqs: int = DECODE_GROUP_MIN_SEQS,
-) -> list[list[int]]:
+def _group_by_length(lengths: Sequence[int], min_fill: float, min_seqs: int) -> list[list[int]]:
     """Indices grouped longest first; a group closes below min_fill of its longest member,
     once it has min_seqs members."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -96,8 +87,63 @@ def _group_by_length(
     return groups
 
 
+def _decode_metadata(
+    layout: BatchLayout, enable_cascade: bool, device: torch.device
+) -> tuple[tuple[DecodeChunk, ...], CascadePlan | None]:
+    """Chunks for the decodes (the first layout.num_decodes sequences, one stream row each), and
+    the cascade for those among them that share a long enough prefix of pages."""
+    num_decodes, page_size = layout.num_decodes, layout.page_size
+    page_tables = layout.page_tables[:num_decodes]
+    context_lens = layout.context_lens[:num_decodes]
+    prefixes = []
+    if enable_cascade:
+        prefixes = find_shared_prefixes(
+            page_tables,
+            # Pages wholly before a decode's newest token: its own part is never empty.
+            [(n - 1) // page_size for n in context_lens],
+            min_pages=MIN_CASCADE_PREFIX_PAGES,
+            min_saved_pages=-(-MIN_CASCADE_SAVED_TOKENS // page_size),
+        )
+    shared_pages = [0] * num_decodes
+    for prefix in prefixes:
+        for i in prefix.members:
+            shared_pages[i] = prefix.num_pages
+
+    def chunks(indices: list[int]) -> tuple[DecodeChunk, ...]:
+        num_keys = [context_lens[i] - shared_pages[i] * page_size for i in indices]
+        return tuple(
+            build_chunk(
+                [indices[j] for j in members],
+                [page_tables[indices[j]][shared_pages[indices[j]] :] for j in members],
+                [num_keys[j] for j in members],
+                page_size,
+                device,
+            )
+            for members in plan_chunks(num_keys)
+        )
+
+    plain = [i for i in range(num_decodes) if shared_pages[i] == 0]
+    if not prefixes:
+        return chunks(plain), None
+    groups = tuple(
+        CascadeGroup(
+            rows=torch.tensor(prefix.members, dtype=torch.int64).to(device),
+            prefix_pages=torch.tensor(
+                page_tables[prefix.members[0]][: prefix.num_pages], dtype=torch.int64
+            ).to(device),
+            num_prefix_tokens=prefix.num_pages * page_size,
+        )
+        for prefix in prefixes
+    )
+    members = [i for i in range(num_decodes) if shared_pages[i] > 0]
+    return chunks(plain), CascadePlan(groups, chunks(members))
+
+
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
+
+    def __init__(self, enable_cascade: bool = True) -> None:
+        self.enable_cascade = enable_cascade
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SdpaMetadata:
         if not layout.page_tables:
@@ -113,10 +159,7 @@ class TorchSdpaBackend(AttentionBackend):
         slot_mapping = torch.cat(slot_chunks).to(device, non_blocking=True)
 
         num_decodes = layout.num_decodes
-        decode_groups = tuple(
-            self._decode_group(members, layout, device)
-            for members in _group_by_length(layout.context_lens[:num_decodes])
-        )
+        decode_chunks, cascade = _decode_metadata(layout, self.enable_cascade, device)
         prefills = []
         token_start = num_decodes  # decodes come first, one token each
         for i in range(num_decodes, len(layout.query_lens)):
@@ -129,7 +172,7 @@ class TorchSdpaBackend(AttentionBackend):
                 mask = (torch.arange(context_len) <= query_positions.unsqueeze(1)).to(device)
             prefills.append(PrefillSegment(token_start, query_len, context_slots, mask))
             token_start += query_len
-        return SdpaMetadata(slot_mapping, decode_groups, tuple(prefills))
+        return SdpaMetadata(slot_mapping, decode_chunks, tuple(prefills), cascade=cascade)
 
     @staticmethod
     def _prefill_only_metadata(layout: BatchLayout, device: torch.device) -> SdpaMetadata:
@@ -145,26 +188,6 @@ class TorchSdpaBackend(AttentionBackend):
                 packed_groups.append(_packed_group(group_starts, group_lens, layout.causal, device))
         return SdpaMetadata(None, (), tuple(singles), layout.causal, tuple(packed_groups))
 
-    @staticmethod
-    def _decode_group(members: list[int], layout: BatchLayout, device: torch.device) -> DecodeGroup:
-        context_lens = torch.tensor([layout.context_lens[i] for i in members])
-        longest = int(context_lens[0])
-        pages_per_seq = -(-longest // layout.page_size)
-        pages = torch.zeros(len(members), pages_per_seq, dtype=torch.int64)
-        for row, i in enumerate(members):
-            used = layout.page_tables[i][:pages_per_seq]
-            pages[row, : len(used)] = torch.tensor(used, dtype=torch.int64)
-        mask = None
-        if int(context_lens[-1]) != longest:
-            mask = (torch.arange(longest) < context_lens.unsqueeze(1))[:, None, None, :].to(device)
-        return DecodeGroup(
-            rows=torch.tensor(members, dtype=torch.int64).to(device),
-            pages=pages.flatten().to(device),
-            pages_per_seq=pages_per_seq,
-            context_len=longest,
-            mask=mask,
-        )
-
     def forward(
         self,
         q: torch.Tensor,
@@ -176,8 +199,11 @@ class TorchSdpaBackend(AttentionBackend):
         if kv_layer is not None:
             kv_layer.write(metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
-        for group in metadata.decode_groups:
-            out.index_copy_(0, group.rows, _decode(q.index_select(0, group.rows), kv_layer, group))
+        for chunk in metadata.decode_chunks:
+            attn, _ = chunk_attention(q.index_select(0, chunk.rows), kv_layer, chunk)
+            out.index_copy_(0, chunk.rows, attn)
+        if metadata.cascade is not None:
+            cascade_attention(q, kv_layer, metadata.cascade, out)
         for group in metadata.packed_groups:
             out.index_copy_(0, group.out_rows, _packed(q, k, v, group))
         for seg in metadata.prefills:
@@ -235,27 +261,6 @@ def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PackedGrou
     )
     flat = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
     return flat.index_select(0, group.real_slots)
-
-
-def _gather_pages(cache: torch.Tensor, group: DecodeGroup, page_size: int) -> torch.Tensor:
-    """[seqs, kv_heads, context_len, head_dim], contiguous, from whole pages of the cache."""
-    num_seqs = group.rows.shape[0]
-    paged = cache.view(-1, page_size, *cache.shape[1:])
-    gathered = paged.index_select(0, group.pages).view(
-        num_seqs, group.pages_per_seq * page_size, *cache.shape[1:]
-    )
-    return gathered[:, : group.context_len].transpose(1, 2).contiguous()
-
-
-def _decode(q: torch.Tensor, kv_layer: KVLayer, group: DecodeGroup) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_layer.keys.shape[1]
-    keys = _gather_pages(kv_layer.keys, group, kv_layer.page_size)
-    values = _gather_pages(kv_layer.values, group, kv_layer.page_size)
-    # Query heads of one KV group become its "query positions": [seqs, kv_heads, group, dim].
-    grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    attn = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=group.mask)
-    return attn.reshape(num_seqs, num_heads, head_dim)
 
 
 register_backend(TorchSdpaBackend.name, TorchSdpaBackend)

@@ -1,0 +1,281 @@
+"""Paged decode and cascade (shared-prefix) attention equal per-sequence SDPA over the gathered
+context, and greedy outputs stay the same with the prefix cache (and so cascades) on or off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vacpack import LLM, SamplingParams
+from vacpack.attention import torch_sdpa
+from vacpack.attention.backend import BatchLayout
+from vacpack.attention.cascade import merge_by_lse
+from vacpack.attention.paged_decode import attend
+from vacpack.attention.shared_prefix import SharedPrefix, find_shared_prefixes
+from vacpack.attention.torch_sdpa import SdpaMetadata, TorchSdpaBackend
+from vacpack.kvcache.paged_cache import KVLayer
+
+PAGE_SIZE = 4
+HEAD_DIM = 16
+NUM_PAGES = 400
+CPU = torch.device("cpu")
+# bf16 rounds scores and probabilities to 8 bits; outputs are averages of unit-normal values.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    page_tables: list[list[int]]
+    context_lens: list[int]
+    shared_prefixes: list[tuple[int, ...]]  # the pages each sequence shares; () for none
+
+    @property
+    def layout(self) -> BatchLayout:
+        num_seqs = len(self.context_lens)
+        return BatchLayout([1] * num_seqs, self.context_lens, self.page_tables, PAGE_SIZE)
+
+
+def _decode_batch(
+    groups: list[tuple[int, int]], num_unshared: int, generator: torch.Generator
+) -> DecodeBatch:
+    """groups: (sequences, shared pages) each; every sequence then owns 1..14 more tokens, so
+    its last page is often partial. Pages come from a shuffled pool, as after much reuse; the
+    pool's last 8 pages are left for tests to use."""
+    free = torch.randperm(NUM_PAGES - 8, generator=generator).tolist()
+    prefixes = []
+    for count, num_pages in groups:
+        pages = tuple(free.pop() for _ in range(num_pages))
+        prefixes += [pages] * count
+    prefixes += [()] * num_unshared
+    order = torch.randperm(len(prefixes), generator=generator).tolist()  # members interleaved
+    prefixes = [prefixes[i] for i in order]
+    tables, context_lens = [], []
+    for prefix in prefixes:
+        own = int(torch.randint(1, 15, (1,), generator=generator))
+        tables.append([*prefix, *(free.pop() for _ in range(-(-own // PAGE_SIZE)))])
+        context_lens.append(len(prefix) * PAGE_SIZE + own)
+    return DecodeBatch(tables, context_lens, prefixes)
+
+
+def _kv_layer(dtype: torch.dtype, num_kv_heads: int, generator: torch.Generator) -> KVLayer:
+    shape = (NUM_PAGES * PAGE_SIZE, num_kv_heads, HEAD_DIM)
+    keys = torch.randn(shape, generator=generator).to(dtype)
+    return KVLayer(keys, torch.randn(shape, generator=generator).to(dtype), PAGE_SIZE)
+
+
+def _reference(
+    q: torch.Tensor, kv_layer: KVLayer, page_table: list[int], context_len: int
+) -> torch.Tensor:
+    """One sequence's query rows [tokens, heads, dim] against its gathered context, in float32,
+    causal over the last len(q) positions."""
+    offsets = torch.arange(PAGE_SIZE)
+    slots = (torch.tensor(page_table).unsqueeze(1) * PAGE_SIZE + offsets).flatten()[:context_len]
+    keys = kv_layer.keys[slots].float().transpose(0, 1)
+    values = kv_layer.values[slots].float().transpose(0, 1)
+    positions = torch.arange(context_len - q.shape[0], context_len).unsqueeze(1)
+    mask = torch.arange(context_len) <= positions
+    attn = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
+    )
+    return attn.transpose(0, 1)
+
+
+def _run_decodes(
+    backend: TorchSdpaBackend,
+    batch: DecodeBatch,
+    kv_layer: KVLayer,
+    num_heads: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, SdpaMetadata]:
+    num_seqs = len(batch.context_lens)
+    num_kv_heads, dtype = kv_layer.keys.shape[1], kv_layer.keys.dtype
+    q = torch.randn(num_seqs, num_heads, HEAD_DIM, generator=generator).to(dtype)
+    k = torch.randn(num_seqs, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
+    v = torch.randn(num_seqs, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
+    metadata = backend.build_metadata(batch.layout, CPU)
+    return q, backend.forward(q, k, v, kv_layer, metadata), metadata
+
+
+@pytest.fixture
+def cascade_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cascades for any prefix of at least one page shared by two sequences, so that small test
+    batches take the cascade path."""
+    monkeypatch.setattr(torch_sdpa, "MIN_CASCADE_PREFIX_PAGES", 1)
+    monkeypatch.setattr(torch_sdpa, "MIN_CASCADE_SAVED_TOKENS", 1)
+
+
+GROUPINGS = {
+    "one group": ([(6, 5)], 0),
+    "groups and loners": ([(3, 1), (4, 7), (2, 12)], 5),
+    "no sharing": ([], 7),
+    "one long prefix": ([(9, 30)], 1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1), (3, 3)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("grouping", list(GROUPINGS), ids=list(GROUPINGS))
+@pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "paged"])
+def test_decodes_equal_per_sequence_sdpa(cascade_always, dtype, heads, grouping, cascade) -> None:
+    generator = torch.Generator().manual_seed(len(grouping) + heads[0])
+    num_heads, num_kv_heads = heads
+    groups, num_unshared = GROUPINGS[grouping]
+    batch = _decode_batch(groups, num_unshared, generator)
+    kv_layer = _kv_layer(dtype, num_kv_heads, generator)
+    backend = TorchSdpaBackend(enable_cascade=cascade)
+    q, out, metadata = _run_decodes(backend, batch, kv_layer, num_heads, generator)
+    assert (metadata.cascade is not None) == (cascade and bool(groups))
+    for i, (table, context_len) in enumerate(
+        zip(batch.page_tables, batch.context_lens, strict=True)
+    ):
+        want = _reference(q[i : i + 1], kv_layer, table, context_len)
+        torch.testing.assert_close(out[i : i + 1].float(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_groups_follow_the_shared_pages(cascade_always) -> None:
+    generator = torch.Generator().manual_seed(0)
+    batch = _decode_batch([(3, 2), (4, 6)], 3, generator)
+    metadata = TorchSdpaBackend().build_metadata(batch.layout, CPU)
+    groups = {
+        (tuple(sorted(g.rows.tolist())), g.num_prefix_tokens) for g in metadata.cascade.groups
+    }
+    members: dict[tuple[int, ...], list[int]] = {}
+    for i, prefix in enumerate(batch.shared_prefixes):
+        if prefix:
+            members.setdefault(prefix, []).append(i)
+    assert groups == {(tuple(rows), len(prefix) * PAGE_SIZE) for prefix, rows in members.items()}
+    rows_planned = sorted(
+        row for chunks in (metadata.decode_chunks, metadata.cascade.suffix_chunks)
+        for chunk in chunks for row in chunk.rows.tolist()
+    )  # fmt: skip
+    assert rows_planned == list(range(len(batch.context_lens)))  # each decode exactly once
+
+
+def test_default_thresholds_leave_short_prefixes_to_the_paged_path() -> None:
+    generator = torch.Generator().manual_seed(1)
+    batch = _decode_batch([(4, 3)], 2, generator)
+    assert TorchSdpaBackend().build_metadata(batch.layout, CPU).cascade is None
+
+
+def test_a_step_mixing_cascaded_decodes_and_a_cached_prefill(cascade_always) -> None:
+    generator = torch.Generator().manual_seed(2)
+    batch = _decode_batch([(3, 4)], 2, generator)
+    kv_layer = _kv_layer(torch.float32, 2, generator)
+    # A prefill chunk of 6 tokens whose first 9 are cached, in pages of its own.
+    prefill_table = list(range(NUM_PAGES - 4, NUM_PAGES))
+    num_decodes = len(batch.context_lens)
+    layout = BatchLayout(
+        [1] * num_decodes + [6],
+        [*batch.context_lens, 15],
+        [*batch.page_tables, prefill_table],
+        PAGE_SIZE,
+    )
+    num_tokens = num_decodes + 6
+    q = torch.randn(num_tokens, 4, HEAD_DIM, generator=generator)
+    k = torch.randn(num_tokens, 2, HEAD_DIM, generator=generator)
+    v = torch.randn(num_tokens, 2, HEAD_DIM, generator=generator)
+    backend = TorchSdpaBackend()
+    metadata = backend.build_metadata(layout, CPU)
+    assert metadata.cascade is not None
+    out = backend.forward(q, k, v, kv_layer, metadata)
+    for i in range(num_decodes):
+        want = _reference(q[i : i + 1], kv_layer, batch.page_tables[i], batch.context_lens[i])
+        torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=0)
+    want = _reference(q[num_decodes:], kv_layer, prefill_table, 15)
+    torch.testing.assert_close(out[num_decodes:], want, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ the pieces
+
+
+def test_merging_two_halves_by_lse_equals_attention_over_both() -> None:
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(3, 5, HEAD_DIM, generator=generator) * 3  # peaked softmaxes too
+    keys = torch.randn(3, 40, HEAD_DIM, generator=generator)
+    values = torch.randn(3, 40, HEAD_DIM, generator=generator)
+    whole, whole_lse = attend(queries, keys, values, with_lse=True)
+    first, first_lse = attend(queries, keys[:, :13], values[:, :13], with_lse=True)
+    rest, rest_lse = attend(queries, keys[:, 13:], values[:, 13:], with_lse=True)
+    torch.testing.assert_close(merge_by_lse(first, first_lse, rest, rest_lse), whole)
+    scores = queries @ keys.transpose(1, 2) * HEAD_DIM**-0.5
+    torch.testing.assert_close(whole_lse, torch.logsumexp(scores, dim=-1))
+
+
+def test_padding_hides_keys() -> None:
+    generator = torch.Generator().manual_seed(4)
+    queries = torch.randn(2, 3, HEAD_DIM, generator=generator)
+    keys = torch.randn(2, 9, HEAD_DIM, generator=generator)
+    values = torch.randn(2, 9, HEAD_DIM, generator=generator)
+    lengths = torch.tensor([[9], [4]])
+    padding = (torch.arange(9) >= lengths).unsqueeze(1)  # [batch, 1, keys]
+    out, lse = attend(queries, keys, values, padding, with_lse=True)
+    short, short_lse = attend(queries[1:], keys[1:, :4], values[1:, :4], with_lse=True)
+    torch.testing.assert_close(out[1:], short)
+    torch.testing.assert_close(lse[1:], short_lse)
+
+
+def _prefixes(found: list[SharedPrefix]) -> set[tuple[tuple[int, ...], int]]:
+    return {(tuple(sorted(p.members)), p.num_pages) for p in found}
+
+
+def test_find_shared_prefixes_prefers_the_grouping_that_saves_most() -> None:
+    a = list(range(100, 120))
+    # 0..3 share 10 pages; 0 and 1 share 20: one group of four at 10 pages saves 30 page reads,
+    # a pair at 20 saves 20.
+    tables = [[*a, 1], [*a, 2], a[:10] + [3] * 10, a[:10] + [4] * 10, [7, 8, 9]]
+    found = find_shared_prefixes(tables, [len(t) for t in tables], min_pages=2)
+    assert _prefixes(found) == {((0, 1, 2, 3), 10)}
+    # With only 2 pages in common with the others, the long pair wins.
+    tables[2:4] = [a[:2] + [3] * 18, a[:2] + [4] * 18]
+    found = find_shared_prefixes(tables, [len(t) for t in tables], min_pages=2)
+    assert _prefixes(found) == {((0, 1), 20)}
+
+
+def test_find_shared_prefixes_respects_its_limits() -> None:
+    tables = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 9], [8, 2, 3]]
+    # Three sharing 2 pages save as much as two sharing 4: the larger group wins the tie.
+    assert _prefixes(find_shared_prefixes(tables, [5, 5, 3, 3], min_pages=2)) == {((0, 1, 2), 2)}
+    assert _prefixes(find_shared_prefixes(tables, [5, 5, 3, 3], min_pages=3)) == {((0, 1), 4)}
+    # Only shareable pages count: here sequence 1's fourth page holds its newest token.
+    assert _prefixes(find_shared_prefixes(tables, [5, 3, 3, 3], min_pages=3)) == {((0, 1), 3)}
+    assert find_shared_prefixes(tables, [5, 5, 3, 3], min_pages=5) == []
+    assert find_shared_prefixes(tables, [5, 5, 3, 3], min_pages=1, min_saved_pages=5) == []
+    assert find_shared_prefixes([], [], min_pages=1) == []
+
+
+# ------------------------------------------------------------------ through the engine
+
+
+def test_greedy_outputs_equal_with_the_prefix_cache_on_and_off(
+    tiny_checkpoint, cascade_always, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    cascade_attention = torch_sdpa.cascade_attention
+
+    def counting(*args, **kwargs) -> None:
+        calls.append(1)
+        cascade_attention(*args, **kwargs)
+
+    monkeypatch.setattr(torch_sdpa, "cascade_attention", counting)
+    model_dir = tiny_checkpoint("qwen3")
+    kwargs = dict(dtype="float32", block_size=8, max_num_batched_tokens=256)
+    on = LLM(str(model_dir), enable_prefix_caching=True, **kwargs)
+    off = LLM(str(model_dir), enable_prefix_caching=False, **kwargs)
+    generator = torch.Generator().manual_seed(5)
+    vocab_size = on.loaded.config.vocab_size
+    shared = torch.randint(0, vocab_size, (100,), generator=generator).tolist()
+    prompts = [
+        shared + torch.randint(0, vocab_size, (n,), generator=generator).tolist()
+        for n in torch.randint(1, 20, (16,), generator=generator).tolist()
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    on.generate(prompts[:1], params, use_tqdm=False)  # the shared prompt's pages get cached
+    cached = on.generate(prompts, params, use_tqdm=False)
+    assert calls, "no step ran a cascade"
+    calls.clear()
+    plain = off.generate(prompts, params, use_tqdm=False)
+    assert not calls
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]

@@ -1,0 +1,99 @@
+"""Cascade attention: decodes that share a prefix of KV pages read it once, together.
+
+Attention over a sequence's keys splits exactly into attention over any two parts of them, each
+with the log-sum-exp (LSE) of its scores: the full result is the two partial results weighted by
+exp(lse_part - lse_total). So a group's shared prefix is attended by all the group's query heads
+in one matmul per KV head ([seqs * grouped heads, head_dim] x [head_dim, prefix tokens]: one
+compute-bound matmul instead of one bandwidth-bound read of the prefix per sequence), each
+sequence's own remaining pages by the ordinary paged decode, and the two merged by LSE weights
+in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vacpack.attention.paged_decode import DecodeChunk, attend, chunk_attention, gather_pages
+from vacpack.kvcache.paged_cache import KVLayer
+
+# A shared prefix runs as a cascade when its sequences would otherwise read at least this many of
+# its key tokens more than once ((seqs - 1) * prefix tokens): below it, the cascade's extra
+# kernel launches and merge cost more than the reads they save (bench/decode_attention.py).
+MIN_CASCADE_SAVED_TOKENS = 2048
+# Shorter shared prefixes are left to the ordinary paged decode.
+MIN_CASCADE_PREFIX_PAGES = 4
+
+
+@dataclass(frozen=True)
+class CascadeGroup:
+    """Decodes sharing their first `num_prefix_tokens` tokens' pages."""
+
+    rows: torch.Tensor  # [seqs] stream rows of the group's query tokens
+    prefix_pages: torch.Tensor  # [prefix pages] the shared page ids, in order
+    num_prefix_tokens: int
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    groups: tuple[CascadeGroup, ...]
+    # The members' own pages past their group's prefix, as ordinary decode chunks.
+    suffix_chunks: tuple[DecodeChunk, ...]
+
+
+def prefix_attention(
+    q: torch.Tensor, kv_layer: KVLayer, group: CascadeGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [seqs, heads, head_dim], the group's query rows. Returns their attention over the
+    shared prefix alone, shaped like q, and its float32 log-sum-exp, [seqs, heads]."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_layer.keys.shape[1]
+    group_size = num_heads // num_kv_heads
+    page_size = kv_layer.page_size
+    keys = gather_pages(kv_layer.keys, group.prefix_pages, page_size, 1, group.num_prefix_tokens)
+    values = gather_pages(
+        kv_layer.values, group.prefix_pages, page_size, 1, group.num_prefix_tokens
+    )
+    # Every sequence's query heads of one KV head become rows of that head's one matmul.
+    per_kv_head = q.view(num_seqs, num_kv_heads, group_size, head_dim).transpose(0, 1)
+    out, lse = attend(
+        per_kv_head.reshape(num_kv_heads, num_seqs * group_size, head_dim),
+        keys[0],
+        values[0],
+        with_lse=True,
+    )
+    out = out.view(num_kv_heads, num_seqs, group_size, head_dim).transpose(0, 1)
+    lse = lse.view(num_kv_heads, num_seqs, group_size).transpose(0, 1)
+    return out.reshape(num_seqs, num_heads, head_dim), lse.reshape(num_seqs, num_heads)
+
+
+def merge_by_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets, from each set's output [..., dim] and
+    log-sum-exp [...]; weights and sums in float32, the result in out_a's dtype."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
+
+
+def cascade_attention(
+    q: torch.Tensor, kv_layer: KVLayer, plan: CascadePlan, out: torch.Tensor
+) -> None:
+    """Writes into `out` ([tokens, heads, head_dim]) the attention of every row in the plan."""
+    suffix_lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+    for chunk in plan.suffix_chunks:
+        attn, lse = chunk_attention(q.index_select(0, chunk.rows), kv_layer, chunk, with_lse=True)
+        out.index_copy_(0, chunk.rows, attn)
+        suffix_lse.index_copy_(0, chunk.rows, lse)
+    for group in plan.groups:
+        prefix_out, prefix_lse = prefix_attention(q.index_select(0, group.rows), kv_layer, group)
+        merged = merge_by_lse(
+            prefix_out,
+            prefix_lse,
+            out.index_select(0, group.rows),
+            suffix_lse.index_select(0, group.rows),
+        )
+        out.index_copy_(0, group.rows, merged)
