@@ -19,4 +19,5 @@ lint: install
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 
 bench: install
+	$(PYTHON) -m pip install -e ".[bench]"
 	$(PYTHON) bench/g1_generation.py

@@ -162,7 +162,7 @@ def print_report(llm: Any, outputs: list[Any], elapsed_s: float) -> None:
         f"{num_output / elapsed_s:.1f} output tok/s, "
         f"{(num_prompt + num_output) / elapsed_s:.1f} total tok/s "
         f"({num_prompt} prompt + {num_output} output tokens; "
-        f"{len(stats.steps)} steps, {stats.num_preemptions} preemptions; prefix cache hit rate "
+        f"{stats.num_steps} steps, {stats.num_preemptions} preemptions; prefix cache hit rate "
         f"{cache.hit_rate:.1%}, {cache.num_evictions} evictions)",
         file=sys.stderr,
     )

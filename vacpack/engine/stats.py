@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -15,18 +16,25 @@ class StepRecord:
     kv_pages_used: int
 
 
-@dataclass
 class EngineStats:
-    steps: list[StepRecord] = field(default_factory=list)
-    num_generated_tokens: int = 0
+    """Running totals over every step, and the records of the most recent steps (a server
+    runs forever, so the records are a ring)."""
+
+    def __init__(self, max_records: int = 100_000) -> None:
+        self._records: deque[StepRecord] = deque(maxlen=max_records)
+        self.num_steps = 0
+        self.num_processed_tokens = 0
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
 
     def record_step(self, **fields: float | int) -> None:
-        self.steps.append(StepRecord(**fields))
+        record = StepRecord(**fields)
+        self._records.append(record)
+        self.num_steps += 1
+        self.num_processed_tokens += record.num_tokens
+        self.num_preemptions += record.num_preempted
 
     @property
-    def num_processed_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.steps)
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(s.num_preempted for s in self.steps)
+    def steps(self) -> list[StepRecord]:
+        """The kept records, oldest first."""
+        return list(self._records)

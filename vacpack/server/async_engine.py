@@ -138,10 +138,6 @@ class AsyncEngine:
         self._timings: dict[str, _Timing] = {}
         # What this turn of the loop sends to streams: handed over in one call per turn.
         self._deliveries: list[tuple[RequestStream, Any]] = []
-        # Preemptions tallied from the engine's step records read so far; reading only the new
-        # records keeps this O(1) a step where the engine's own total re-sums every step.
-        self._num_step_records_read = 0
-        self._num_preemptions = 0
 
     @property
     def serves_generation(self) -> bool:
@@ -350,9 +346,6 @@ class AsyncEngine:
         engine = self._engine
         if engine is None:
             return
-        steps = engine.stats.steps
-        self._num_preemptions += sum(s.num_preempted for s in steps[self._num_step_records_read :])
-        self._num_step_records_read = len(steps)
         cache = engine.page_pool.stats
         self._metrics.set_engine_state(
             EngineState(
@@ -363,7 +356,7 @@ class AsyncEngine:
                 num_prefix_queried_tokens=cache.num_queried_tokens,
                 num_prefix_hit_tokens=cache.num_hit_tokens,
                 num_evictions=cache.num_evictions,
-                num_preemptions=self._num_preemptions,
+                num_preemptions=engine.stats.num_preemptions,
             )
         )
 
