@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from vacpack import LLM, SamplingParams
+from vacpack.attention import backend as backend_registry
 from vacpack.attention import torch_sdpa
 from vacpack.attention.backend import BatchLayout
-from vacpack.attention.cascade import merge_by_lse
-from vacpack.attention.paged_decode import attend
+from vacpack.attention.cascade import CascadePolicy, merge_by_lse
+from vacpack.attention.paged_decode import KeyPadding, attend
 from vacpack.attention.shared_prefix import SharedPrefix, find_shared_prefixes
 from vacpack.attention.torch_sdpa import SdpaMetadata, TorchSdpaBackend
 from vacpack.kvcache.paged_cache import KVLayer
@@ -99,12 +100,9 @@ def _run_decodes(
     return q, backend.forward(q, k, v, kv_layer, metadata), metadata
 
 
-@pytest.fixture
-def cascade_always(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Cascades for any prefix of at least one page shared by two sequences, so that small test
-    batches take the cascade path."""
-    monkeypatch.setattr(torch_sdpa, "MIN_CASCADE_PREFIX_PAGES", 1)
-    monkeypatch.setattr(torch_sdpa, "MIN_CASCADE_SAVED_TOKENS", 1)
+# Cascades for any prefix of at least one page shared by two sequences, so that small test
+# batches take the cascade path.
+ALWAYS = CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1)
 
 
 GROUPINGS = {
@@ -119,13 +117,13 @@ GROUPINGS = {
 @pytest.mark.parametrize("heads", [(4, 2), (6, 1), (3, 3)], ids=["gqa", "mqa", "mha"])
 @pytest.mark.parametrize("grouping", list(GROUPINGS), ids=list(GROUPINGS))
 @pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "paged"])
-def test_decodes_equal_per_sequence_sdpa(cascade_always, dtype, heads, grouping, cascade) -> None:
+def test_decodes_equal_per_sequence_sdpa(dtype, heads, grouping, cascade) -> None:
     generator = torch.Generator().manual_seed(len(grouping) + heads[0])
     num_heads, num_kv_heads = heads
     groups, num_unshared = GROUPINGS[grouping]
     batch = _decode_batch(groups, num_unshared, generator)
     kv_layer = _kv_layer(dtype, num_kv_heads, generator)
-    backend = TorchSdpaBackend(enable_cascade=cascade)
+    backend = TorchSdpaBackend(ALWAYS if cascade else None)
     q, out, metadata = _run_decodes(backend, batch, kv_layer, num_heads, generator)
     assert (metadata.cascade is not None) == (cascade and bool(groups))
     for i, (table, context_len) in enumerate(
@@ -135,10 +133,10 @@ def test_decodes_equal_per_sequence_sdpa(cascade_always, dtype, heads, grouping,
         torch.testing.assert_close(out[i : i + 1].float(), want, atol=TOLERANCE[dtype], rtol=0)
 
 
-def test_groups_follow_the_shared_pages(cascade_always) -> None:
+def test_groups_follow_the_shared_pages() -> None:
     generator = torch.Generator().manual_seed(0)
     batch = _decode_batch([(3, 2), (4, 6)], 3, generator)
-    metadata = TorchSdpaBackend().build_metadata(batch.layout, CPU)
+    metadata = TorchSdpaBackend(ALWAYS).build_metadata(batch.layout, CPU)
     groups = {
         (tuple(sorted(g.rows.tolist())), g.num_prefix_tokens) for g in metadata.cascade.groups
     }
@@ -154,13 +152,19 @@ def test_groups_follow_the_shared_pages(cascade_always) -> None:
     assert rows_planned == list(range(len(batch.context_lens)))  # each decode exactly once
 
 
-def test_default_thresholds_leave_short_prefixes_to_the_paged_path() -> None:
+def test_the_default_policy_cascades_only_long_prefixes_shared_widely() -> None:
     generator = torch.Generator().manual_seed(1)
-    batch = _decode_batch([(4, 3)], 2, generator)
-    assert TorchSdpaBackend().build_metadata(batch.layout, CPU).cascade is None
+    backend = TorchSdpaBackend()
+    short = _decode_batch([(40, 3)], 2, generator)
+    assert backend.build_metadata(short.layout, CPU).cascade is None
+    few = _decode_batch([(2, 128)], 2, generator)  # a 512-token prefix saves only 512 reads
+    assert backend.build_metadata(few.layout, CPU).cascade is None
+    many = _decode_batch([(10, 128)], 2, generator)
+    (group,) = backend.build_metadata(many.layout, CPU).cascade.groups
+    assert (group.rows.shape[0], group.num_prefix_tokens) == (10, 512)
 
 
-def test_a_step_mixing_cascaded_decodes_and_a_cached_prefill(cascade_always) -> None:
+def test_a_step_mixing_cascaded_decodes_and_a_cached_prefill() -> None:
     generator = torch.Generator().manual_seed(2)
     batch = _decode_batch([(3, 4)], 2, generator)
     kv_layer = _kv_layer(torch.float32, 2, generator)
@@ -177,7 +181,7 @@ def test_a_step_mixing_cascaded_decodes_and_a_cached_prefill(cascade_always) -> 
     q = torch.randn(num_tokens, 4, HEAD_DIM, generator=generator)
     k = torch.randn(num_tokens, 2, HEAD_DIM, generator=generator)
     v = torch.randn(num_tokens, 2, HEAD_DIM, generator=generator)
-    backend = TorchSdpaBackend()
+    backend = TorchSdpaBackend(ALWAYS)
     metadata = backend.build_metadata(layout, CPU)
     assert metadata.cascade is not None
     out = backend.forward(q, k, v, kv_layer, metadata)
@@ -209,9 +213,8 @@ def test_padding_hides_keys() -> None:
     queries = torch.randn(2, 3, HEAD_DIM, generator=generator)
     keys = torch.randn(2, 9, HEAD_DIM, generator=generator)
     values = torch.randn(2, 9, HEAD_DIM, generator=generator)
-    lengths = torch.tensor([[9], [4]])
-    padding = (torch.arange(9) >= lengths).unsqueeze(1)  # [batch, 1, keys]
-    out, lse = attend(queries, keys, values, padding, with_lse=True)
+    mask = torch.tensor([[False] * 5, [True] * 5]).unsqueeze(1)  # keys 4..8 of [9, 4] keys
+    out, lse = attend(queries, keys, values, KeyPadding(4, mask), with_lse=True)
     short, short_lse = attend(queries[1:], keys[1:, :4], values[1:, :4], with_lse=True)
     torch.testing.assert_close(out[1:], short)
     torch.testing.assert_close(lse[1:], short_lse)
@@ -250,7 +253,7 @@ def test_find_shared_prefixes_respects_its_limits() -> None:
 
 
 def test_greedy_outputs_equal_with_the_prefix_cache_on_and_off(
-    tiny_checkpoint, cascade_always, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
     cascade_attention = torch_sdpa.cascade_attention
@@ -260,6 +263,9 @@ def test_greedy_outputs_equal_with_the_prefix_cache_on_and_off(
         cascade_attention(*args, **kwargs)
 
     monkeypatch.setattr(torch_sdpa, "cascade_attention", counting)
+    monkeypatch.setitem(
+        backend_registry._BACKENDS, TorchSdpaBackend.name, lambda: TorchSdpaBackend(ALWAYS)
+    )
     model_dir = tiny_checkpoint("qwen3")
     kwargs = dict(dtype="float32", block_size=8, max_num_batched_tokens=256)
     on = LLM(str(model_dir), enable_prefix_caching=True, **kwargs)

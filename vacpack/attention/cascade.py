@@ -18,12 +18,23 @@ import torch
 from vacpack.attention.paged_decode import DecodeChunk, attend, chunk_attention, gather_pages
 from vacpack.kvcache.paged_cache import KVLayer
 
-# A shared prefix runs as a cascade when its sequences would otherwise read at least this many of
-# its key tokens more than once ((seqs - 1) * prefix tokens): below it, the cascade's extra
-# kernel launches and merge cost more than the reads they save (bench/decode_attention.py).
-MIN_CASCADE_SAVED_TOKENS = 2048
-# Shorter shared prefixes are left to the ordinary paged decode.
-MIN_CASCADE_PREFIX_PAGES = 4
+
+@dataclass(frozen=True)
+class CascadePolicy:
+    """When decodes sharing leading pages run as a cascade: their shared prefix holds at least
+    min_prefix_tokens, and without the cascade they would read at least min_saved_tokens of the
+    prefix's keys more than once ((seqs - 1) * prefix tokens). Below either, the cascade's extra
+    kernel launches and merge cost more than the reads they save."""
+
+    min_prefix_tokens: int
+    min_saved_tokens: int
+
+
+# Measured on a 2-core CPU (bench/decode_attention.py --sweep, one thread): a cascade lost to the
+# plain paged path for every prefix of 256 tokens or fewer short of 64 sequences, broke even at
+# about 3,000 tokens saved for 512- and 1,024-token prefixes, and won 10x for 128 sequences on
+# 1,024 tokens. Two threads speed the reads more than the launches, hence the margin.
+DEFAULT_CASCADE_POLICY = CascadePolicy(min_prefix_tokens=512, min_saved_tokens=4096)
 
 
 @dataclass(frozen=True)
@@ -73,10 +84,9 @@ def merge_by_lse(
 ) -> torch.Tensor:
     """Attention over the union of two disjoint key sets, from each set's output [..., dim] and
     log-sum-exp [...]; weights and sums in float32, the result in out_a's dtype."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
-    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
-    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
+    # a's weight exp(lse_a - logaddexp(lse_a, lse_b)) is sigmoid(lse_a - lse_b): no overflow.
+    weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return torch.lerp(out_b.float(), out_a.float(), weight_a).to(out_a.dtype)
 
 
 def cascade_attention(

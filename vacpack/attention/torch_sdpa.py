@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout, register_backend
 from vacpack.attention.cascade import (
-    MIN_CASCADE_PREFIX_PAGES,
-    MIN_CASCADE_SAVED_TOKENS,
+    DEFAULT_CASCADE_POLICY,
     CascadeGroup,
     CascadePlan,
+    CascadePolicy,
     cascade_attention,
 )
 from vacpack.attention.paged_decode import DecodeChunk, build_chunk, chunk_attention, plan_chunks
@@ -88,7 +88,7 @@ def _group_by_length(lengths: Sequence[int], min_fill: float, min_seqs: int) -> 
 
 
 def _decode_metadata(
-    layout: BatchLayout, enable_cascade: bool, device: torch.device
+    layout: BatchLayout, policy: CascadePolicy | None, device: torch.device
 ) -> tuple[tuple[DecodeChunk, ...], CascadePlan | None]:
     """Chunks for the decodes (the first layout.num_decodes sequences, one stream row each), and
     the cascade for those among them that share a long enough prefix of pages."""
@@ -96,13 +96,13 @@ def _decode_metadata(
     page_tables = layout.page_tables[:num_decodes]
     context_lens = layout.context_lens[:num_decodes]
     prefixes = []
-    if enable_cascade:
+    if policy is not None:
         prefixes = find_shared_prefixes(
             page_tables,
             # Pages wholly before a decode's newest token: its own part is never empty.
             [(n - 1) // page_size for n in context_lens],
-            min_pages=MIN_CASCADE_PREFIX_PAGES,
-            min_saved_pages=-(-MIN_CASCADE_SAVED_TOKENS // page_size),
+            min_pages=-(-policy.min_prefix_tokens // page_size),
+            min_saved_pages=-(-policy.min_saved_tokens // page_size),
         )
     shared_pages = [0] * num_decodes
     for prefix in prefixes:
@@ -142,8 +142,8 @@ def _decode_metadata(
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
 
-    def __init__(self, enable_cascade: bool = True) -> None:
-        self.enable_cascade = enable_cascade
+    def __init__(self, cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY) -> None:
+        self.cascade = cascade  # None: every decode reads its whole context itself
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SdpaMetadata:
         if not layout.page_tables:
@@ -159,7 +159,7 @@ class TorchSdpaBackend(AttentionBackend):
         slot_mapping = torch.cat(slot_chunks).to(device, non_blocking=True)
 
         num_decodes = layout.num_decodes
-        decode_chunks, cascade = _decode_metadata(layout, self.enable_cascade, device)
+        decode_chunks, cascade = _decode_metadata(layout, self.cascade, device)
         prefills = []
         token_start = num_decodes  # decodes come first, one token each
         for i in range(num_decodes, len(layout.query_lens)):
