@@ -2,9 +2,9 @@
 
 A decode has one query token, so each KV head meets only its few grouped query heads (7 for
 Qwen2.5-0.5B). torch's CPU SDPA kernel is built for long query blocks and measured several times
-slower at that shape than two bf16 matmuls around a softmax (bench/decode_attention.py), so
-decodes run as those: scores by `baddbmm` (the scale applied before the bf16 rounding), softmax
-statistics in float32, probabilities times values by `bmm`.
+slower at that shape than plain batched matmuls around a softmax (bench/decode_attention.py), so
+decodes run as those: scores by `baddbmm` to float32 precision, softmax in float32,
+probabilities times values by `bmm` in the cache's dtype.
 
 Decodes are gathered in chunks, longest context first, each padded to its longest member and
 capped at a budget of padded key tokens: a chunk's gathered keys and values stay in the CPU's
@@ -116,36 +116,40 @@ def attend(
     padding, when given, marks keys no row may see; its mask broadcasts against the scores
     viewed as [mask.shape[0], -1, num_keys]. Every row must keep at least one key.
     """
-    batch, num_rows, head_dim = queries.shape
-    num_keys = keys.shape[1]
-    scores = torch.baddbmm(
-        queries.new_empty(batch, num_rows, num_keys),
-        queries,
-        keys.transpose(1, 2),
-        beta=0.0,
-        alpha=head_dim**-0.5,
-    )
+    scores = _scores(queries, keys)
     if padding is not None:
-        by_seq = scores.view(padding.mask.shape[0], -1, num_keys)
+        by_seq = scores.view(padding.mask.shape[0], -1, keys.shape[1])
         by_seq[..., padding.first_padded_key :].masked_fill_(padding.mask, float("-inf"))
-    # In bf16 the softmax still reduces in float32 and rounds once, as SDPA does before its
-    # probabilities-times-values matmul.
     probs = torch.softmax(scores, dim=-1)
     lse = None
     if with_lse:
         # The largest probability is exp(max score - lse): two max passes instead of torch's
-        # unfused logsumexp, exact but for the one rounding of that probability to q's dtype.
-        lse = scores.float().amax(dim=-1) - torch.log(_max_of_nonnegative(probs))
-    return torch.bmm(probs, values), lse
+        # unfused logsumexp.
+        lse = scores.amax(dim=-1) - torch.log(probs.amax(dim=-1))
+    # Probabilities meet the values in their dtype, as in SDPA's own CPU kernel.
+    return torch.bmm(probs.to(values.dtype), values), lse
 
 
-def _max_of_nonnegative(x: torch.Tensor) -> torch.Tensor:
-    """The max over the last dim of values >= 0, in float32. torch's max over a 16-bit float runs
-    unvectorised; non-negative floats order as their bits do, and over those bits read as int16
-    it measured 4x faster than converting to float32 first."""
-    if x.element_size() != 2:
-        return x.amax(dim=-1).float()
-    return x.view(torch.int16).amax(dim=-1).view(x.dtype).float()
+def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scaled scores [batch, rows, num_keys] in float32.
+
+    A bf16 matmul accumulates in float32 but rounds its output to 8 bits, an error of up to
+    |score| / 512, several percent of a weight once scores reach tens. So a second matmul
+    computes what that rounding lost (the subtraction happens before its own rounding), and
+    the two sum to within |score| / 2**17: float32 precision where it matters, for the cost of
+    reading the keys twice from cache, measured cheaper than converting them to float32.
+    """
+    batch, num_rows, head_dim = queries.shape
+    keys_t = keys.transpose(1, 2)
+    scale = head_dim**-0.5
+    scores = torch.baddbmm(
+        queries.new_empty(batch, num_rows, keys.shape[1]), queries, keys_t, beta=0.0, alpha=scale
+    )
+    if scores.dtype == torch.float32:
+        return scores
+    lost = torch.baddbmm(scores, queries, keys_t, beta=-1.0, alpha=scale)
+    # Both converted first: an add mixing bf16 into float32 runs unvectorised, 2.5x slower.
+    return scores.float().add_(lost.float())
 
 
 def chunk_attention(
