@@ -1,6 +1,8 @@
 """Measurement helpers shared by the benchmarks: timing that says how busy the machine was,
-peak memory, a heartbeat for long calls, the machine's description and its bf16 matmul peak;
-running one system per worker subprocess, and the bar chart every benchmark draws."""
+peak memory, a heartbeat for long calls, the machine's description and its bf16 matmul peak
+(CUDA events on a GPU); running one system per worker subprocess within a time budget; what a
+vacpack engine resolved to and its step timeline files; the bar chart every benchmark draws; and
+the random-weight checkpoints with the shapes of the benchmark models."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,16 @@ MATMUL_WARMUP_REPS = 2
 MATMUL_TIMED_REPS = 10
 LABEL_HEADROOM = 1.2  # y-axis limit over the tallest bar when bars carry long labels
 
-# Random weights with the exact shapes of Qwen2.5-0.5B: built once, shared by G1 and P1.
-QWEN2_5_0_5B_SHAPES_DIR = Path(__file__).resolve().parent / ".cache" / "g1-qwen2.5-0.5b-shapes"
+# On CUDA one F.linear at a prefill shape takes well under a millisecond: each timed repetition
+# runs this many back to back between two CUDA events, so launch gaps and event resolution vanish.
+MATMUL_CUDA_CALLS_PER_REP = 20
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT_CACHE_DIR = REPO_ROOT / "bench" / ".cache"
+# Random weights with the exact shapes of Qwen2.5-0.5B: built once, shared by G1, O1 and P1.
+QWEN2_5_0_5B_SHAPES_DIR = CHECKPOINT_CACHE_DIR / "g1-qwen2.5-0.5b-shapes"
+# The same for Qwen2.5-1.5B, G1's second model size.
+QWEN2_5_1_5B_SHAPES_DIR = CHECKPOINT_CACHE_DIR / "g1-qwen2.5-1.5b-shapes"
 
 
 def log(message: str, prefix: str = "bench") -> None:
@@ -115,24 +125,58 @@ def timed_section() -> Iterator[TimedSection]:
 
 
 def best_linear_tflops(
-    num_rows: int, in_features: int, out_features: int, generator: torch.Generator
+    num_rows: int,
+    in_features: int,
+    out_features: int,
+    generator: torch.Generator,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Best bfloat16 F.linear TFLOPS over MATMUL_TIMED_REPS runs at one shape."""
-    x = torch.randn(num_rows, in_features, generator=generator).to(torch.bfloat16)
-    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    """Best bfloat16 F.linear TFLOPS over MATMUL_TIMED_REPS runs at one shape.
+
+    On CUDA the kernels run asynchronously, so a host clock around the call would time only the
+    launch: each repetition is timed with CUDA events around MATMUL_CUDA_CALLS_PER_REP calls,
+    after a synchronize, and read after the end event has completed.
+    """
+    x = torch.randn(num_rows, in_features, generator=generator).to(device, torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(device, torch.bfloat16)
     for _ in range(MATMUL_WARMUP_REPS):
         torch.nn.functional.linear(x, weight)
+    if device.startswith("cuda"):
+        times_s = _cuda_linear_times_s(x, weight)
+    else:
+        times_s = _cpu_linear_times_s(x, weight)
+    flops = 2 * num_rows * in_features * out_features
+    return {
+        "shape": f"[{num_rows}, {in_features}] x [{in_features}, {out_features}]",
+        "device": device,
+        "best_s": min(times_s),
+        "best_tflops": flops / min(times_s) / 1e12,
+    }
+
+
+def _cpu_linear_times_s(x: torch.Tensor, weight: torch.Tensor) -> list[float]:
     times_s = []
     for _ in range(MATMUL_TIMED_REPS):
         start_s = time.perf_counter()
         torch.nn.functional.linear(x, weight)
         times_s.append(time.perf_counter() - start_s)
-    flops = 2 * num_rows * in_features * out_features
-    return {
-        "shape": f"[{num_rows}, {in_features}] x [{in_features}, {out_features}]",
-        "best_s": min(times_s),
-        "best_tflops": flops / min(times_s) / 1e12,
-    }
+    return times_s
+
+
+def _cuda_linear_times_s(x: torch.Tensor, weight: torch.Tensor) -> list[float]:
+    """Seconds per call, one value per repetition, from CUDA events on the current stream."""
+    torch.cuda.synchronize(x.device)  # the warm-up calls and the input copies are done
+    times_s = []
+    for _ in range(MATMUL_TIMED_REPS):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(MATMUL_CUDA_CALLS_PER_REP):
+            torch.nn.functional.linear(x, weight)
+        end.record()
+        end.synchronize()
+        times_s.append(start.elapsed_time(end) / 1e3 / MATMUL_CUDA_CALLS_PER_REP)
+    return times_s
 
 
 def machine_description() -> dict[str, Any]:
@@ -147,6 +191,10 @@ def machine_description() -> dict[str, Any]:
     return {
         "cpu_model": model_names[0] if model_names else platform.processor() or "unknown",
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu_memory_bytes": (
+            torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        ),
+        "cuda_runtime_version": torch.version.cuda,
         "num_cores": os.cpu_count(),
         "num_usable_cores": len(os.sched_getaffinity(0)),
         # Which bfloat16 matmul paths oneDNN can use on this CPU.
@@ -185,6 +233,21 @@ def job_report_fields(report: Any) -> dict[str, Any]:
     }
 
 
+def random_token_prompts(
+    num_prompts: int, min_prompt_len: int, max_prompt_len: int, vocab_size: int, seed: int
+) -> list[list[int]]:
+    """Random token-id prompts with lengths uniform in [min_prompt_len, max_prompt_len]; a pure
+    function of its arguments, so every worker subprocess builds the same prompts."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(
+        min_prompt_len, max_prompt_len + 1, (num_prompts,), generator=generator
+    )
+    return [
+        torch.randint(0, vocab_size, (int(prompt_len),), generator=generator).tolist()
+        for prompt_len in prompt_lens
+    ]
+
+
 def markdown_cell(text: str) -> str:
     """One line, no pipes: an error message cannot break a markdown table."""
     return " ".join(text.split()).replace("|", "/")
@@ -194,18 +257,26 @@ def markdown_cell(text: str) -> str:
 
 
 def run_worker(
-    build_command: Callable[[Path], list[str]], name: str, log_prefix: str
+    build_command: Callable[[Path], list[str]],
+    name: str,
+    log_prefix: str,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Runs one worker subprocess, which writes its result as JSON to the path it is given.
 
     One process per system, so one system's memory never slows the next and each gets its own
-    peak RSS. A worker that dies without a result comes back as {"error": ...}.
+    peak RSS. A worker that dies without a result, or runs past `timeout_s` (then it is killed,
+    so that one slow system cannot cost the others' results), comes back as {"error": ...}.
     """
     with tempfile.TemporaryDirectory(prefix=f"{log_prefix}-worker-") as tmp_dir:
         worker_output = Path(tmp_dir) / "result.json"
         start_s = time.perf_counter()
-        # stderr is inherited, so the worker's progress lines show up live.
-        completed = subprocess.run(build_command(worker_output), check=False)
+        try:
+            # stderr is inherited, so the worker's progress lines show up live.
+            completed = subprocess.run(build_command(worker_output), check=False, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log(f"{name}: worker killed after {timeout_s:.0f} s", log_prefix)
+            return {"error": f"worker ran past its {timeout_s:.0f} s limit and was killed"}
         elapsed_s = time.perf_counter() - start_s
         if not worker_output.exists():
             return {"error": f"worker exited with code {completed.returncode} and wrote no result"}
@@ -216,6 +287,42 @@ def run_worker(
         log_prefix,
     )
     return result
+
+
+# A worker given less time than this would only be killed before it measures anything.
+MIN_WORKER_TIME_S = 20.0
+
+
+@dataclass
+class RunBudget:
+    """A whole run's time budget, so that its results file is written even when systems run
+    long: each worker may use at most what is left of it (and its own limit, if any)."""
+
+    budget_s: float | None
+    start_s: float = field(default_factory=time.perf_counter)
+
+    def worker_timeout_s(self, per_worker_s: float | None) -> float | None:
+        """The next worker's time limit; None when neither limit is set."""
+        limits = [per_worker_s] if per_worker_s is not None else []
+        if self.budget_s is not None:
+            limits.append(self.budget_s - (time.perf_counter() - self.start_s))
+        return min(limits) if limits else None
+
+
+def run_worker_within(
+    budget: RunBudget,
+    per_worker_s: float | None,
+    build_command: Callable[[Path], list[str]],
+    name: str,
+    log_prefix: str,
+) -> dict[str, Any]:
+    """run_worker under what is left of the run's budget; a worker for which too little is left
+    is not started, and says so in its result."""
+    timeout_s = budget.worker_timeout_s(per_worker_s)
+    if timeout_s is not None and timeout_s < MIN_WORKER_TIME_S:
+        log(f"{name}: not started, {max(timeout_s, 0):.0f} s of the time budget left", log_prefix)
+        return {"error": "not started: the run's time budget was spent"}
+    return run_worker(build_command, name, log_prefix, timeout_s=timeout_s)
 
 
 def run_catching_errors(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -231,6 +338,9 @@ def save_worker_result(result: dict[str, Any], worker_output: Path) -> None:
     """Adds what every worker reports about its own process, then writes the result file."""
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["torch_threads"] = torch.get_num_threads()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # On a GPU the memory that bounds a job is the device's, not the host's.
+        result["peak_gpu_memory_bytes"] = int(torch.cuda.max_memory_allocated())
     worker_output.write_text(json.dumps(result))
 
 
@@ -248,6 +358,59 @@ def publish_results(
     save_plot(results, plot_path)
     log(f"wrote {output_path} and {plot_path}", log_prefix)
     print(table)
+
+
+def repo_relative(path: Path) -> str:
+    """A path as results files name it: relative to the repository where it lies inside it, so
+    that committed JSON names no machine's directories."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
+
+
+# ---------------------------------------------------------------------------- vacpack
+
+
+def vacpack_engine_fields(llm: Any) -> dict[str, Any]:
+    """How a vacpack engine actually runs, as resolved from its configuration: what "auto" and
+    the per-device defaults turned into on this machine."""
+    engine = llm.engine
+    graph_runner = engine.runner.graph_runner
+    return {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "attention_backend": engine.attention.name,
+        "async_scheduling": engine.async_scheduling,
+        "cuda_graphs": graph_runner is not None,
+        "cuda_graph_batch_sizes": list(graph_runner.buckets) if graph_runner is not None else [],
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "kv_cache_pages": engine.kv_sizing.num_pages,
+        "kv_cache_page_tokens": engine.config.block_size,
+    }
+
+
+def save_vacpack_timeline(
+    timeline: Any,
+    png_path: Path,
+    json_path: Path,
+    *,
+    title: str,
+    max_steps: int,
+    window: str = "middle",
+) -> dict[str, Any]:
+    """Writes an engine's step timeline as JSON (every kept step) and as a chart of `max_steps`
+    consecutive steps, few enough that single spans stay visible; returns where, and its summary."""
+    # Imported only here: matplotlib takes a while to load, and only this worker draws.
+    from vacpack.engine.timeline_plot import plot_timeline
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(timeline.to_dict()) + "\n")
+    plot_timeline(timeline, png_path, title=title, max_steps=max_steps, window=window)
+    return {
+        "timeline_summary": asdict(timeline.summary()),
+        "timeline_png": repo_relative(png_path),
+        "timeline_json": repo_relative(json_path),
+    }
 
 
 # ---------------------------------------------------------------------------- charts
@@ -287,16 +450,64 @@ def save_bar_chart(
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def ensure_qwen2_5_0_5b_shapes_checkpoint(model_dir: Path, log_prefix: str) -> Path:
-    """Builds the random-weight Qwen2.5-0.5B-shaped checkpoint once; later runs reuse it."""
+def qwen2_5_1_5b_shapes() -> dict[str, Any]:
+    """Config fields giving the exact shapes of Qwen2.5-1.5B, for random-weight benchmarks."""
+    return {
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "intermediate_size": 8960,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": False,
+    }
+
+
+# Where each named shape's random-weight checkpoint is built by default.
+MODEL_SHAPE_DIRS: dict[str, Path] = {
+    "qwen2.5-0.5b": QWEN2_5_0_5B_SHAPES_DIR,
+    "qwen2.5-1.5b": QWEN2_5_1_5B_SHAPES_DIR,
+}
+
+
+def model_shapes(shape: str) -> dict[str, Any]:
+    """The config fields of a named model shape (a key of MODEL_SHAPE_DIRS)."""
+    if shape == "qwen2.5-0.5b":
+        from vacpack.testing.tiny_models import qwen2_5_0_5b_shapes
+
+        return qwen2_5_0_5b_shapes()
+    if shape == "qwen2.5-1.5b":
+        return qwen2_5_1_5b_shapes()
+    raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(MODEL_SHAPE_DIRS)}")
+
+
+def ensure_shapes_checkpoint(shape: str, model_dir: Path, log_prefix: str) -> Path:
+    """Builds the random-weight checkpoint of a named shape once; later runs reuse it."""
     if (model_dir / "config.json").exists():
         return model_dir
-    from vacpack.testing.tiny_models import build_random_checkpoint, qwen2_5_0_5b_shapes
+    from vacpack.testing.tiny_models import build_random_checkpoint
 
-    log(f"building the random-weight Qwen2.5-0.5B-shaped checkpoint in {model_dir}", log_prefix)
+    config = model_shapes(shape)
+    log(f"building the random-weight {shape}-shaped checkpoint in {model_dir}", log_prefix)
     # Built beside the target and renamed into place, so an interrupted build never leaves a
     # half-written directory that a later run would take for a finished one.
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
     partial_dir = model_dir.with_name(f"{model_dir.name}.partial-{os.getpid()}")
-    build_random_checkpoint(qwen2_5_0_5b_shapes(), "qwen2", partial_dir)
+    build_random_checkpoint(config, "qwen2", partial_dir)
     partial_dir.rename(model_dir)
     return model_dir
+
+
+def ensure_qwen2_5_0_5b_shapes_checkpoint(model_dir: Path, log_prefix: str) -> Path:
+    """Builds the random-weight Qwen2.5-0.5B-shaped checkpoint once; later runs reuse it."""
+    return ensure_shapes_checkpoint("qwen2.5-0.5b", model_dir, log_prefix)
+
+
+def ensure_qwen2_5_1_5b_shapes_checkpoint(model_dir: Path, log_prefix: str) -> Path:
+    """Builds the random-weight Qwen2.5-1.5B-shaped checkpoint once; later runs reuse it."""
+    return ensure_shapes_checkpoint("qwen2.5-1.5b", model_dir, log_prefix)

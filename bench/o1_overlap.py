@@ -1,0 +1,547 @@
+"""Workload O1: no idle device. vacpack with async scheduling off against on, side by side, one run.
+
+A decode-heavy workload on G1's model (random weights, the exact shapes of Qwen2.5-0.5B,
+bfloat16): random-token prompts (lengths uniform in [32, 1024], seeded), greedy, EOS ignored,
+many output tokens each. Almost every step is then a decode step whose device work is short, so
+the host's per-step work (scheduling, building inputs, reading sampled tokens) is what leaves a
+synchronous engine's device idle, and what async scheduling hides behind the device's work.
+
+Configurations, each in its own subprocess (`--worker CONFIG`) so that memory and warm-up are
+the same for all, on the same prompts, after a warm-up on other prompts:
+
+- overlap_off: async scheduling off: the host prepares step N+1 after it has read step N.
+- overlap_on: async scheduling on: step N+1 is launched before step N is read.
+- overlap_on_no_graphs (CUDA only): async scheduling on, CUDA graphs off: the graphs' share.
+
+Full size (the default on CUDA): 256 requests x 512 output tokens. On a CPU the default is
+scaled down to 32 requests x 32 tokens with prompts of 32..256 tokens; the flags override
+either, and the output says which scale ran. Reported per configuration: output tokens/s, wall
+time and the step timeline's summary (device-busy fraction, idle gaps, host prepare and process
+ms per step, padded slots); then the speed-up of overlap on over off, whether the greedy outputs
+of every configuration are identical to overlap_off's, and the targets. Writes the JSON, a bar
+chart, and per configuration the timeline as JSON and as a chart of a middle stretch of steps.
+
+Full run (on a GPU machine; a few minutes):
+    python bench/o1_overlap.py
+Quick check that everything works:
+    python bench/o1_overlap.py --num-prompts 4 --max-tokens 8 --max-prompt-len 64 \
+        --output bench/results/tmp/o1_small.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness import (
+    heartbeat,
+    machine_description,
+    machine_summary,
+    markdown_cell,
+    random_token_prompts,
+    run_catching_errors,
+    save_bar_chart,
+    save_vacpack_timeline,
+    save_worker_result,
+    timed_section,
+    vacpack_engine_fields,
+)
+
+PROMPT_SEED = 0
+# The warm-up's prompts come from another seed, so the prefix cache gives the timed run nothing.
+WARMUP_PROMPT_SEED = 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int
+    min_prompt_len: int
+    max_prompt_len: int
+    max_tokens: int  # output tokens per request
+
+
+# The issue's size, run by default on CUDA.
+FULL_WORKLOAD = Workload(num_prompts=256, min_prompt_len=32, max_prompt_len=1024, max_tokens=512)
+# Default on a CPU: about a minute per configuration on 2 cores instead of hours.
+CPU_SCALED_WORKLOAD = Workload(num_prompts=32, min_prompt_len=32, max_prompt_len=256, max_tokens=32)
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    async_scheduling: bool
+    cuda_graphs: bool  # asked for; only CUDA has graphs, so on a CPU this changes nothing
+    description: str
+
+
+CONFIGS: dict[str, OverlapConfig] = {
+    "overlap_off": OverlapConfig(False, True, "async scheduling off"),
+    "overlap_on": OverlapConfig(True, True, "async scheduling on"),
+    "overlap_on_no_graphs": OverlapConfig(True, False, "async scheduling on, CUDA graphs off"),
+}
+DEFAULT_CONFIGS = {
+    "cuda": ("overlap_off", "overlap_on", "overlap_on_no_graphs"),
+    "cpu": ("overlap_off", "overlap_on"),
+}
+REFERENCE_CONFIG = "overlap_off"  # greedy outputs are compared against this one's
+
+# The issue's targets for the full-size run on CUDA.
+TARGET_DEVICE_BUSY_FRACTION = 0.99
+TARGET_OVERLAP_SPEEDUP = 1.15
+
+RESULTS_DIR = harness.REPO_ROOT / "bench" / "results"
+
+
+def log(message: str) -> None:
+    harness.log(message, "o1")
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.max_tokens)
+
+
+def scale_name(workload: Workload) -> str:
+    if workload == FULL_WORKLOAD:
+        return "full size"
+    if workload == CPU_SCALED_WORKLOAD:
+        return "scaled down for CPU"
+    return "custom size"
+
+
+def timeline_paths(output_path: Path, config: str) -> tuple[Path, Path]:
+    """Where a configuration's timeline chart and timeline JSON go, beside the results file."""
+    stem = output_path.with_suffix("")
+    return (
+        stem.with_name(f"{stem.name}_timeline_{config}.png"),
+        stem.with_name(f"{stem.name}_timeline_{config}.json"),
+    )
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+def cpu_kv_cache_bytes(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> int:
+    """A CPU KV budget that holds every request at full length at once, plus one sequence of
+    the model's full context (the engine's minimum), instead of 40% of the machine's RAM."""
+    import torch
+
+    from vacpack.kvcache import kv_bytes_per_token
+
+    config = read_model_config(model_dir)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    bytes_per_token = kv_bytes_per_token(
+        config["num_hidden_layers"], config["num_key_value_heads"], head_dim, torch.bfloat16
+    )
+    page_tokens = 16  # the engine's default block_size: one partly used page per request
+    workload_tokens = sum(len(p) + max_tokens + page_tokens for p in prompts)
+    return bytes_per_token * (workload_tokens + config["max_position_embeddings"])
+
+
+def run_config(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from vacpack import LLM, SamplingParams
+
+    config = CONFIGS[args.worker]
+    engine_args: dict[str, Any] = {
+        "async_scheduling": config.async_scheduling,
+        "enable_cuda_graphs": config.cuda_graphs,
+        "attention_backend": args.attention_backend,
+    }
+    if args.max_num_batched_tokens is not None:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.device == "cpu":
+        engine_args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+            args.model_dir, prompts, args.max_tokens
+        )
+    log(f"{args.worker}: loading the model (not timed)")
+    llm = LLM(str(args.model_dir), dtype="bfloat16", device=args.device, **engine_args)
+    engine_fields = vacpack_engine_fields(llm)  # builds the engine: KV cache, CUDA graphs
+    log(f"{args.worker}: engine {engine_fields}")
+
+    vocab_size = int(read_model_config(args.model_dir)["vocab_size"])
+    warmup_prompts = random_token_prompts(
+        args.warmup_prompts,
+        args.min_prompt_len,
+        args.max_prompt_len,
+        vocab_size,
+        WARMUP_PROMPT_SEED,
+    )
+    warmup_params = SamplingParams(temperature=0, max_tokens=args.warmup_tokens, ignore_eos=True)
+    log(f"{args.worker}: warm-up, {len(warmup_prompts)} prompts (not timed)")
+    llm.generate(warmup_prompts, warmup_params, use_tqdm=False)
+    timeline = llm.engine.timeline
+    timeline.reset()  # the timeline covers the timed run alone
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    stats = llm.engine.stats
+    log(f"{args.worker}: generating for {len(prompts)} prompts")
+    with (
+        heartbeat(args.worker, lambda: f"{stats.num_generated_tokens} tokens generated"),
+        timed_section() as section,
+    ):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+
+    output_token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    num_output_tokens = sum(len(o) for o in output_token_ids)
+    png_path, json_path = timeline_paths(args.output, args.worker)
+    timeline_fields = save_vacpack_timeline(
+        timeline,
+        png_path,
+        json_path,
+        title=f"O1 {args.worker} ({config.description}): {len(prompts)} requests x "
+        f"{args.max_tokens} tokens, {args.device}",
+        max_steps=args.timeline_steps,
+    )
+    log(f"{args.worker}: {timeline.summary().describe()}")
+    return {
+        "description": config.description,
+        "engine_args": engine_args,
+        "engine": engine_fields,
+        **section.fields(),
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_output_tokens": num_output_tokens,
+        "output_tokens_per_s": num_output_tokens / section.wall_s,
+        "total_tokens_per_s": (num_prompt_tokens + num_output_tokens) / section.wall_s,
+        "all_outputs_full_length": all(len(o) == args.max_tokens for o in output_token_ids),
+        **timeline_fields,
+        # Kept for the comparison across configurations; not copied into the results file.
+        "output_token_ids": output_token_ids,
+    }
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    vocab_size = int(read_model_config(args.model_dir)["vocab_size"])
+    prompts = random_token_prompts(
+        args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size, PROMPT_SEED
+    )
+    result = run_catching_errors(lambda: run_config(args, prompts))
+    save_worker_result(result, Path(args.worker_output))
+    return 0
+
+
+# ---------------------------------------------------------------------------- orchestration
+
+
+def worker_command(args: argparse.Namespace, config: str, worker_output: Path) -> list[str]:
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker", config,
+        "--worker-output", str(worker_output),
+        "--device", args.device,
+        "--num-prompts", str(args.num_prompts),
+        "--min-prompt-len", str(args.min_prompt_len),
+        "--max-prompt-len", str(args.max_prompt_len),
+        "--max-tokens", str(args.max_tokens),
+        "--warmup-prompts", str(args.warmup_prompts),
+        "--warmup-tokens", str(args.warmup_tokens),
+        "--attention-backend", args.attention_backend,
+        "--timeline-steps", str(args.timeline_steps),
+        "--model-dir", str(args.model_dir),
+        "--output", str(args.output),
+    ]  # fmt: skip
+    if args.max_num_batched_tokens is not None:
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return command
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
+    """How many requests got exactly the reference's tokens, and where the first one differs."""
+    num_identical = sum(a == b for a, b in zip(reference, other, strict=True))
+    first_divergence = None
+    for request_index, (a, b) in enumerate(zip(reference, other, strict=True)):
+        if a != b:
+            # Past the shorter list's end when one output is a prefix of the other.
+            position = next(
+                (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)),
+            )
+            first_divergence = {"request": request_index, "token_position": position}
+            break
+    return {
+        "num_requests": len(reference),
+        "num_identical": num_identical,
+        "identical": num_identical == len(reference),
+        "first_divergence": first_divergence,
+    }
+
+
+def compare_outputs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each configuration's greedy outputs against the reference's; drops the token lists."""
+    token_lists = {name: c.pop("output_token_ids", None) for name, c in configs.items()}
+    reference = token_lists.get(REFERENCE_CONFIG)
+    agreement = {}
+    for name, tokens in token_lists.items():
+        if name == REFERENCE_CONFIG or reference is None or tokens is None:
+            continue
+        agreement[f"{name} vs {REFERENCE_CONFIG}"] = greedy_agreement(reference, tokens)
+    return agreement
+
+
+def output_tokens_per_s(configs: dict[str, dict[str, Any]], name: str) -> float | None:
+    return configs.get(name, {}).get("output_tokens_per_s")
+
+
+def speedups(configs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Ratios of output tokens/s; every configuration counts the same tokens."""
+    pairs = {
+        "overlap_on/overlap_off": ("overlap_on", "overlap_off"),
+        "overlap_on/overlap_on_no_graphs": ("overlap_on", "overlap_on_no_graphs"),
+    }
+    ratios = {}
+    for label, (numerator, denominator) in pairs.items():
+        top, bottom = (
+            output_tokens_per_s(configs, numerator),
+            output_tokens_per_s(configs, denominator),
+        )
+        if top and bottom:
+            ratios[label] = top / bottom
+    return ratios
+
+
+def targets(
+    configs: dict[str, dict[str, Any]], ratios: dict[str, float], applies: bool
+) -> dict[str, Any]:
+    busy = configs.get("overlap_on", {}).get("timeline_summary", {}).get("device_busy_fraction")
+    speedup = ratios.get("overlap_on/overlap_off")
+    return {
+        # The targets are set for the full-size run on CUDA; elsewhere they are shown, not judged.
+        "applies": applies,
+        "device_busy_fraction_overlap_on": {
+            "target": TARGET_DEVICE_BUSY_FRACTION,
+            "measured": busy,
+            "met": busy is not None and busy >= TARGET_DEVICE_BUSY_FRACTION,
+        },
+        "speedup_overlap_on_vs_off": {
+            "target": TARGET_OVERLAP_SPEEDUP,
+            "measured": speedup,
+            "met": speedup is not None and speedup >= TARGET_OVERLAP_SPEEDUP,
+        },
+    }
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    workload = results["workload"]
+    lines = [
+        f"O1 on {workload['device']} ({workload['scale']}): {workload['num_prompts']} requests x "
+        f"{workload['max_tokens']} output tokens, prompts {workload['min_prompt_len']}.."
+        f"{workload['max_prompt_len']} tokens ({workload['num_prompt_tokens']} in all)",
+        "",
+        "| configuration | async | CUDA graphs | wall s | output tok/s | device busy "
+        "| mean idle gap ms | host prepare ms/step | host process ms/step | padded slots | steps |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, config in results["configs"].items():
+        if "error" in config:
+            lines.append(f"| {name} | failed: {markdown_cell(config['error'])} |||||||||")
+            continue
+        engine, summary = config["engine"], config["timeline_summary"]
+        lines.append(
+            f"| {name} | {'on' if engine['async_scheduling'] else 'off'} | "
+            f"{'on' if engine['cuda_graphs'] else 'off'} | {config['wall_s']:.2f} | "
+            f"{config['output_tokens_per_s']:.1f} | {summary['device_busy_fraction']:.1%} | "
+            f"{summary['mean_idle_gap_s'] * 1e3:.3f} | "
+            f"{summary['mean_host_prepare_s'] * 1e3:.2f} | "
+            f"{summary['mean_host_process_s'] * 1e3:.2f} | {summary['padded_share']:.1%} | "
+            f"{summary['num_steps']} |"
+        )
+    lines.append("")
+    for label, ratio in results["speedups"].items():
+        lines.append(f"speed-up {label}: {ratio:.3f}x")
+    for label, agreement in results["greedy_agreement"].items():
+        verdict = "identical" if agreement["identical"] else "DIFFER"
+        lines.append(
+            f"greedy outputs {label}: {verdict} "
+            f"({agreement['num_identical']}/{agreement['num_requests']} requests identical"
+            + (
+                f"; first difference: request {agreement['first_divergence']['request']}, "
+                f"token {agreement['first_divergence']['token_position']})"
+                if agreement["first_divergence"]
+                else ")"
+            )
+        )
+    target = results["targets"]
+    judged = "" if target["applies"] else " (targets are for the full-size CUDA run: not judged)"
+    for name in ("device_busy_fraction_overlap_on", "speedup_overlap_on_vs_off"):
+        entry = target[name]
+        measured = "n/a" if entry["measured"] is None else f"{entry['measured']:.3f}"
+        lines.append(
+            f"target {name} >= {entry['target']}: measured {measured}, "
+            f"{'met' if entry['met'] else 'not met'}{judged}"
+        )
+    for name, config in results["configs"].items():
+        if config.get("all_outputs_full_length") is False:
+            lines.append(f"WARNING {name}: not every request got {workload['max_tokens']} tokens")
+    return "\n".join(lines)
+
+
+def tokens_per_s_text(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def save_plot(results: dict[str, Any], plot_path: Path) -> None:
+    ran = {n: c for n, c in results["configs"].items() if "output_tokens_per_s" in c}
+    workload = results["workload"]
+    save_bar_chart(
+        {name: config["output_tokens_per_s"] for name, config in ran.items()},
+        plot_path,
+        ylabel="output tokens/s",
+        title=f"O1 decode-heavy: {workload['num_prompts']} requests x {workload['max_tokens']} "
+        f"tokens ({workload['scale']})\nQwen2.5-0.5B shapes, bf16, "
+        f"{machine_summary(results['machine'], workload['device'])}",
+        bar_labels=[
+            f"{tokens_per_s_text(c['output_tokens_per_s'])} tok/s\n"
+            f"busy {c['timeline_summary']['device_busy_fraction']:.1%}"
+            for c in ran.values()
+        ],
+    )
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    configs_to_run = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs_to_run) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
+    model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "o1")
+    workload = workload_of(args)
+    vocab_size = int(read_model_config(model_dir)["vocab_size"])
+    prompts = random_token_prompts(
+        args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size, PROMPT_SEED
+    )
+    scale = scale_name(workload)
+    log(f"{args.device}, {scale}: {args.num_prompts} requests x {args.max_tokens} tokens")
+
+    budget = harness.RunBudget(args.time_budget_s)
+    configs: dict[str, dict[str, Any]] = {}
+    for index, name in enumerate(configs_to_run):
+        log(f"configuration {index + 1}/{len(configs_to_run)}: {name}")
+        configs[name] = harness.run_worker_within(
+            budget,
+            args.worker_timeout_s,
+            lambda worker_output, name=name: worker_command(args, name, worker_output),
+            name,
+            "o1",
+        )
+    agreement = compare_outputs(configs)
+    ratios = speedups(configs)
+    results: dict[str, Any] = {
+        "workload": {
+            "name": "O1",
+            "model": "random weights, Qwen2.5-0.5B shapes, bfloat16",
+            "model_dir": str(model_dir),
+            "device": args.device,
+            "scale": scale,
+            "num_prompts": args.num_prompts,
+            "min_prompt_len": args.min_prompt_len,
+            "max_prompt_len": args.max_prompt_len,
+            "prompt_seed": PROMPT_SEED,
+            "num_prompt_tokens": sum(len(p) for p in prompts),
+            "max_tokens": args.max_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            "warmup_prompts": args.warmup_prompts,
+            "warmup_tokens": args.warmup_tokens,
+            "attention_backend": args.attention_backend,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
+        "machine": machine_description(),
+        "configs": configs,
+        "speedups": ratios,
+        "greedy_agreement": agreement,
+        "targets": targets(
+            configs, ratios, applies=args.device == "cuda" and workload == FULL_WORKLOAD
+        ),
+    }
+    harness.publish_results(
+        results,
+        args.output,
+        args.output.with_suffix(".png"),
+        save_plot,
+        markdown_table(results),
+        "o1",
+    )
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Workload flags left out take the device's default: "
+        f"CUDA {FULL_WORKLOAD}, CPU {CPU_SCALED_WORKLOAD}.",
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated subset of {', '.join(CONFIGS)} "
+        "(default: all on CUDA, the first two on CPU)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests")
+    parser.add_argument("--min-prompt-len", type=int, default=None)
+    parser.add_argument("--max-prompt-len", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
+    parser.add_argument("--warmup-prompts", type=int, default=8, help="untimed, other prompts")
+    parser.add_argument("--warmup-tokens", type=int, default=16, help="output tokens each")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--timeline-steps", type=int, default=40, help="consecutive steps each timeline chart draws"
+    )
+    parser.add_argument(
+        "--worker-timeout-s", type=float, default=None, help="kill a configuration running longer"
+    )
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="the whole run's budget: a configuration gets at most what is left of it",
+    )
+    parser.add_argument("--model-dir", type=Path, default=harness.QWEN2_5_0_5B_SHAPES_DIR)
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="results JSON (default bench/results/o1_DEVICE.json); the bar chart and the "
+        "timelines go beside it",
+    )
+    # Internal: run one configuration in this process and write its result to --worker-output.
+    parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-output", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    args.device = harness.resolve_device(args.device)
+    default = FULL_WORKLOAD if args.device.startswith("cuda") else CPU_SCALED_WORKLOAD
+    for field in ("num_prompts", "min_prompt_len", "max_prompt_len", "max_tokens"):
+        if getattr(args, field) is None:
+            setattr(args, field, getattr(default, field))
+    if args.configs is None:
+        args.configs = ",".join(
+            DEFAULT_CONFIGS["cuda" if args.device.startswith("cuda") else "cpu"]
+        )
+    if args.output is None:
+        args.output = RESULTS_DIR / f"o1_{args.device.split(':')[0]}.json"
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    if min(args.num_prompts, args.max_tokens, args.warmup_prompts, args.warmup_tokens) < 1:
+        parser.error("request counts and token counts must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(args)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
