@@ -149,16 +149,26 @@ class TorchSdpaBackend(AttentionBackend):
         if not layout.page_tables:
             return self._prefill_only_metadata(layout, device)
         page_size = layout.page_size
-        slot_chunks = []
+        num_decodes = layout.num_decodes
+        # A decode's one slot in plain ints: tensor ops per sequence cost more host time here.
+        slots: list[int] = []
+        for context_len, pages in zip(
+            layout.context_lens[:num_decodes], layout.page_tables[:num_decodes], strict=True
+        ):
+            position = context_len - 1
+            slots.append(pages[position // page_size] * page_size + position % page_size)
+        slot_chunks = [torch.tensor(slots, dtype=torch.int64)]
         for query_len, context_len, pages in zip(
-            layout.query_lens, layout.context_lens, layout.page_tables, strict=True
+            layout.query_lens[num_decodes:],
+            layout.context_lens[num_decodes:],
+            layout.page_tables[num_decodes:],
+            strict=True,
         ):
             positions = torch.arange(context_len - query_len, context_len)
             page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page_size]
             slot_chunks.append(page_ids * page_size + positions % page_size)
         slot_mapping = torch.cat(slot_chunks).to(device, non_blocking=True)
 
-        num_decodes = layout.num_decodes
         decode_chunks, cascade = _decode_metadata(layout, self.cascade, device)
         prefills = []
         token_start = num_decodes  # decodes come first, one token each
