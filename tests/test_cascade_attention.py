@@ -3,6 +3,7 @@ context, and greedy outputs stay the same with the prefix cache (and so cascades
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +15,7 @@ from vacpack.attention import backend as backend_registry
 from vacpack.attention import torch_sdpa
 from vacpack.attention.backend import BatchLayout
 from vacpack.attention.cascade import CascadePolicy, merge_by_lse
-from vacpack.attention.paged_decode import KeyPadding, attend
+from vacpack.attention.paged_decode import KeyPadding, attend, plan_chunks
 from vacpack.attention.shared_prefix import SharedPrefix, find_shared_prefixes
 from vacpack.attention.torch_sdpa import SdpaMetadata, TorchSdpaBackend
 from vacpack.kvcache.paged_cache import KVLayer
@@ -134,6 +135,30 @@ def test_decodes_equal_per_sequence_sdpa(dtype, heads, grouping, cascade) -> Non
         torch.testing.assert_close(out[i : i + 1].float(), want, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "paged"])
+def test_many_small_chunks_equal_per_sequence_sdpa(monkeypatch, cascade) -> None:
+    monkeypatch.setattr(torch_sdpa, "plan_chunks", functools.partial(plan_chunks, budget_tokens=20))
+    generator = torch.Generator().manual_seed(7)
+    batch = _decode_batch([(5, 3), (3, 6)], 6, generator)
+    kv_layer = _kv_layer(torch.float32, 2, generator)
+    q, out, metadata = _run_decodes(
+        TorchSdpaBackend(ALWAYS if cascade else None), batch, kv_layer, 4, generator
+    )
+    chunks = metadata.decode_chunks + (metadata.cascade.suffix_chunks if cascade else ())
+    assert len(chunks) > 4
+    for i, (table, context_len) in enumerate(
+        zip(batch.page_tables, batch.context_lens, strict=True)
+    ):
+        want = _reference(q[i : i + 1], kv_layer, table, context_len)
+        torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_chunks_caps_padded_keys_longest_first() -> None:
+    assert plan_chunks([5, 100, 7, 60, 61, 3], budget_tokens=130) == [[1], [4, 3], [2, 0, 5]]
+    assert plan_chunks([500, 2], budget_tokens=130) == [[0], [1]]  # too long still runs, alone
+    assert plan_chunks([], budget_tokens=130) == []
+
+
 def test_groups_follow_the_shared_pages() -> None:
     generator = torch.Generator().manual_seed(0)
     batch = _decode_batch([(3, 2), (4, 6)], 3, generator)
@@ -156,7 +181,7 @@ def test_groups_follow_the_shared_pages() -> None:
 def test_the_default_policy_cascades_only_long_prefixes_shared_widely() -> None:
     generator = torch.Generator().manual_seed(1)
     backend = TorchSdpaBackend()
-    short = _decode_batch([(40, 3)], 2, generator)
+    short = _decode_batch([(20, 60)], 2, generator)  # 240 tokens: too short, however shared
     assert backend.build_metadata(short.layout, CPU).cascade is None
     few = _decode_batch([(2, 128)], 2, generator)  # a 512-token prefix saves only 512 reads
     assert backend.build_metadata(few.layout, CPU).cascade is None

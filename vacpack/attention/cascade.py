@@ -30,11 +30,12 @@ class CascadePolicy:
     min_saved_tokens: int
 
 
-# Measured on a 2-core CPU (bench/decode_attention.py --sweep, one thread): a cascade lost to the
-# plain paged path for every prefix of 256 tokens or fewer short of 64 sequences, broke even at
-# about 3,000 tokens saved for 512- and 1,024-token prefixes, and won 10x for 128 sequences on
-# 1,024 tokens. Two threads speed the reads more than the launches, hence the margin.
-DEFAULT_CASCADE_POLICY = CascadePolicy(min_prefix_tokens=512, min_saved_tokens=4096)
+# From bench/decode_attention.py --sweep on a 2-core CPU (one thread, 64 sequences): a cascade
+# lost for 128-token prefixes even shared by all 64, and for any group saving under ~1,800
+# reads; it won at 3,000+ saved reads on 512- and 1,024-token prefixes and by 20-50% once all
+# 64 shared 256 tokens or more. Two threads speed the reads more than the launches, so the
+# threshold keeps a margin over that break-even.
+DEFAULT_CASCADE_POLICY = CascadePolicy(min_prefix_tokens=256, min_saved_tokens=4096)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,10 @@ import torch
 from vacpack.kvcache.paged_cache import KVLayer
 
 # Padded key tokens per chunk. A 2-KV-head, 64-dim bf16 token is 256 bytes of keys and as much
-# of values, so 16,384 tokens gather 8 MiB, within the L3 of the 2-core CPU this was tuned on;
-# smaller chunks cost more kernel launches than the cache misses they save.
+# of values, so 8,192 tokens gather 4 MiB, which the matmuls then read from cache. On the 2-core
+# CPU this was tuned on (bench/decode_attention.py's batches, one thread), 4,096 and 8,192 ran
+# within 7% of each other, 16,384 up to 25% and 32,768 up to 2x slower: smaller chunks cost
+# more kernel launches than the cache misses they save.
 DECODE_CHUNK_KEY_TOKENS = 8192
 
 
