@@ -167,6 +167,17 @@ def legacy_metadata(batch: DecodeBatch) -> list[dict[str, Any]]:
     return groups
 
 
+def legacy_slot_mapping(batch: DecodeBatch) -> torch.Tensor:
+    """Where each decode's new key and value go, computed as the old path did (for its host
+    time only)."""
+    slots = []
+    for context_len, pages in zip(batch.context_lens, batch.page_tables, strict=True):
+        positions = torch.arange(context_len - 1, context_len)
+        page_ids = torch.tensor(pages, dtype=torch.int64)[positions // PAGE_SIZE]
+        slots.append(page_ids * PAGE_SIZE + positions % PAGE_SIZE)
+    return torch.cat(slots)
+
+
 def legacy_forward(
     q: torch.Tensor, kv_layer: KVLayer, groups: list[dict[str, Any]]
 ) -> torch.Tensor:
@@ -281,7 +292,7 @@ def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
     """Best host time to build a step's metadata, old path and new."""
     result = {}
     for name, build in (
-        ("sdpa (before)", lambda: legacy_metadata(batch)),
+        ("sdpa (before)", lambda: (legacy_slot_mapping(batch), legacy_metadata(batch))),
         ("paged matmul + cascade", lambda: TorchSdpaBackend().build_metadata(batch.layout, CPU)),
     ):
         best = float("inf")
