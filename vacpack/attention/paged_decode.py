@@ -172,6 +172,6 @@ def chunk_attention(
         chunk.padding,
         with_lse,
     )
-    return out.view(num_seqs, num_heads, head_dim), None if lse is None else lse.view(
-        num_seqs, num_heads
-    )
+    if lse is not None:
+        lse = lse.view(num_seqs, num_heads)
+    return out.view(num_seqs, num_heads, head_dim), lse
