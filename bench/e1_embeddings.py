@@ -12,8 +12,11 @@ vacpack measures its bin budget):
   texts by length and pads each batch to its longest; st_bf16 is the model cast to bfloat16.
 
 Every worker saves its embeddings for the agreement check: the cosine between vacpack's and
-sentence-transformers' embedding of each text. Writes JSON and a bar chart, and prints a
-markdown table.
+sentence-transformers' embedding of each text. Three more workers say where the time goes
+(`--no-analysis` skips them): the bf16 matmul peak at the encoder's shapes, against which each
+system's model FLOPs utilisation (MFU) is computed, and a torch.profiler run of vacpack_bf16
+and st_bf16 over the first 1,000 texts, whose self CPU time is split by kind of op (matmul,
+attention, GELU, LayerNorm, other). Writes JSON and a bar chart, and prints a markdown table.
 
 Full run (10 to 15 minutes on a 2-core CPU, estimated from small runs; 20,000 texts on a GPU):
     python bench/e1_embeddings.py
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import random
 import sys
 import tempfile
@@ -77,6 +81,25 @@ SENTENCE_WORDS = (6, 20)
 # Zipf-like word weights 1 / (rank + ZIPF_OFFSET): common words often, rare ones now and then.
 ZIPF_OFFSET = 10
 WARMUP_TEXTS = 8
+
+# Not systems: where the time goes, each measured in a worker of its own like the systems.
+MATMUL_PEAK_WORKER = "matmul_peak"
+# profile worker -> the system it profiles (bf16 only: the target's dtype on a bf16 CPU).
+PROFILE_WORKERS: dict[str, str] = {
+    "profile_vacpack_bf16": "vacpack_bf16",
+    "profile_st_bf16": "st_bf16",
+}
+ANALYSIS_WORKERS: tuple[str, ...] = (MATMUL_PEAK_WORKER, *PROFILE_WORKERS)
+PROFILE_TEXTS = 1000  # the first texts of the workload, embedded once under torch.profiler
+# Rows per matmul in the peak measurement: a 256-token bin and a large padded batch.
+MATMUL_PEAK_ROWS: tuple[int, ...] = (256, 2048)
+# Torch ops by what they compute, for the profile's shares of self CPU time (prefix match).
+OP_KINDS: dict[str, tuple[str, ...]] = {
+    "matmul": ("aten::addmm", "aten::mm", "aten::bmm"),
+    "attention": ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient"),
+    "gelu": ("aten::gelu",),
+    "layer_norm": ("aten::native_layer_norm",),
+}
 
 # What E1 sets out to show, checked against the measured numbers.
 TARGET_SPEEDUP_SAME_DTYPE = 1.5
@@ -207,7 +230,116 @@ def run_st(args: argparse.Namespace, texts: list[str], dtype_name: str) -> dict[
     }
 
 
+def encoder_shapes(model_dir: Path) -> dict[str, int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return {
+        "hidden": int(config["hidden_size"]),
+        "intermediate": int(config["intermediate_size"]),
+        "layers": int(config["num_hidden_layers"]),
+    }
+
+
+def encoder_flops(model_dir: Path, seq_lens: list[int]) -> dict[str, float]:
+    """FLOPs of the encoder over whole sequences, no padding: what any system must compute.
+
+    Linear layers: 2 per weight per token (QKV, output, up and down projections). Attention:
+    scores and weighted values, 2 x 2 x L^2 x hidden per sequence of L tokens, per layer.
+    """
+    shape = encoder_shapes(model_dir)
+    hidden, layers = shape["hidden"], shape["layers"]
+    weights_per_layer = 4 * hidden * hidden + 2 * hidden * shape["intermediate"]
+    linear = 2.0 * weights_per_layer * layers * sum(seq_lens)
+    attention = 4.0 * hidden * layers * sum(n * n for n in seq_lens)
+    return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def workload_seq_lens(model_dir: Path, texts: list[str]) -> list[int]:
+    """Token counts as every system runs them: special tokens included, cut at 256."""
+    from transformers import AutoTokenizer
+
+    max_len = json.loads((model_dir / "sentence_bert_config.json").read_text())["max_seq_length"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    encoded = tokenizer(texts, truncation=True, max_length=max_len)["input_ids"]
+    return [len(ids) for ids in encoded]
+
+
+def run_matmul_peak(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+    """Best bfloat16 F.linear throughput at the encoder's own shapes."""
+    del texts  # the same worker signature as the systems
+    shape = encoder_shapes(args.model_dir)
+    hidden, intermediate = shape["hidden"], shape["intermediate"]
+    generator = torch.Generator().manual_seed(0)
+    per_shape = []
+    with timed_section() as section:
+        for num_rows in MATMUL_PEAK_ROWS:
+            for in_features, out_features in (
+                (hidden, 3 * hidden),
+                (hidden, hidden),
+                (hidden, intermediate),
+                (intermediate, hidden),
+            ):
+                per_shape.append(
+                    harness.best_linear_tflops(
+                        num_rows, in_features, out_features, generator, args.device
+                    )
+                )
+                log(f"matmul peak: {per_shape[-1]['shape']}: {per_shape[-1]['best_tflops']:.3f}")
+    return {
+        "per_shape": per_shape,
+        "best_tflops": max(s["best_tflops"] for s in per_shape),
+        "other_processes_core_share": section.fields()["other_processes_core_share"],
+    }
+
+
+def run_profile(args: argparse.Namespace, texts: list[str], system: str) -> dict[str, Any]:
+    """Self CPU time per kind of torch op while one system embeds the first PROFILE_TEXTS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype_name = system.rpartition("_")[2]
+    if system.startswith("vacpack"):
+        from vacpack import LLM
+
+        llm = LLM(str(args.model_dir), dtype=DTYPE_NAMES[dtype_name], device=args.device)
+        llm.embed(texts[:WARMUP_TEXTS], use_tqdm=False)  # also measures the bin budget
+
+        def embed(batch: list[str]) -> None:
+            llm.embed(batch, use_tqdm=False)
+    else:
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(str(args.model_dir), device=args.device)
+        model.to(DTYPES[dtype_name])
+        model.encode(texts[:WARMUP_TEXTS], batch_size=args.st_batch_size)
+
+        def embed(batch: list[str]) -> None:
+            model.encode(batch, batch_size=args.st_batch_size, show_progress_bar=False)
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        embed(texts[:PROFILE_TEXTS])
+    self_s: dict[str, float] = {}
+    for event in profiled.key_averages():
+        self_s[event.key] = self_s.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
+    total_s = sum(self_s.values())
+    shares = dict.fromkeys([*OP_KINDS, "other"], 0.0)
+    for name, seconds in self_s.items():
+        kind = next((k for k, prefixes in OP_KINDS.items() if name.startswith(prefixes)), "other")
+        shares[kind] += seconds / total_s
+    top_ops = sorted(self_s.items(), key=lambda item: -item[1])[:8]
+    return {
+        "system": system,
+        "num_texts": min(PROFILE_TEXTS, len(texts)),
+        "self_cpu_s": total_s,
+        "share_by_kind": shares,
+        "top_ops": [{"op": name, "share": seconds / total_s} for name, seconds in top_ops],
+    }
+
+
 WORKERS: dict[str, Callable[[argparse.Namespace, list[str]], dict[str, Any]]] = {
+    MATMUL_PEAK_WORKER: run_matmul_peak,
+    **{
+        worker: lambda args, texts, system=system: run_profile(args, texts, system)
+        for worker, system in PROFILE_WORKERS.items()
+    },
     "vacpack_bf16": lambda args, texts: run_vacpack(args, texts, "bf16"),
     "vacpack_fp32": lambda args, texts: run_vacpack(args, texts, "fp32"),
     "st_bf16": lambda args, texts: run_st(args, texts, "bf16"),
@@ -321,6 +453,23 @@ def markdown_table(results: dict[str, Any]) -> str:
         lines.append(
             f"cosine {pair}: min {cosines['min_cosine']:.6f}, mean {cosines['mean_cosine']:.6f}"
         )
+    analysis = results["where_the_time_goes"]
+    for name, use in analysis["utilisation"].items():
+        if use["mfu"] is not None:
+            lines.append(
+                f"{name}: {use['useful_tflops']:.3f} TFLOPS of model FLOPs, "
+                f"MFU {use['mfu']:.0%} of the measured bf16 matmul peak "
+                f"({analysis['bf16_matmul_peak']['best_tflops']:.3f} TFLOPS)"
+            )
+    if analysis["mfu_needed_for_target"] is not None:
+        lines.append(
+            f"MFU vacpack_bf16 needs for {TARGET_SPEEDUP_SAME_DTYPE}x st_bf16: "
+            f"{analysis['mfu_needed_for_target']:.0%}"
+        )
+    for name, profile in analysis["profiles"].items():
+        if "share_by_kind" in profile:
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in profile["share_by_kind"].items())
+            lines.append(f"{name} (self CPU time, {profile['num_texts']} texts): {shares}")
     if not results["workload"]["systems_count_the_same_tokens"]:
         lines.append("WARNING: the systems ran different numbers of tokens (tokenization differs)")
     for name, system in results["systems"].items():
@@ -349,6 +498,39 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
     )
 
 
+def time_analysis(
+    args: argparse.Namespace,
+    texts: list[str],
+    systems: dict[str, dict[str, Any]],
+    analysis: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """Model FLOPs utilisation of every system against the measured bf16 matmul peak, and the
+    profiles' shares of time by kind of op: how far each system is from the peak, and why."""
+    flops = encoder_flops(args.model_dir, workload_seq_lens(args.model_dir, texts))
+    peak = analysis.get(MATMUL_PEAK_WORKER, {})
+    peak_tflops = peak.get("best_tflops")
+    utilisation = {}
+    for name, system in systems.items():
+        if "wall_s" not in system:
+            continue
+        tflops = flops["total"] / system["wall_s"] / 1e12
+        utilisation[name] = {
+            "useful_tflops": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None,
+        }
+    baseline = utilisation.get("st_bf16", {}).get("mfu")
+    return {
+        "flops": flops,
+        "flops_note": "what any system must compute: linear layers and attention over the "
+        "texts' real tokens, no padding; MFU is that over the wall time, over the peak",
+        "bf16_matmul_peak": peak,
+        "utilisation": utilisation,
+        # The MFU vacpack_bf16 would need to run at TARGET_SPEEDUP_SAME_DTYPE x st_bf16.
+        "mfu_needed_for_target": baseline * TARGET_SPEEDUP_SAME_DTYPE if baseline else None,
+        "profiles": {name: analysis[name] for name in PROFILE_WORKERS if name in analysis},
+    }
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     systems_to_run = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems_to_run) - set(SYSTEMS))
@@ -371,6 +553,16 @@ def orchestrate(args: argparse.Namespace) -> int:
             )
             if embeddings_path.exists():
                 embeddings[name] = np.load(embeddings_path)
+        analysis = {
+            worker: harness.run_worker(
+                lambda path, worker=worker, out=Path(tmp_dir) / "unused.npy": worker_command(
+                    args, worker, path, out
+                ),
+                worker,
+                "e1",
+            )
+            for worker in (ANALYSIS_WORKERS if args.analysis else ())
+        }
     token_counts = {s["num_real_tokens"] for s in systems.values() if "num_real_tokens" in s}
     ratios = speedup_ratios(systems)
     agreement = cosine_agreement(embeddings)
@@ -398,6 +590,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         "ratios": ratios,
         "targets": target_checks(ratios, agreement),
         "cosine_agreement": agreement,
+        "where_the_time_goes": time_analysis(args, texts, systems, analysis),
         "notes": {
             "peak_memory": "the worker process's ru_maxrss on CPU, "
             "torch.cuda.max_memory_allocated on CUDA",
@@ -429,8 +622,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="vacpack's bin budget in tokens; default measured by its probe forwards",
     )
+    parser.add_argument(
+        "--no-analysis",
+        dest="analysis",
+        action="store_false",
+        help="skip the matmul-peak and profile workers (MFU and where the time goes)",
+    )
     # Internal: run one system in this process, write its result and its embeddings.
-    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=[*SYSTEMS, *ANALYSIS_WORKERS], help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--embeddings-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -2,9 +2,9 @@
 
 A bin needs no KV cache: every document in it is whole, so one forward over the packed stream
 (positions restarting at 0 per document, attention kept within each) gives every row's hidden
-state. A document longer than the bin budget is run as chunked prefill instead: each chunk
-writes its keys and values into a small paged cache that the next chunk attends to, so no
-document is ever cut short and no forward exceeds the budget.
+state. A document longer than a bin runs alone: in one forward when its tokens fit the memory
+a forward may use, else as chunked prefill, each chunk writing its keys and values into a
+small paged cache that the next chunk attends to. No document is ever cut short.
 """
 
 from __future__ import annotations
@@ -41,14 +41,23 @@ class PackedForward:
         )
         return self.model(token_ids, positions, ctx)
 
-    @torch.inference_mode()
-    def chunked(self, token_ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        """Hidden states of one long causal document, computed chunk by chunk over a KV cache."""
+    def long_document(self, token_ids: torch.Tensor, max_forward_tokens: int) -> torch.Tensor:
+        """Hidden states of one document: in one forward if it fits, else in chunks that do."""
+        num_tokens = token_ids.numel()
+        if num_tokens <= max_forward_tokens:
+            positions = torch.arange(num_tokens, device=token_ids.device)
+            return self.packed(token_ids, positions, [num_tokens])
         if not self.causal:
             raise ValueError(
-                f"document of {token_ids.numel()} tokens is longer than a bin, and a "
-                "bidirectional encoder cannot run it in chunks; ask for truncation"
+                f"document of {num_tokens} tokens is longer than one forward may hold "
+                f"({max_forward_tokens}), and a bidirectional encoder cannot run it in chunks; "
+                "ask for truncation"
             )
+        return self._chunked(token_ids, max_forward_tokens)
+
+    @torch.inference_mode()
+    def _chunked(self, token_ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        """Hidden states of one long causal document, computed chunk by chunk over a KV cache."""
         num_tokens = token_ids.numel()
         config = self.model.config
         num_pages = -(-num_tokens // CHUNK_PAGE_SIZE)

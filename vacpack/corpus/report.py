@@ -66,5 +66,7 @@ class JobReport:
             f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB, "
             f"device busy {self.device_busy_fraction:.1%}",
         ]
-        lines += [f"  failed: document {index}: {message}" for index, message in self.failures]
+        # Failures are recorded as their bins finish; listed in input order.
+        failures = sorted(self.failures)
+        lines += [f"  failed: document {index}: {message}" for index, message in failures]
         return "\n".join(lines)

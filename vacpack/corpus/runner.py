@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 # few enough that a corpus of any size streams through in bounded memory.
 WINDOW_DOCS = 1024
 READY_BINS = 4  # bins packed ahead of the device
+# Inputs per tokenizer call: one batched call costs far less per text than a call each.
+ENCODE_BATCH_INPUTS = 64
 # The probe forwards hold sequences of this many tokens (or the context, if shorter), at most
 # MAX_BIN_SEQUENCES of them: the search stops there if throughput still grows.
 PROBE_SEQ_LEN = 512
@@ -52,7 +54,7 @@ class CorpusRunner:
             loaded, select_backend(loaded.engine_config.attention_backend, loaded.device)
         )
         self.align_to = align_to
-        self._budget = BinBudget(budget_tokens, "given") if budget_tokens else None
+        self._budget = BinBudget.given(budget_tokens) if budget_tokens else None
         self.last_report: JobReport | None = None
 
     @property
@@ -100,18 +102,20 @@ class CorpusRunner:
         try:
             with BackgroundBins(packer.pack(_documents(task, inputs)), READY_BINS) as bins:
                 for item in bins:
-                    for index, result in self._results(task, item, stager, report):
+                    results = self._results(task, item, stager, report)
+                    for index, result in results:
                         finished[index] = result
-                    while next_index in finished:
-                        result = finished.pop(next_index)
                         if isinstance(result, DocumentError):
                             report.num_failed += 1
                             report.failures.append((result.index, result.message))
-                        report.num_documents += 1
-                        progress.update(1)
-                        yield next_index, result
-                        next_index += 1
+                    # Counted when their bin is done, not when they are yielded: first-fit
+                    # decreasing reorders a window, so input order lags far behind the work.
+                    report.num_documents += len(results)
+                    progress.update(len(results))
                     progress.set_postfix_str(f"{report.tokens_per_s:,.0f} tok/s")
+                    while next_index in finished:
+                        yield next_index, finished.pop(next_index)
+                        next_index += 1
                 report.wait_for_bins_s = bins.wait_s
         finally:
             progress.close()
@@ -133,7 +137,7 @@ class CorpusRunner:
             if item.oversize:
                 (document,) = item.documents
                 token_ids = torch.as_tensor(document.token_ids, device=self.loaded.device)
-                hidden = self.forward.chunked(token_ids, self.budget.tokens)
+                hidden = self.forward.long_document(token_ids, self.budget.max_forward_tokens)
                 results = task.process([document], [token_ids.numel()], hidden)
             else:
                 token_ids, positions = stager.stage(item)
@@ -158,14 +162,16 @@ class CorpusRunner:
 
 def _documents(task: CorpusTask, inputs: Iterable[Any]) -> Iterator[Document | DocumentError]:
     """Runs in the producer thread: a bad input becomes an error record, not an exception."""
+    batch: list[tuple[int, Any]] = []
     for index, item in enumerate(inputs):
         if isinstance(item, DocumentError):  # the reader already found it unreadable
             yield item
             continue
-        try:
-            yield task.encode(index, item)
-        except ValueError as error:
-            yield DocumentError(index, str(error))
+        batch.append((index, item))
+        if len(batch) == ENCODE_BATCH_INPUTS:
+            yield from task.encode_batch(batch)
+            batch = []
+    yield from task.encode_batch(batch)
 
 
 def _real_segments(

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from vacpack.corpus.packing import Document
+from vacpack.corpus.packing import Document, DocumentError
+from vacpack.corpus.token_logprobs import score_tokens
 from vacpack.models.pooling import (
     PoolingConfig,
     pool,
@@ -28,10 +29,6 @@ from vacpack.outputs import (
     LoglikelihoodOutput,
 )
 from vacpack.runtime import LoadedModel
-
-# Rows scored per LM-head pass: [rows, vocab] float32 logits stay small (~155 MB for a
-# 152k vocabulary) however large the bin.
-SCORE_ROWS_PER_PASS = 256
 
 
 class CorpusTask(ABC):
@@ -53,21 +50,38 @@ class CorpusTask(ABC):
     ) -> list[Any]:
         """One result per document from its rows of `hidden` (documents back to back)."""
 
+    def encode_batch(self, items: Sequence[tuple[int, Any]]) -> list[Document | DocumentError]:
+        """`encode` over (index, input) pairs; an input it cannot take becomes an error record."""
+        results: list[Document | DocumentError] = []
+        for index, item in items:
+            try:
+                results.append(self.encode(index, item))
+            except ValueError as error:
+                results.append(DocumentError(index, str(error)))
+        return results
+
     def _token_ids(self, index: int, item: Any, add_special_tokens: bool = True) -> list[int]:
         if isinstance(item, str):
             if not item.strip():
                 raise ValueError("the document is empty")
-            # The tokenizer truncates (when asked) so that special tokens such as [SEP] stay.
-            token_ids = self.tokenizer.encode(
-                item,
-                add_special_tokens=add_special_tokens,
-                truncation=self.truncate,
-                max_length=self.max_len if self.truncate else None,
-            )
+            (token_ids,) = self._tokenize([item], add_special_tokens)
         elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
             token_ids = list(item)
         else:
             raise ValueError(f"expected text or a list of token ids, got {type(item).__name__}")
+        return self._checked(token_ids)
+
+    def _tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        # The tokenizer truncates (when asked) so that special tokens such as [SEP] stay.
+        encoded = self.tokenizer(
+            texts,
+            add_special_tokens=add_special_tokens,
+            truncation=self.truncate,
+            max_length=self.max_len if self.truncate else None,
+        )
+        return list(encoded["input_ids"])
+
+    def _checked(self, token_ids: list[int]) -> list[int]:
         if not token_ids:
             raise ValueError("the document is empty")
         return self._fit(token_ids)
@@ -98,7 +112,33 @@ def resolve_pooling(
     )
 
 
-class EmbedTask(CorpusTask):
+class WholeTextTask(CorpusTask):
+    """A task whose documents are whole texts (or token ids) with the model's special tokens."""
+
+    def encode(self, index: int, item: Any) -> Document:
+        return Document(index, self._token_ids(index, item))
+
+    def encode_batch(self, items: Sequence[tuple[int, Any]]) -> list[Document | DocumentError]:
+        # One tokenizer call for all the texts runs in Rust with the GIL released; one call per
+        # text spends most of its time in Python, holding the GIL that the forward's own Python
+        # needs between kernels (measured on E1, 2-core CPU: a call per text in the producer
+        # thread cost the forward about 10% with 256-token bins).
+        texts = {index: item for index, item in items if isinstance(item, str) and item.strip()}
+        tokenized = dict(zip(texts, self._tokenize(list(texts.values())), strict=True))
+        results: list[Document | DocumentError] = []
+        for index, item in items:
+            try:
+                token_ids = tokenized.get(index)
+                if token_ids is None:
+                    results.append(self.encode(index, item))
+                else:
+                    results.append(Document(index, self._checked(token_ids)))
+            except ValueError as error:
+                results.append(DocumentError(index, str(error)))
+        return results
+
+
+class EmbedTask(WholeTextTask):
     name = "embed"
 
     def __init__(self, loaded: LoadedModel, pooling: PoolingConfig, truncate: bool = False) -> None:
@@ -111,9 +151,6 @@ class EmbedTask(CorpusTask):
             self.max_len = min(self.max_len, configured_max_len)
             self.truncate = True
 
-    def encode(self, index: int, item: Any) -> Document:
-        return Document(index, self._token_ids(index, item))
-
     def process(
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
     ) -> list[EmbeddingRequestOutput]:
@@ -124,7 +161,7 @@ class EmbedTask(CorpusTask):
         ]
 
 
-class ClassifyTask(CorpusTask):
+class ClassifyTask(WholeTextTask):
     name = "classify"
 
     def __init__(self, loaded: LoadedModel, truncate: bool = False) -> None:
@@ -138,9 +175,6 @@ class ClassifyTask(CorpusTask):
         id2label = getattr(loaded.config, "id2label", None) or {}
         num_labels = int(getattr(loaded.config, "num_labels", len(id2label)))
         self.labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(num_labels)]
-
-    def encode(self, index: int, item: Any) -> Document:
-        return Document(index, self._token_ids(index, item))
 
     def process(
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
@@ -229,34 +263,25 @@ class LoglikelihoodTask(CorpusTask):
         device = hidden.device
         row_index = torch.tensor(rows, dtype=torch.int64, device=device)
         target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
-        logprobs, greedy = self._score(hidden, row_index, target_ids)
+        is_continuation = [doc.payload[1] for doc in documents]
+        scores = score_tokens(
+            self.loaded.model.compute_logits, hidden, row_index, target_ids, any(is_continuation)
+        )
+        logprob_parts = scores.logprobs.split(counts)
+        greedy_parts = (
+            scores.is_greedy.split(counts) if scores.is_greedy is not None else [None] * len(counts)
+        )
         results = []
-        for doc, logprob_part, greedy_part in zip(
-            documents, logprobs.split(counts), greedy.split(counts), strict=True
+        for doc, continuation, logprob_part, greedy_part in zip(
+            documents, is_continuation, logprob_parts, greedy_parts, strict=True
         ):
-            _, is_continuation = doc.payload
             results.append(
                 LoglikelihoodOutput(
                     index=doc.index,
                     logprob=float(logprob_part.double().sum()),
                     num_tokens=logprob_part.numel(),
-                    is_greedy=bool(greedy_part.all()) if is_continuation else None,
+                    is_greedy=bool(greedy_part.all()) if continuation else None,
                     token_logprobs=logprob_part.tolist() if self.return_token_logprobs else None,
                 )
             )
         return results
-
-    def _score(
-        self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of each target and whether it was the argmax, on the host."""
-        model = self.loaded.model
-        logprob_parts, greedy_parts = [], []
-        for start in range(0, rows.numel(), SCORE_ROWS_PER_PASS):
-            part_rows = rows[start : start + SCORE_ROWS_PER_PASS]
-            part_targets = targets[start : start + SCORE_ROWS_PER_PASS]
-            logits = model.compute_logits(hidden.index_select(0, part_rows))
-            logprobs = torch.log_softmax(logits, dim=-1)
-            logprob_parts.append(logprobs.gather(1, part_targets.unsqueeze(1)).squeeze(1))
-            greedy_parts.append(logits.argmax(dim=-1) == part_targets)
-        return torch.cat(logprob_parts).cpu(), torch.cat(greedy_parts).cpu()

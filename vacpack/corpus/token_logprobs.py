@@ -1,0 +1,61 @@
+"""Log-probabilities of given target tokens from hidden states, one number per scored row.
+
+Scoring needs a single entry of each row's distribution over the vocabulary. The LM head runs
+on a few hundred rows at a time (a matmul that size runs near the device's peak), but the
+log-softmax over its float32 logits runs on slices of a few rows: on a CPU a [32, 151,936]
+slice (19 MB) stays in cache, whereas one pass over [256, 151,936] (155 MB) streams the logits
+through memory several times and writes a log-probability tensor as large that is read only
+once per row. Measured on a 2-core bf16 CPU, one thread: 20 ms instead of 77 ms per 256 rows.
+On a GPU one pass covers the LM head's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Rows per LM-head pass: the [rows, vocab] float32 logits stay bounded (~155 MB for a 152k
+# vocabulary) however large the bin.
+LM_HEAD_ROWS = 256
+# Rows per log-softmax on a CPU: a slice that fits the cache. Not much smaller, because each
+# slice is a few separate kernel calls.
+CPU_SOFTMAX_ROWS = 32
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    logprobs: torch.Tensor  # [num_rows] float32, on the host
+    is_greedy: torch.Tensor | None  # [num_rows] bool on the host: target == argmax; None if unasked
+
+
+def score_tokens(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    need_greedy: bool,
+) -> TokenScores:
+    """Log-probability of targets[i] after hidden row rows[i], for every i.
+
+    `compute_logits` maps [n, hidden] rows to [n, vocab] float32 logits. The argmax (for
+    `is_greedy`) is taken only when asked for: rolling log-likelihoods never need it.
+    """
+    softmax_rows = LM_HEAD_ROWS if hidden.device.type == "cuda" else CPU_SOFTMAX_ROWS
+    logprob_parts: list[torch.Tensor] = []
+    greedy_parts: list[torch.Tensor] = []
+    for start in range(0, rows.numel(), LM_HEAD_ROWS):
+        logits = compute_logits(hidden.index_select(0, rows[start : start + LM_HEAD_ROWS]))
+        pass_targets = targets[start : start + LM_HEAD_ROWS]
+        for slice_start in range(0, logits.shape[0], softmax_rows):
+            slice_logits = logits[slice_start : slice_start + softmax_rows]
+            slice_targets = pass_targets[slice_start : slice_start + softmax_rows]
+            logprobs = torch.log_softmax(slice_logits, dim=-1)
+            logprob_parts.append(logprobs.gather(1, slice_targets.unsqueeze(1)).squeeze(1))
+            if need_greedy:
+                greedy_parts.append(slice_logits.argmax(dim=-1) == slice_targets)
+    return TokenScores(
+        torch.cat(logprob_parts).cpu(),
+        torch.cat(greedy_parts).cpu() if need_greedy else None,
+    )
