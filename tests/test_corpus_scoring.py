@@ -123,3 +123,16 @@ def test_scoring_in_a_measured_budget_equals_a_given_one(llm: LLM) -> None:
     roomy._budget = BinBudget(64, "test", max_forward_tokens=4096)
     whole = [r.logprob for _, r in roomy.run(task, texts, use_tqdm=False)]
     assert whole == pytest.approx(given, abs=1e-3)
+
+
+def test_logits_in_the_models_dtype_are_scored_in_float32() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB_SIZE, HIDDEN_SIZE, generator=generator).bfloat16()
+    hidden = torch.randn(70, HIDDEN_SIZE, generator=generator).bfloat16()
+    rows = torch.arange(70)
+    targets = torch.randint(0, VOCAB_SIZE, (70,), generator=generator)
+    scores = score_tokens(lambda h: h @ weight.T, hidden, rows, targets, False)
+    logits = (hidden @ weight.T).float()
+    expected = torch.log_softmax(logits, -1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    assert scores.logprobs.dtype == torch.float32
+    assert torch.allclose(scores.logprobs, expected, atol=1e-5)

@@ -39,8 +39,9 @@ def score_tokens(
 ) -> TokenScores:
     """Log-probability of targets[i] after hidden row rows[i], for every i.
 
-    `compute_logits` maps [n, hidden] rows to [n, vocab] float32 logits. The argmax (for
-    `is_greedy`) is taken only when asked for: rolling log-likelihoods never need it.
+    `compute_logits` maps [n, hidden] rows to [n, vocab] logits, float32 or the model's dtype.
+    The argmax (for `is_greedy`) is taken only when asked for: rolling log-likelihoods never
+    need it.
     """
     softmax_rows = LM_HEAD_ROWS if hidden.device.type == "cuda" else CPU_SOFTMAX_ROWS
     logprob_parts: list[torch.Tensor] = []
@@ -49,7 +50,9 @@ def score_tokens(
         logits = compute_logits(hidden.index_select(0, rows[start : start + LM_HEAD_ROWS]))
         pass_targets = targets[start : start + LM_HEAD_ROWS]
         for slice_start in range(0, logits.shape[0], softmax_rows):
-            slice_logits = logits[slice_start : slice_start + softmax_rows]
+            # In float32 however the logits came: a no-op for float32 ones, and bf16 logits
+            # are converted a cache-sized slice at a time.
+            slice_logits = logits[slice_start : slice_start + softmax_rows].float()
             slice_targets = pass_targets[slice_start : slice_start + softmax_rows]
             logprobs = torch.log_softmax(slice_logits, dim=-1)
             logprob_parts.append(logprobs.gather(1, slice_targets.unsqueeze(1)).squeeze(1))
