@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from vacpack import LLM, SamplingParams
 from vacpack.attention import backend as backend_registry
+from vacpack.attention import cascade as cascade_module
 from vacpack.attention import torch_sdpa
 from vacpack.attention.backend import BatchLayout
 from vacpack.attention.cascade import CascadePolicy, merge_by_lse
@@ -137,7 +138,10 @@ def test_decodes_equal_per_sequence_sdpa(dtype, heads, grouping, cascade) -> Non
 
 @pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "paged"])
 def test_many_small_chunks_equal_per_sequence_sdpa(monkeypatch, cascade) -> None:
+    """Decodes in many chunks, and shared prefixes attended a few query rows at a time."""
     monkeypatch.setattr(torch_sdpa, "plan_chunks", functools.partial(plan_chunks, budget_tokens=20))
+    # 2 KV heads: 3 rows per block against the 12-token prefix, 1 against the 24-token one.
+    monkeypatch.setattr(cascade_module, "PREFIX_BLOCK_SCORES", 2 * 12 * 3)
     generator = torch.Generator().manual_seed(7)
     batch = _decode_batch([(5, 3), (3, 6)], 6, generator)
     kv_layer = _kv_layer(torch.float32, 2, generator)

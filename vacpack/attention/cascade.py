@@ -38,6 +38,13 @@ class CascadePolicy:
 DEFAULT_CASCADE_POLICY = CascadePolicy(min_prefix_tokens=256, min_saved_tokens=4096)
 
 
+# Scores per block of a prefix's query rows: 2 MiB of float32 scores, which stay in cache from
+# the score matmul through the softmax to the values matmul, and stay small enough that the
+# allocator reuses them instead of mapping fresh pages. At 128 sequences x 1,024 prefix tokens
+# this measured 15% faster than one block, and halving it gained nothing.
+PREFIX_BLOCK_SCORES = 1 << 19
+
+
 @dataclass(frozen=True)
 class CascadeGroup:
     """Decodes sharing their first `num_prefix_tokens` tokens' pages."""
@@ -62,19 +69,19 @@ def prefix_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
     group_size = num_heads // num_kv_heads
-    page_size = kv_layer.page_size
-    keys = gather_pages(kv_layer.keys, group.prefix_pages, page_size, 1, group.num_prefix_tokens)
-    values = gather_pages(
-        kv_layer.values, group.prefix_pages, page_size, 1, group.num_prefix_tokens
-    )
+    num_rows = num_seqs * group_size
+    page_size, num_keys = kv_layer.page_size, group.num_prefix_tokens
+    keys = gather_pages(kv_layer.keys, group.prefix_pages, page_size, 1, num_keys)[0]
+    values = gather_pages(kv_layer.values, group.prefix_pages, page_size, 1, num_keys)[0]
     # Every sequence's query heads of one KV head become rows of that head's one matmul.
-    per_kv_head = q.view(num_seqs, num_kv_heads, group_size, head_dim).transpose(0, 1)
-    out, lse = attend(
-        per_kv_head.reshape(num_kv_heads, num_seqs * group_size, head_dim),
-        keys[0],
-        values[0],
-        with_lse=True,
-    )
+    rows = q.view(num_seqs, num_kv_heads, group_size, head_dim).transpose(0, 1)
+    rows = rows.reshape(num_kv_heads, num_rows, head_dim)
+    out = q.new_empty(num_kv_heads, num_rows, head_dim)
+    lse = q.new_empty(num_kv_heads, num_rows, dtype=torch.float32)
+    block_rows = max(1, PREFIX_BLOCK_SCORES // (num_kv_heads * num_keys))
+    for start in range(0, num_rows, block_rows):
+        block = slice(start, start + block_rows)
+        out[:, block], lse[:, block] = attend(rows[:, block], keys, values, with_lse=True)
     out = out.view(num_kv_heads, num_seqs, group_size, head_dim).transpose(0, 1)
     lse = lse.view(num_kv_heads, num_seqs, group_size).transpose(0, 1)
     return out.reshape(num_seqs, num_heads, head_dim), lse.reshape(num_seqs, num_heads)
