@@ -31,10 +31,10 @@ class CascadePolicy:
 
 
 # From bench/decode_attention.py --sweep on a 2-core CPU (one thread, 64 sequences): a cascade
-# lost for 128-token prefixes even shared by all 64, and for any group saving under ~1,800
-# reads; it won at 3,000+ saved reads on 512- and 1,024-token prefixes and by 20-50% once all
-# 64 shared 256 tokens or more. Two threads speed the reads more than the launches, so the
-# threshold keeps a margin over that break-even.
+# did not pay for 128-token prefixes even shared by all 64 (within 3%), lost for any group
+# saving fewer than ~1,800 reads, won from ~3,000 saved reads on 512- and 1,024-token prefixes,
+# and by 13-52% once all 64 shared 256 tokens or more. Two threads speed the reads more than
+# the launches, so the threshold keeps a margin over that break-even.
 DEFAULT_CASCADE_POLICY = CascadePolicy(min_prefix_tokens=256, min_saved_tokens=4096)
 
 
