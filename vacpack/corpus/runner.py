@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vacpack.attention import select_backend
-from vacpack.corpus.budget import BinBudget, measure_bin_budget
+from vacpack.corpus.budget import FIRST_PROBE_TOKENS, BinBudget, measure_bin_budget
 from vacpack.corpus.forward import PackedForward
 from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPacker, PackedBin
 from vacpack.corpus.pipeline import BackgroundBins
@@ -37,9 +37,12 @@ READY_BINS = 4  # bins packed ahead of the device
 # Inputs per tokenizer call: one batched call costs far less per text than a call each.
 ENCODE_BATCH_INPUTS = 64
 # The probe forwards hold sequences of this many tokens (or the context, if shorter), at most
-# MAX_BIN_SEQUENCES of them: the search stops there if throughput still grows.
-PROBE_SEQ_LEN = 512
-MAX_BIN_SEQUENCES = 64
+# MAX_BIN_SEQUENCES of them: the search stops there if throughput still grows. As long as the
+# first probe (FIRST_PROBE_TOKENS), so that every probe holds the same sequences and only the
+# bin size changes: a longer sequence costs more attention per token, and with 512-token
+# sequences the second probe read as slower than the first, ending every search at 256.
+PROBE_SEQ_LEN = FIRST_PROBE_TOKENS
+MAX_BIN_SEQUENCES = 128
 
 
 class CorpusRunner:
@@ -67,8 +70,7 @@ class CorpusRunner:
 
     @property
     def _probe_seq_len(self) -> int:
-        # A bin holds many documents: probe with sequences of a typical long document, never
-        # past the model's context (BERT has 512 positions).
+        # Never past the model's context.
         return min(self.loaded.max_model_len, PROBE_SEQ_LEN)
 
     def _probe_forward(self, num_tokens: int) -> None:
