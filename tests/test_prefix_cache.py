@@ -136,7 +136,7 @@ def test_random_add_step_finish_abort_keep_the_pool_consistent(ops, num_pages: i
         if kind == "add":
             tokens = prefixes[a] + list(range(5000 + number, 5000 + number + b))
             if -(-(len(tokens) + 10) // 4) > num_pages:
-                continue  # could never fit; the engine rejects such requests up front
+                continue  # could never fit: an engine refuses a cache this small (test below)
             request = _request(str(number), tokens)
             live.append(request)
             scheduler.add(request)
@@ -176,3 +176,11 @@ def test_continuations_after_a_shared_context_compute_it_once(model_dir) -> None
     total = sum(len(tokenizer.encode(c + x)) for c, x in pairs)
     # Each distinct context once (two of them, sharing most pages), the rest per continuation.
     assert computed < total - 5 * context_len
+
+
+def test_a_cache_that_cannot_hold_one_whole_sequence_is_refused_up_front(model_dir) -> None:
+    """Every request stops at max_model_len, so a cache holding one whole sequence can always
+    finish each request by preempting the others; a smaller one is refused when the engine is
+    built, with the limits named, instead of deadlocking later."""
+    with pytest.raises(ValueError, match="fewer than one sequence of max_model_len=160"):
+        _ = _llm(model_dir, True, max_model_len=160, kv_cache_memory_bytes=4096).engine
