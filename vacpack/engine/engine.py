@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +21,7 @@ from vacpack.detokenizer import RequestDetokenizer
 from vacpack.engine.cuda_graphs import DecodeGraphRunner
 from vacpack.engine.model_runner import ModelRunner, PreparedStep, StepResult
 from vacpack.engine.request import Request
+from vacpack.engine.request_outputs import UserRequest, make_output
 from vacpack.engine.sampler import Sampler, make_request_generator
 from vacpack.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from vacpack.engine.stats import EngineStats
@@ -30,11 +31,9 @@ from vacpack.kvcache import PagedKVCache, PagePool, kv_bytes_per_token
 from vacpack.kvcache.sizing import size_kv_cache
 from vacpack.models.forward_context import ForwardContext
 from vacpack.outputs import (
-    CompletionOutput,
     Logprob,
     RequestMetrics,
     RequestOutput,
-    RequestOutputKind,
 )
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
@@ -58,20 +57,6 @@ class _LaunchedStep:
     prepare_start_s: float
     launch_s: float
     num_preempted: int
-
-
-@dataclass
-class _UserRequest:
-    """The n sequences of one user request."""
-
-    request_id: str
-    prompt: str | None
-    sequences: list[Request]
-    metrics: RequestMetrics
-    num_unfinished: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_unfinished = len(self.sequences)
 
 
 class LLMEngine:
@@ -143,7 +128,7 @@ class LLMEngine:
         self.timeline = StepTimeline()
         self._in_flight: _LaunchedStep | None = None
         self._num_launched_steps = 0
-        self._user_requests: dict[str, _UserRequest] = {}
+        self._user_requests: dict[str, UserRequest] = {}
         logger.info(
             "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s)",
             mc.architecture,
@@ -210,7 +195,7 @@ class LLMEngine:
                     prompt_logprobs_start=prompt_logprobs_start,
                 )
             )
-        self._user_requests[request_id] = _UserRequest(request_id, prompt, sequences, metrics)
+        self._user_requests[request_id] = UserRequest(request_id, prompt, sequences, metrics)
         for sequence in sequences:
             self.scheduler.add(sequence)
 
@@ -311,7 +296,7 @@ class LLMEngine:
         for user_request in touched:
             if user_request.num_unfinished == 0:
                 del self._user_requests[user_request.request_id]
-            output = self._make_output(user_request)
+            output = make_output(user_request)
             if output is not None:
                 outputs.append(output)
         process_end_s = time.perf_counter()
@@ -341,13 +326,13 @@ class LLMEngine:
         )
         return outputs
 
-    def _apply_step(self, launched: _LaunchedStep, result: StepResult) -> list[_UserRequest]:
+    def _apply_step(self, launched: _LaunchedStep, result: StepResult) -> list[UserRequest]:
         now = time.perf_counter()
         scheduled = launched.prepared.scheduled
         # Requests finished (stopped, aborted) after this step was launched: their rows are
         # computed but mean nothing now.
         finished_before = {id(item.request) for item in scheduled if item.request.is_finished}
-        touched: dict[str, _UserRequest] = {}
+        touched: dict[str, UserRequest] = {}
         for prompt_result in result.prompt_logprobs:
             request = prompt_result.request
             if id(request) in finished_before:
@@ -462,51 +447,6 @@ class LLMEngine:
             candidates.setdefault(tid, Logprob(lp, rank_index + 1, decode([tid])))
         return candidates
 
-    def _make_output(self, user_request: _UserRequest) -> RequestOutput | None:
-        """The output for a request that progressed this step, per its output kind."""
-        first = user_request.sequences[0]
-        finished = user_request.num_unfinished == 0
-        kind = first.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        if kind is RequestOutputKind.DELTA:
-            completions = [
-                c
-                for index, sequence in enumerate(user_request.sequences)
-                if (c := _delta_completion(index, sequence)) is not None
-            ]
-            first_output = not any(s.num_reported_tokens for s in user_request.sequences)
-            prompt_logprobs = _copy(first.prompt_logprobs) if first_output else None
-            for sequence in user_request.sequences:
-                sequence.num_reported_tokens = sequence.num_output_tokens
-        else:
-            completions = [
-                _cumulative_completion(index, sequence)
-                for index, sequence in enumerate(user_request.sequences)
-            ]
-            prompt_logprobs = _copy(first.prompt_logprobs)
-        metrics = user_request.metrics
-        metrics.first_token_time = min(
-            (
-                s.metrics.first_token_time
-                for s in user_request.sequences
-                if s.metrics.first_token_time
-            ),
-            default=None,
-        )
-        metrics.num_preemptions = sum(s.metrics.num_preemptions for s in user_request.sequences)
-        if finished:
-            metrics.finished_time = time.perf_counter()
-        return RequestOutput(
-            request_id=user_request.request_id,
-            prompt=user_request.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-        )
-
     # ----------------------------------------------------------------- set-up
     def _graph_runner(self) -> DecodeGraphRunner | None:
         """CUDA graphs of decode steps, captured now, after the KV cache exists (the graphs
@@ -568,39 +508,3 @@ def _needs_known_outputs(scheduled: list[ScheduledRequest]) -> bool:
         )
         for item in scheduled
     )
-
-
-def _cumulative_completion(index: int, sequence: Request) -> CompletionOutput:
-    return CompletionOutput(
-        index=index,
-        text=sequence.detokenizer.output_text,
-        token_ids=sequence.output_token_ids,
-        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
-        logprobs=sequence.logprobs,
-        finish_reason=sequence.finish_reason,
-        stop_reason=sequence.stop_reason,
-    )
-
-
-def _delta_completion(index: int, sequence: Request) -> CompletionOutput | None:
-    """What is new since the last output; text only where no stop string can still cut it."""
-    start = sequence.num_reported_tokens
-    newly_finished = sequence.is_finished and not sequence.finish_reported
-    text = sequence.detokenizer.stream_delta()
-    if not text and start == sequence.num_output_tokens and not newly_finished:
-        return None
-    sequence.finish_reported = sequence.is_finished
-    return CompletionOutput(
-        index=index,
-        text=text,
-        token_ids=sequence.output_token_ids[start:],
-        cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
-        logprobs=None if sequence.logprobs is None else sequence.logprobs[start:],
-        finish_reason=sequence.finish_reason,
-        stop_reason=sequence.stop_reason,
-    )
-
-
-def _copy(prompt_logprobs: list | None) -> list | None:
-    """Outputs get their own list: the engine keeps appending to the request's."""
-    return None if prompt_logprobs is None else list(prompt_logprobs)
