@@ -7,6 +7,7 @@ failed and goes on. `process` gets the hidden states of whole documents, concate
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -266,7 +267,11 @@ class LoglikelihoodTask(CorpusTask):
         target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
         is_continuation = [doc.payload[1] for doc in documents]
         scores = score_tokens(
-            self.loaded.model.compute_logits, hidden, row_index, target_ids, any(is_continuation)
+            functools.partial(self.loaded.model.compute_logits, dtype=None),
+            hidden,
+            row_index,
+            target_ids,
+            any(is_continuation),
         )
         logprob_parts = scores.logprobs.split(counts)
         greedy_parts = (

@@ -19,6 +19,7 @@ from vacpack.models.norm import RMSNorm
 from vacpack.models.parallel import (
     SINGLE_RANK,
     ColumnParallelLinear,
+    LMHead,
     QKVParallelLinear,
     RowParallelLinear,
     TensorParallel,
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else VocabEmbedding(config.vocab_size, config.hidden_size)
+            else LMHead(config.vocab_size, config.hidden_size)
         )
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -181,6 +182,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given rows only."""
-        return F.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32
+    ) -> torch.Tensor:
+        """Logits for the given rows only: float32 by default, or the model's dtype for None
+        (as the reference computes them; a scorer that converts small slices itself saves
+        writing and re-reading a float32 copy of [rows, vocab])."""
+        logits = self.lm_head.project(hidden)
+        return logits if dtype is None else logits.to(dtype)

@@ -55,7 +55,9 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.score.requires_grad_(False)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32
+    ) -> torch.Tensor:
         raise TypeError(f"{self.config.architecture} has no LM head; use classify()")
 
     def classify(self, hidden: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:

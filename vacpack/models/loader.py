@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
+from vacpack.models.parallel import prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -108,4 +109,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     if missing:
         raise ValueError(f"checkpoint {str(model_dir)!r} lacks weights for: {sorted(missing)[:8]}")
     model.finish_loading()
+    num_packed = prepack_linear_weights(model)
+    if num_packed:
+        logger.info("%d linear weights prepacked for oneDNN", num_packed)
     return model.eval()

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from vacpack.models.cpu_prepack import meta_like, packed_linear, prepack
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -56,6 +58,7 @@ class ColumnParallelLinear(nn.Module):
         output_size = sum(self.local_shard_sizes)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
         """Copies this rank's slice of checkpoint tensor `shard_index` into its place."""
@@ -66,7 +69,13 @@ class ColumnParallelLinear(nn.Module):
         rank_slice = tensor.narrow(0, self.tp.rank * local_size, local_size)
         param.data.narrow(0, offset, local_size).copy_(rank_slice)
 
+    def prepack_for_cpu(self) -> None:
+        """Call once loading is done: the weight in oneDNN's layout (cpu_prepack.py)."""
+        _prepack_weight(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -99,6 +108,7 @@ class RowParallelLinear(nn.Module):
             torch.empty(output_size, self.local_input_size), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
         if name == "bias":
@@ -108,23 +118,71 @@ class RowParallelLinear(nn.Module):
         start = self.tp.rank * self.local_input_size
         self.weight.data.copy_(tensor.narrow(1, start, self.local_input_size))
 
+    def prepack_for_cpu(self) -> None:
+        """Call once loading is done: the weight in oneDNN's layout (cpu_prepack.py)."""
+        _prepack_weight(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = F.linear(x, self.weight)
+        if self.packed_weight is not None:
+            y = packed_linear(x, self.packed_weight, None)
+        else:
+            y = F.linear(x, self.weight)
         if self.tp.size > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table; sharding it by vocabulary is left to the tensor-parallel issue."""
+    """Token embedding table, which may double as the LM head (tied embeddings); sharding it by
+    vocabulary is left to the tensor-parallel issue."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
         self.weight.data.copy_(tensor)
 
+    def prepack_for_cpu(self) -> None:
+        """A packed copy for `project`; the plain table stays for the lookups."""
+        self.packed_weight = prepack(self.weight)
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.weight)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the vocabulary: hidden @ table^T, in the table's dtype."""
+        if self.packed_weight is not None:
+            return packed_linear(hidden, self.packed_weight, None)
+        return F.linear(hidden, self.weight)
+
+
+class LMHead(VocabEmbedding):
+    """An untied LM head: it only projects, so once packed its plain table is dropped."""
+
+    def prepack_for_cpu(self) -> None:
+        super().prepack_for_cpu()
+        if self.packed_weight is not None:
+            self.weight = meta_like(self.weight)
+
+
+def _prepack_weight(layer: ColumnParallelLinear | RowParallelLinear) -> None:
+    layer.packed_weight = prepack(layer.weight)
+    if layer.packed_weight is not None:
+        layer.weight = meta_like(layer.weight)
+
+
+def prepack_linear_weights(model: nn.Module) -> int:
+    """Packs `model`'s linear layers and its LM head, if it has one, where they can be (a no-op
+    off the CPU); returns how many were packed."""
+    layers: list[ColumnParallelLinear | RowParallelLinear | VocabEmbedding] = [
+        m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, VocabEmbedding):
+        layers.append(lm_head)
+    for layer in layers:
+        layer.prepack_for_cpu()
+    return sum(layer.packed_weight is not None for layer in layers)
