@@ -95,7 +95,8 @@ PROFILE_TEXTS = 1000  # the first texts of the workload, embedded once under tor
 MATMUL_PEAK_ROWS: tuple[int, ...] = (256, 2048)
 # Torch ops by what they compute, for the profile's shares of self CPU time (prefix match).
 OP_KINDS: dict[str, tuple[str, ...]] = {
-    "matmul": ("aten::addmm", "aten::mm", "aten::bmm"),
+    # mkldnn::_linear_pointwise: vacpack's linear layers on prepacked CPU weights.
+    "matmul": ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise"),
     "attention": ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient"),
     "gelu": ("aten::gelu",),
     "layer_norm": ("aten::native_layer_norm",),
