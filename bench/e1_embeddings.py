@@ -358,23 +358,21 @@ def worker_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- orchestration
 
 
+# The options a worker gets from the orchestrating run.
+WORKER_OPTIONS: tuple[str, ...] = (
+    "device",
+    "num_texts",
+    "st_batch_size",
+    "model_dir",
+    "max_num_batched_tokens",
+)
+
+
 def worker_command(
     args: argparse.Namespace, worker: str, worker_output: Path, embeddings_output: Path
 ) -> list[str]:
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker", worker,
-        "--worker-output", str(worker_output),
-        "--embeddings-output", str(embeddings_output),
-        "--device", args.device,
-        "--num-texts", str(args.num_texts),
-        "--st-batch-size", str(args.st_batch_size),
-        "--model-dir", str(args.model_dir),
-    ]  # fmt: skip
-    if args.max_num_batched_tokens is not None:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return command
+    command = harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
+    return [*command, "--embeddings-output", str(embeddings_output)]
 
 
 def cosine_agreement(embeddings: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:

@@ -532,26 +532,15 @@ def worker_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- orchestration
 
 
+# The options a worker gets from the orchestrating run.
+WORKER_OPTIONS: tuple[str, ...] = (
+    "device", "shape", "num_prompts", "min_prompt_len", "max_prompt_len", "max_tokens",
+    "hf_batch_size", "model_dir", "output", "warmup", "max_num_batched_tokens",
+)  # fmt: skip
+
+
 def worker_command(args: argparse.Namespace, worker: str, worker_output: Path) -> list[str]:
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker", worker,
-        "--worker-output", str(worker_output),
-        "--device", args.device,
-        "--shape", args.shape,
-        "--num-prompts", str(args.num_prompts),
-        "--min-prompt-len", str(args.min_prompt_len),
-        "--max-prompt-len", str(args.max_prompt_len),
-        "--max-tokens", str(args.max_tokens),
-        "--hf-batch-size", str(args.hf_batch_size),
-        "--model-dir", str(args.model_dir),
-        "--output", str(args.output),
-        "--warmup" if args.warmup else "--no-warmup",
-    ]  # fmt: skip
-    if args.max_num_batched_tokens is not None:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return command
+    return harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
 
 
 def run_worker(args: argparse.Namespace, worker: str, budget: harness.RunBudget) -> dict[str, Any]:

@@ -267,6 +267,30 @@ def markdown_cell(text: str) -> str:
 # ---------------------------------------------------------------------------- workers
 
 
+def worker_command(
+    script: str,
+    worker: str,
+    worker_output: Path,
+    args: Any,
+    forwarded: Sequence[str],
+) -> list[str]:
+    """The command that reruns `script` as one worker, passing on the options named in
+    `forwarded` by their argparse dest ("num_prompts" -> --num-prompts VALUE). Options that are
+    None are left out (the worker's default applies); booleans become --name / --no-name."""
+    command = [
+        sys.executable, str(Path(script).resolve()),
+        "--worker", worker, "--worker-output", str(worker_output),
+    ]  # fmt: skip
+    for dest in forwarded:
+        value = getattr(args, dest)
+        option = dest.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(f"--{option}" if value else f"--no-{option}")
+        elif value is not None:
+            command += [f"--{option}", str(value)]
+    return command
+
+
 def run_worker(
     build_command: Callable[[Path], list[str]],
     name: str,

@@ -231,27 +231,16 @@ def worker_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- orchestration
 
 
+# The options a worker gets from the orchestrating run.
+WORKER_OPTIONS: tuple[str, ...] = (
+    "device", "num_prompts", "min_prompt_len", "max_prompt_len", "max_tokens",
+    "warmup_prompts", "warmup_tokens", "attention_backend", "timeline_steps", "model_dir",
+    "output", "max_num_batched_tokens",
+)  # fmt: skip
+
+
 def worker_command(args: argparse.Namespace, config: str, worker_output: Path) -> list[str]:
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker", config,
-        "--worker-output", str(worker_output),
-        "--device", args.device,
-        "--num-prompts", str(args.num_prompts),
-        "--min-prompt-len", str(args.min_prompt_len),
-        "--max-prompt-len", str(args.max_prompt_len),
-        "--max-tokens", str(args.max_tokens),
-        "--warmup-prompts", str(args.warmup_prompts),
-        "--warmup-tokens", str(args.warmup_tokens),
-        "--attention-backend", args.attention_backend,
-        "--timeline-steps", str(args.timeline_steps),
-        "--model-dir", str(args.model_dir),
-        "--output", str(args.output),
-    ]  # fmt: skip
-    if args.max_num_batched_tokens is not None:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return command
+    return harness.worker_command(__file__, config, worker_output, args, WORKER_OPTIONS)
 
 
 def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any]:

@@ -265,24 +265,15 @@ def worker_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- orchestration
 
 
+# The options a worker gets from the orchestrating run.
+WORKER_OPTIONS: tuple[str, ...] = (
+    "device", "num_docs", "short_min", "short_max", "long_min", "long_max", "hf_batch_size",
+    "model_dir", "max_num_batched_tokens",
+)  # fmt: skip
+
+
 def worker_command(args: argparse.Namespace, worker: str, worker_output: Path) -> list[str]:
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker", worker,
-        "--worker-output", str(worker_output),
-        "--device", args.device,
-        "--num-docs", str(args.num_docs),
-        "--short-min", str(args.short_min),
-        "--short-max", str(args.short_max),
-        "--long-min", str(args.long_min),
-        "--long-max", str(args.long_max),
-        "--hf-batch-size", str(args.hf_batch_size),
-        "--model-dir", str(args.model_dir),
-    ]  # fmt: skip
-    if args.max_num_batched_tokens is not None:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return command
+    return harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
 
 
 def logprob_agreement(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:

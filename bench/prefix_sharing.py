@@ -201,14 +201,20 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
     )
 
 
+# The options a worker gets from the orchestrating run.
+WORKER_OPTIONS: tuple[str, ...] = (
+    "model_dir",
+    "num_requests",
+    "system_len",
+    "max_tokens",
+    "num_questions",
+    "context_len",
+)
+
+
 def worker_command(args: argparse.Namespace, workload: str, cache: str, output: Path) -> list[str]:
-    return [
-        sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--cache", cache,
-        "--worker-output", str(output), "--model-dir", str(args.model_dir),
-        "--num-requests", str(args.num_requests), "--system-len", str(args.system_len),
-        "--max-tokens", str(args.max_tokens), "--num-questions", str(args.num_questions),
-        "--context-len", str(args.context_len),
-    ]  # fmt: skip
+    command = harness.worker_command(__file__, workload, output, args, WORKER_OPTIONS)
+    return [*command, "--cache", cache]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

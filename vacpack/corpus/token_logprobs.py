@@ -1,12 +1,13 @@
 """Log-probabilities of given target tokens from hidden states, one number per scored row.
 
 Scoring needs a single entry of each row's distribution over the vocabulary. The LM head runs
-on a few hundred rows at a time (a matmul that size runs near the device's peak), but the
-log-softmax over its float32 logits runs on slices of a few rows: on a CPU a [32, 151,936]
-slice (19 MB) stays in cache, whereas one pass over [256, 151,936] (155 MB) streams the logits
-through memory several times and writes a log-probability tensor as large that is read only
-once per row. Measured on a 2-core bf16 CPU, one thread: 20 ms instead of 77 ms per 256 rows.
-On a GPU one pass covers the LM head's rows.
+on a few hundred rows at a time (a matmul that size runs near the device's peak) and returns
+logits in the model's dtype, as the reference computes them; the log-softmax runs in float32
+on slices of a few rows: on a CPU a [32, 151,936] float32 slice (19 MB) stays in cache,
+whereas one pass over [256, 151,936] (155 MB) streams the logits through memory several times
+and writes a log-probability tensor as large that is read only once per row. Measured on a
+2-core bf16 CPU, one thread: 20 ms instead of 77 ms per 256 rows. On a GPU one pass covers the
+LM head's rows.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Rows per LM-head pass: the [rows, vocab] float32 logits stay bounded (~155 MB for a 152k
-# vocabulary) however large the bin.
+# Rows per LM-head pass: the [rows, vocab] logits stay bounded (~155 MB in float32 for a 152k
+# vocabulary, half that in bf16) however large the bin.
 LM_HEAD_ROWS = 256
 # Rows per log-softmax on a CPU: a slice that fits the cache. Not much smaller, because each
 # slice is a few separate kernel calls.
