@@ -16,6 +16,7 @@ from torch import nn
 
 from vacpack.config import EngineConfig
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
+from vacpack.host_allocator import keep_freed_host_memory
 from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 
@@ -44,6 +45,8 @@ class LoadedModel:
 def load(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     configure_threads(device, config.num_threads)
+    if device.type == "cpu":
+        keep_freed_host_memory()
     model_dir = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(model_dir, config.trust_remote_code)
     dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device)

@@ -5,7 +5,8 @@ Decodes (one query token each) run as paged matmuls in chunks of similar context
 to that prefix together, once, and to their own pages apart (cascade.py). Grouped-query heads
 are folded into the query rows, so keys and values are never repeated per query head. Prefill
 segments run one SDPA call each: causal over their own tokens, or over their gathered pages
-with an offset causal mask when earlier chunks of the sequence are already cached.
+with an offset causal mask when earlier chunks of the sequence are already cached; long bf16
+segments on a CPU run as blocked matmuls instead (blocked_prefill.py), measured faster there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout, register_backend
+from vacpack.attention.blocked_prefill import blocked_causal_attention, use_blocked_prefill
 from vacpack.attention.cascade import (
     DEFAULT_CASCADE_POLICY,
     CascadeGroup,
@@ -223,6 +225,9 @@ class TorchSdpaBackend(AttentionBackend):
             else:
                 keys = kv_layer.keys.index_select(0, seg.context_slots)
                 values = kv_layer.values.index_select(0, seg.context_slots)
+            if metadata.causal and use_blocked_prefill(q, keys.shape[0]):
+                out[rows] = blocked_causal_attention(q[rows], keys, values)
+                continue
             # [tokens, heads, dim] -> [1, heads, tokens, dim]
             attn = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),

@@ -11,10 +11,11 @@ allocates, whichever memory backs it, so sampling it while the work runs gives i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
 from collections.abc import Callable
 from types import TracebackType
+
+from vacpack.host_allocator import load_libc
 
 SAMPLE_INTERVAL_S = 0.0005
 
@@ -31,12 +32,8 @@ class _MallInfo2(ctypes.Structure):
 
 def _glibc_bytes_in_use_reader() -> Callable[[], int] | None:
     """Bytes allocated and not yet freed, heap and mmap together; None without glibc >= 2.33."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        mallinfo2 = ctypes.CDLL(name).mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = getattr(load_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
 

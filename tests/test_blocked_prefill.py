@@ -1,0 +1,98 @@
+"""Blocked causal prefill attention equals SDPA, and the portable backend uses it where it
+should: long bf16 prefill segments on a CPU, fresh or over cached pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vacpack.attention import BatchLayout, blocked_prefill, create_backend
+from vacpack.attention.blocked_prefill import blocked_causal_attention, use_blocked_prefill
+from vacpack.kvcache.paged_cache import PagedKVCache
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Float32 SDPA over [tokens, heads, dim] tensors, the queries being the last tokens."""
+    num_queries, num_keys = q.shape[0], keys.shape[0]
+    positions = torch.arange(num_keys - num_queries, num_keys)
+    mask = torch.arange(num_keys) <= positions.unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        *(x.float().transpose(0, 1).unsqueeze(0) for x in (q, keys, values)),
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize(
+    ("num_queries", "num_keys"),
+    # One block, a partial last block, exact blocks, queries over a cached prefix, one query.
+    [(40, 40), (150, 150), (128, 128), (70, 300), (1, 257)],
+)
+def test_blocked_equals_sdpa(
+    dtype: torch.dtype, heads: tuple[int, int], num_queries: int, num_keys: int
+) -> None:
+    num_heads, num_kv_heads = heads
+    generator = torch.Generator().manual_seed(num_queries + num_keys)
+    q = torch.randn(num_queries, num_heads, 16, generator=generator).to(dtype)
+    keys = torch.randn(num_keys, num_kv_heads, 16, generator=generator).to(dtype)
+    values = torch.randn(num_keys, num_kv_heads, 16, generator=generator).to(dtype)
+    out = blocked_causal_attention(q, keys, values)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(
+        out.float(), _reference(q, keys, values), atol=TOLERANCE[dtype], rtol=0
+    )
+
+
+def test_only_long_bf16_cpu_segments_are_blocked() -> None:
+    q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    assert use_blocked_prefill(q, blocked_prefill.MIN_KEYS)
+    assert not use_blocked_prefill(q, blocked_prefill.MIN_KEYS - 1)
+    assert not use_blocked_prefill(q.float(), blocked_prefill.MIN_KEYS)
+
+
+@pytest.mark.parametrize("cached_tokens", [0, 90], ids=["fresh", "over-cached-pages"])
+def test_portable_backend_runs_long_bf16_prefills_blocked(monkeypatch, cached_tokens) -> None:
+    """A 300-token prefill in bf16, next to a decode: the blocked path runs and its output
+    equals float32 attention over the same keys."""
+    calls = []
+
+    def counting(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return blocked_causal_attention(*args)
+
+    monkeypatch.setattr("vacpack.attention.torch_sdpa.blocked_causal_attention", counting)
+    page_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 16
+    prefill_len, decode_context = 300, 20
+    context_len = cached_tokens + prefill_len
+    generator = torch.Generator().manual_seed(0)
+    num_pages = -(-context_len // page_size) + -(-decode_context // page_size)
+    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, torch.bfloat16, "cpu")
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+    decode_pages = list(range(-(-decode_context // page_size)))
+    prefill_pages = list(range(len(decode_pages), num_pages))
+    layout = BatchLayout(
+        [1, prefill_len], [decode_context, context_len], [decode_pages, prefill_pages], page_size
+    )
+    num_tokens = 1 + prefill_len
+
+    def rand(count: int) -> torch.Tensor:
+        shape = (num_tokens, count, head_dim)
+        return torch.randn(shape, generator=generator).to(torch.bfloat16)
+
+    q, k, v = rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
+    backend = create_backend("torch_sdpa")
+    layer = cache.layer(0)
+    out = backend.forward(q, k, v, layer, backend.build_metadata(layout, torch.device("cpu")))
+    assert calls == [prefill_len]
+    slots = torch.tensor(
+        [p * page_size + i for p in prefill_pages for i in range(page_size)][:context_len]
+    )
+    expected = _reference(q[1:], layer.keys[slots], layer.values[slots])
+    torch.testing.assert_close(out[1:].float(), expected, atol=3e-2, rtol=0)

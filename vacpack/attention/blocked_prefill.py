@@ -1,0 +1,76 @@
+"""Causal prefill attention as blocks of plain matmuls, for long bf16 sequences on a CPU.
+
+torch's CPU flash-attention kernel runs at 50-130 GFLOPS on prefill shapes such as
+Qwen2.5-0.5B's (14 query heads over 2 KV heads of 64 dims), a tenth of what the same CPU's
+bf16 matmuls reach. Cutting the queries into blocks of BLOCK_QUERIES tokens and computing each
+block's scores against every key it may see with one batched matmul, a float32 softmax and a
+second matmul measured 1.7-2.4x faster from 256 to 2,048 tokens (2 cores, bf16; ~1x at
+128): a block's
+scores stay in cache, grouped query heads share their KV head's matmul, and only the blocks on
+the diagonal need a mask. The work above the diagonal within a block is wasted, at most half
+a block per query.
+
+Scores leave the bf16 matmul rounded to bf16, as in transformers' eager attention; probabilities
+meet the values in bf16, as in SDPA's own CPU kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_QUERIES = 64
+# From here on (keys per sequence) the blocked form beats SDPA's CPU kernel on bf16.
+MIN_KEYS = 256
+
+
+def use_blocked_prefill(q: torch.Tensor, num_keys: int) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and num_keys >= MIN_KEYS
+
+
+def blocked_causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """q [num_queries, heads, dim]; keys and values [num_keys, kv_heads, dim] with num_keys >=
+    num_queries. The queries are the sequence's last num_queries tokens: query i sits at
+    position num_keys - num_queries + i and sees the keys up to and including that position.
+    Returns q's shape."""
+    num_queries, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
+    group_size = num_heads // num_kv_heads
+    first_position = num_keys - num_queries
+    scale = head_dim**-0.5
+    keys_by_head = keys.transpose(0, 1).contiguous()  # [kv_heads, num_keys, dim]
+    values_by_head = values.transpose(0, 1).contiguous()
+    future = torch.ones(BLOCK_QUERIES, BLOCK_QUERIES, dtype=torch.bool).triu_(1)
+    out = torch.empty_like(q)
+    for start in range(0, num_queries, BLOCK_QUERIES):
+        end = min(start + BLOCK_QUERIES, num_queries)
+        block_len = end - start
+        num_visible = first_position + end  # the keys the block's last query sees
+        # [block, heads, dim] -> [kv_heads, block * group, dim]: a KV head's query rows together.
+        queries = (
+            q[start:end]
+            .view(block_len, num_kv_heads, group_size, head_dim)
+            .transpose(0, 1)
+            .reshape(num_kv_heads, block_len * group_size, head_dim)
+        )
+        scores = torch.baddbmm(
+            queries.new_empty(num_kv_heads, block_len * group_size, num_visible),
+            queries,
+            keys_by_head[:, :num_visible].transpose(1, 2),
+            beta=0.0,
+            alpha=scale,
+        ).float()
+        # The block's own positions: query j may not see key j' > j.
+        diagonal = scores.view(num_kv_heads, block_len, group_size, num_visible)[
+            ..., first_position + start :
+        ]
+        diagonal.masked_fill_(future[:block_len, :block_len][None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        block_out = torch.bmm(probs, values_by_head[:, :num_visible])
+        out[start:end] = (
+            block_out.view(num_kv_heads, block_len, group_size, head_dim)
+            .transpose(0, 1)
+            .reshape(block_len, num_heads, head_dim)
+        )
+    return out
