@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -76,6 +78,18 @@ def test_the_probe_measures_memory_per_token_and_bounds_long_forwards() -> None:
     budget = measure_bin_budget(forward, torch.device("cpu"), max_tokens=1024)
     assert "KiB/token" in budget.source
     assert budget.max_forward_tokens > budget.tokens
+
+
+def test_a_fast_short_probe_does_not_stop_the_search() -> None:
+    """256 tokens timed as fastest (as a noisy short probe can be) and 512 slower: the search
+    goes on past forwards shorter than MIN_FORWARD_S and settles on the fastest bin that is long enough."""
+    seconds = {256: 0.002, 512: 0.02, 1024: 0.04, 2048: 0.11, 4096: 0.25, 8192: 0.5}
+
+    def forward(num_tokens: int) -> None:
+        time.sleep(seconds[num_tokens])
+
+    budget = measure_bin_budget(forward, torch.device("cpu"), max_tokens=8192)
+    assert budget.tokens == 2048
 
 
 def test_progress_counts_documents_as_their_bins_finish(llm: LLM) -> None:

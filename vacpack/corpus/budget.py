@@ -9,6 +9,10 @@ head's passes), and a corpus of short documents pays them per bin of several doc
 E1's texts (2-core CPU), where a 256-token forward takes under 20 ms, 2,048-token bins ran
 up to 10% faster than the 256 tokens the probe alone had found as fast.
 
+A size whose forward is that short is never the budget while a larger one fits: on E1 a noisy
+256-token probe once outran the 512-token one and stopped the search there, and the job then
+ran 1.3x slower in 256-token bins.
+
 The probes also measure the memory a forward needs per token, which bounds a different number:
 how many tokens of one document longer than a bin may run in a single forward. Such a
 document runs whole when that fits (measured on P1's 1,900-token documents on a 2-core CPU:
@@ -82,10 +86,13 @@ def measure_bin_budget(
             torch.cuda.empty_cache()
             break
         bytes_per_token = max(bytes_per_token, used_bytes / num_tokens)
-        if rate < best_rate * (1 - MIN_THROUGHPUT_GAIN):
+        # A best size whose forward is short pays per-bin costs the probe hardly shows, and a
+        # short forward's timing is the noisiest: a larger bin replaces it whatever the rates.
+        best_is_short = best_tokens > 0 and best_tokens / best_rate < MIN_FORWARD_S
+        if not best_is_short and rate < best_rate * (1 - MIN_THROUGHPUT_GAIN):
             break  # slower: bins past the fastest size only cost memory
-        gained = rate > best_rate * (1 + MIN_THROUGHPUT_GAIN)
-        best_tokens, best_rate = num_tokens, max(rate, best_rate)
+        gained = best_is_short or rate > best_rate * (1 + MIN_THROUGHPUT_GAIN)
+        best_tokens, best_rate = num_tokens, rate if best_is_short else max(rate, best_rate)
         next_tokens = min(num_tokens * 2, max_tokens)
         fits = bytes_per_token * next_tokens <= memory_bytes
         short_forward = num_tokens / rate < MIN_FORWARD_S
