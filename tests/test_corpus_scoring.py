@@ -82,7 +82,8 @@ def test_the_probe_measures_memory_per_token_and_bounds_long_forwards() -> None:
 
 def test_a_fast_short_probe_does_not_stop_the_search() -> None:
     """256 tokens timed as fastest (as a noisy short probe can be) and 512 slower: the search
-    goes on past forwards shorter than MIN_FORWARD_S and settles on the fastest bin that is long enough."""
+    goes on past forwards shorter than MIN_FORWARD_S and settles on the fastest long-enough
+    bin."""
     seconds = {256: 0.002, 512: 0.02, 1024: 0.04, 2048: 0.11, 4096: 0.25, 8192: 0.5}
 
     def forward(num_tokens: int) -> None:
