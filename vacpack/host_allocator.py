@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-# mallopt takes a C int: both stay below 2 GiB. Blocks larger than this still come from mmap.
+# mallopt takes a C int: both stay below 2 GiB. Larger blocks still come from mmap, and so do
+# blocks over 64 MiB allocated by threads other than the main one (glibc's arena heap size).
 MMAP_THRESHOLD_BYTES = 1 << 30
 TRIM_THRESHOLD_BYTES = 1 << 30
 

@@ -4,11 +4,10 @@ torch's CPU flash-attention kernel runs at 50-130 GFLOPS on prefill shapes such 
 Qwen2.5-0.5B's (14 query heads over 2 KV heads of 64 dims), a tenth of what the same CPU's
 bf16 matmuls reach. Cutting the queries into blocks of BLOCK_QUERIES tokens and computing each
 block's scores against every key it may see with one batched matmul, a float32 softmax and a
-second matmul measured 1.7-2.4x faster from 256 to 2,048 tokens (2 cores, bf16; ~1x at
-128): a block's
-scores stay in cache, grouped query heads share their KV head's matmul, and only the blocks on
-the diagonal need a mask. The work above the diagonal within a block is wasted, at most half
-a block per query.
+second matmul measured 1.7-2.4x faster from 256 to 2,048 tokens (2 cores, bf16; about even at
+128): a block's scores stay in cache, grouped query heads share their KV head's matmul, and
+only the blocks on the diagonal need a mask. The work above the diagonal within a block is
+wasted, at most half a block per query.
 
 Scores leave the bf16 matmul rounded to bf16, as in transformers' eager attention; probabilities
 meet the values in bf16, as in SDPA's own CPU kernel.

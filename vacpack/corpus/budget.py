@@ -11,7 +11,7 @@ up to 10% faster than the 256 tokens the probe alone had found as fast.
 
 A size whose forward is that short is never the budget while a larger one fits: on E1 a noisy
 256-token probe once outran the 512-token one and stopped the search there, and the job then
-ran 1.3x slower in 256-token bins.
+ran about 1.2x slower in 256-token bins.
 
 The probes also measure the memory a forward needs per token, which bounds a different number:
 how many tokens of one document longer than a bin may run in a single forward. Such a
