@@ -1,4 +1,5 @@
-from vacpack.attention import torch_sdpa  # noqa: F401  (registers the portable backend)
+# Imported for their registration: the portable backend and the CPU kernels' one.
+from vacpack.attention import cpu_kernel_backend, torch_sdpa  # noqa: F401
 from vacpack.attention.backend import (
     AttentionBackend,
     BatchLayout,

@@ -7,20 +7,39 @@ import importlib.util
 import torch
 
 from vacpack.attention.backend import AttentionBackend, create_backend
+from vacpack.cpu_kernels import varlen_attention_supported
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """The registered backend that "auto" means on this device; other names pass through.
+def resolve_backend_name(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+) -> str:
+    """The registered backend that "auto" means for a model of this dtype and head size on this
+    device; other names pass through.
 
-    CUDA with triton installed gets our Triton paged kernels; everything else the portable
-    SDPA backend, which is also the reference the others are tested against.
+    CUDA with triton installed gets our Triton paged kernels; a bf16 model on a CPU whose C
+    kernels build here gets those; everything else the portable SDPA backend, which is also the
+    reference the others are tested against.
     """
     if name != "auto":
         return name
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
+    if (
+        dtype is not None
+        and head_dim is not None
+        and varlen_attention_supported(device, dtype, head_dim)
+    ):
+        return "cpu_kernels"
     return "torch_sdpa"
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    return create_backend(resolve_backend_name(name, device))
+def select_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+) -> AttentionBackend:
+    return create_backend(resolve_backend_name(name, device, dtype, head_dim))

@@ -225,20 +225,31 @@ class TorchSdpaBackend(AttentionBackend):
             else:
                 keys = kv_layer.keys.index_select(0, seg.context_slots)
                 values = kv_layer.values.index_select(0, seg.context_slots)
-            if metadata.causal and use_blocked_prefill(q, keys.shape[0]):
-                out[rows] = blocked_causal_attention(q[rows], keys, values)
-                continue
-            # [tokens, heads, dim] -> [1, heads, tokens, dim]
-            attn = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                attn_mask=seg.mask,
-                is_causal=seg.mask is None and metadata.causal,
-                enable_gqa=True,
-            )
-            out[rows] = attn.squeeze(0).transpose(0, 1)
+            out[rows] = self._prefill_attention(q[rows], keys, values, seg.mask, metadata.causal)
         return out
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """One sequence's queries (its last tokens) over its keys; `mask` is the offset causal
+        mask when there are more keys than queries."""
+        if causal and use_blocked_prefill(q, keys.shape[0]):
+            return blocked_causal_attention(q, keys, values)
+        # [tokens, heads, dim] -> [1, heads, tokens, dim]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None and causal,
+            enable_gqa=True,
+        )
+        return attn.squeeze(0).transpose(0, 1)
 
 
 def _packed_group(

@@ -54,7 +54,13 @@ class CorpusRunner:
     ) -> None:
         self.loaded = loaded
         self.forward = PackedForward(
-            loaded, select_backend(loaded.engine_config.attention_backend, loaded.device)
+            loaded,
+            select_backend(
+                loaded.engine_config.attention_backend,
+                loaded.device,
+                loaded.dtype,
+                loaded.config.head_dim,
+            ),
         )
         self.align_to = align_to
         self._budget = BinBudget.given(budget_tokens) if budget_tokens else None

@@ -80,7 +80,9 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
             self.device.type, 2048
         )
-        self.attention = select_backend(config.attention_backend, self.device)
+        self.attention = select_backend(
+            config.attention_backend, self.device, self.dtype, self.model_config.head_dim
+        )
 
         mc = self.model_config
         sizing = size_kv_cache(

@@ -1,0 +1,256 @@
+"""The C varlen attention kernel against float32 attention; the backend built on it against the
+portable one, in packed corpus batches, engine steps with decodes and cached pages, and whole
+jobs; and how the kernel library builds, caches and falls back."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vacpack import LLM, SamplingParams
+from vacpack.attention import BatchLayout, create_backend
+from vacpack.attention.selection import resolve_backend_name
+from vacpack.cpu_kernels import build, varlen_attention, varlen_attention_supported
+from vacpack.kvcache.paged_cache import PagedKVCache
+
+CPU = torch.device("cpu")
+KERNELS_RUN_HERE = varlen_attention_supported(CPU, torch.bfloat16, 64)
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_RUN_HERE, reason="needs an x86 CPU with AVX512-BF16 and a C compiler"
+)
+# bf16 inputs and output; probabilities rounded to bf16 before the value product.
+BF16_ATOL = 2e-2
+
+
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens_q: list[int],
+    lens_k: list[int],
+    causal: bool,
+) -> torch.Tensor:
+    """Float32 SDPA, one sequence at a time, the queries being each sequence's last tokens."""
+    outs, start_q, start_k = [], 0, 0
+    for n_q, n_k in zip(lens_q, lens_k, strict=True):
+        mask = None
+        if causal:
+            mask = torch.arange(n_k) <= torch.arange(n_k - n_q, n_k).unsqueeze(1)
+        out = F.scaled_dot_product_attention(
+            q[start_q : start_q + n_q].float().transpose(0, 1).unsqueeze(0),
+            k[start_k : start_k + n_k].float().transpose(0, 1).unsqueeze(0),
+            v[start_k : start_k + n_k].float().transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        outs.append(out.squeeze(0).transpose(0, 1))
+        start_q, start_k = start_q + n_q, start_k + n_k
+    return torch.cat(outs)
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths]).cumsum(0)
+
+
+def _random(tokens: int, heads: int, head_dim: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(tokens, heads, head_dim, generator=generator).bfloat16()
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "causal", "lens_q", "lens_k"),
+    [
+        # An embedding bin: one-token texts, query chunks of 64 crossed, a 256-token passage.
+        ((12, 12), 32, False, [1, 5, 17, 256, 100], [1, 5, 17, 256, 100]),
+        # Fresh causal prefills with grouped heads (Qwen2.5-0.5B's 7 per KV head).
+        ((14, 2), 64, True, [300, 33, 1], [300, 33, 1]),
+        # Prefill chunks over cached keys: query i sits at n_k - n_q + i.
+        ((6, 2), 64, True, [40, 7, 1], [300, 7, 129]),
+        ((8, 8), 128, False, [70], [70]),
+        ((4, 1), 64, True, [129], [1000]),
+    ],
+    ids=["embedding-bin", "gqa-causal", "cached-keys", "dim128", "mqa-long-context"],
+)
+def test_kernel_equals_float32_attention(heads, head_dim, causal, lens_q, lens_k) -> None:
+    num_heads, num_kv_heads = heads
+    generator = torch.Generator().manual_seed(sum(lens_q) + head_dim)
+    q = _random(sum(lens_q), num_heads, head_dim, generator)
+    k = _random(sum(lens_k), num_kv_heads, head_dim, generator)
+    v = _random(sum(lens_k), num_kv_heads, head_dim, generator)
+
+    out = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), causal=causal)
+
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    expected = _reference(q, k, v, lens_q, lens_k, causal)
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+
+
+@needs_kernels
+def test_queries_may_be_a_view_into_a_fused_projection() -> None:
+    """A model hands over q, k and v as column slices of one qkv output: rows further apart
+    than their heads. The kernel reads them in place and gives the same result."""
+    generator = torch.Generator().manual_seed(0)
+    lengths, num_heads, num_kv_heads, head_dim = [50, 90], 4, 2, 32
+    qkv = torch.randn(sum(lengths), (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    q, k, v = qkv.bfloat16().split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1
+    )
+    q = q.view(-1, num_heads, head_dim)
+    k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+    assert q.stride(0) != num_heads * head_dim
+    cu = _cu(lengths)
+    strided = varlen_attention(q, k, v, cu, cu, causal=True)
+    dense = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, causal=True)
+    assert torch.equal(strided, dense)
+
+
+@needs_kernels
+def test_bad_shapes_are_refused() -> None:
+    q = torch.zeros(10, 4, 32, dtype=torch.bfloat16)
+    kv = torch.zeros(5, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at least as many keys"):
+        varlen_attention(q, kv, kv, _cu([10]), _cu([5]), causal=True)
+    with pytest.raises(ValueError, match="mismatched shapes"):
+        varlen_attention(q, kv[:, :, :16], kv, _cu([10]), _cu([5]), causal=False)
+    with pytest.raises(ValueError, match="different numbers of sequences"):
+        varlen_attention(q, kv, kv, _cu([5, 5]), _cu([5]), causal=False)
+
+
+def test_auto_picks_the_kernels_only_where_they_run() -> None:
+    expected = "cpu_kernels" if KERNELS_RUN_HERE else "torch_sdpa"
+    assert resolve_backend_name("auto", CPU, torch.bfloat16, 64) == expected
+    assert resolve_backend_name("auto", CPU, torch.float32, 64) == "torch_sdpa"
+    assert resolve_backend_name("auto", CPU, torch.bfloat16, 16) == "torch_sdpa"
+    assert resolve_backend_name("auto", CPU) == "torch_sdpa"
+    assert resolve_backend_name("torch_sdpa", CPU, torch.bfloat16, 64) == "torch_sdpa"
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal", [True, False], ids=["decoder", "encoder"])
+def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool) -> None:
+    calls = []
+
+    def counting(*args, **kwargs) -> torch.Tensor:
+        calls.append(args[3].tolist())
+        return varlen_attention(*args, **kwargs)
+
+    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.varlen_attention", counting)
+    lengths = [3, 200, 1, 64, 65]
+    generator = torch.Generator().manual_seed(1)
+    q = _random(sum(lengths), 6, 64, generator)
+    k, v = _random(sum(lengths), 2, 64, generator), _random(sum(lengths), 2, 64, generator)
+    layout = BatchLayout(lengths, lengths, causal=causal)
+
+    kernels = create_backend("cpu_kernels")
+    out = kernels.forward(q, k, v, None, kernels.build_metadata(layout, CPU))
+    portable = create_backend("torch_sdpa")
+    reference = portable.forward(q, k, v, None, portable.build_metadata(layout, CPU))
+
+    assert calls == [_cu(lengths).tolist()]
+    expected = _reference(q, k, v, lengths, lengths, causal)
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out.float(), reference.float(), atol=BF16_ATOL, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cached_tokens", [0, 90], ids=["fresh", "over-cached-pages"])
+def test_backend_runs_engine_prefills_through_the_kernel(monkeypatch, cached_tokens) -> None:
+    """A decode and a 300-token prefill in one step: the prefill goes through the kernel (over
+    its cached pages when there are some) and equals float32 attention; the decode equals the
+    portable backend's."""
+    calls = []
+
+    def counting(*args, **kwargs) -> torch.Tensor:
+        calls.append((args[0].shape[0], args[1].shape[0]))
+        return varlen_attention(*args, **kwargs)
+
+    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.varlen_attention", counting)
+    page_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 64
+    prefill_len, decode_context = 300, 20
+    context_len = cached_tokens + prefill_len
+    generator = torch.Generator().manual_seed(0)
+    num_pages = -(-context_len // page_size) + -(-decode_context // page_size)
+    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, torch.bfloat16, "cpu")
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+    decode_pages = list(range(-(-decode_context // page_size)))
+    prefill_pages = list(range(len(decode_pages), num_pages))
+    layout = BatchLayout(
+        [1, prefill_len], [decode_context, context_len], [decode_pages, prefill_pages], page_size
+    )
+    q = _random(1 + prefill_len, num_heads, head_dim, generator)
+    k = _random(1 + prefill_len, num_kv_heads, head_dim, generator)
+    v = _random(1 + prefill_len, num_kv_heads, head_dim, generator)
+    layer = cache.layer(0)
+    kernels = create_backend("cpu_kernels")
+    out = kernels.forward(q, k, v, layer, kernels.build_metadata(layout, CPU))
+
+    assert calls == [(prefill_len, context_len)]
+    slots = torch.tensor(
+        [p * page_size + i for p in prefill_pages for i in range(page_size)][:context_len]
+    )
+    expected = _reference(
+        q[1:], layer.keys[slots], layer.values[slots], [prefill_len], [context_len], True
+    )
+    torch.testing.assert_close(out[1:].float(), expected, atol=BF16_ATOL, rtol=0)
+    portable = create_backend("torch_sdpa")
+    decode = portable.forward(q, k, v, layer, portable.build_metadata(layout, CPU))[:1]
+    assert torch.equal(out[:1], decode)
+
+
+@needs_kernels
+def test_a_bf16_decoder_gives_the_same_greedy_tokens_and_scores(tiny_checkpoint) -> None:
+    """A tiny Qwen2 with 32-dim heads in bf16: the kernel backend ("auto") and the portable one
+    generate the same greedy tokens and score documents alike."""
+    model_dir = str(tiny_checkpoint("qwen2", head_dim=32, hidden_size=128))
+    prompts = [" ".join(["word"] * n) + " end" for n in (1, 3, 40, 90, 150, 7, 64, 33)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for backend in ("auto", "torch_sdpa"):
+        llm = LLM(model_dir, dtype="bfloat16", attention_backend=backend, block_size=16)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        scores = llm.loglikelihood(prompts, use_tqdm=False)
+        results[backend] = ([o.outputs[0].token_ids for o in outputs], scores)
+        name = llm.engine.attention.name
+        assert name == ("cpu_kernels" if backend == "auto" else "torch_sdpa")
+    assert results["auto"][0] == results["torch_sdpa"][0]
+    for ours, portable in zip(results["auto"][1], results["torch_sdpa"][1], strict=True):
+        assert ours.num_tokens == portable.num_tokens
+        assert abs(ours.logprob - portable.logprob) <= 0.02 * max(1.0, abs(portable.logprob))
+
+
+def test_the_library_builds_once_into_its_cache(monkeypatch, tmp_path: Path) -> None:
+    if shutil.which("gcc") is None or not set(build.REQUIRED_CPU_FLAGS) <= build.cpu_flags():
+        pytest.skip("needs gcc and an x86 CPU with AVX512-BF16")
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    library = build.load_kernel_library.__wrapped__("varlen_attention")
+    assert library is not None and hasattr(library, "varlen_attention_bf16")
+    (built,) = tmp_path.glob("varlen_attention-*.so")
+    modified_ns = built.stat().st_mtime_ns
+    assert build.load_kernel_library.__wrapped__("varlen_attention") is not None
+    assert built.stat().st_mtime_ns == modified_ns, "a cached library is not rebuilt"
+
+
+def test_a_failing_build_falls_back_with_a_warning(monkeypatch, tmp_path: Path, caplog) -> None:
+    if not set(build.REQUIRED_CPU_FLAGS) <= build.cpu_flags():
+        pytest.skip("needs an x86 CPU with AVX512-BF16")
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level("WARNING"):
+        assert build.load_kernel_library.__wrapped__("varlen_attention") is None
+    assert "failed to build" in caplog.text
+    assert not list(tmp_path.glob("*.so*")), "no partial library is left behind"
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level("WARNING"):
+        assert build.load_kernel_library.__wrapped__("varlen_attention") is None
+    assert "no C compiler" in caplog.text
+
+
+def test_the_switch_turns_the_kernels_off(monkeypatch) -> None:
+    monkeypatch.setenv(build.DISABLE_ENV, "0")
+    assert build.load_kernel_library.__wrapped__("varlen_attention") is None

@@ -1,0 +1,109 @@
+"""Compiles this package's C kernels once per machine and loads them with ctypes.
+
+The kernels are plain C over raw pointers, so they build in about a second with the system's
+C compiler and need neither torch's headers nor a Python binding layer. They link the OpenMP
+runtime that torch itself loaded (same soname), so their threads are torch's threads and the
+two never compete for cores. A machine without a compiler, or a CPU without the instructions
+a kernel needs, simply runs the PyTorch paths instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# AVX-512 with the bf16 dot product (VDPBF16PS): Intel Cooper Lake and Sapphire Rapids on,
+# AMD Zen 4 on.
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+COMPILE_FLAGS = (
+    "-O3",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512bf16",
+    "-mfma",
+)
+DISABLE_ENV = "VACPACK_CPU_KERNELS"  # "0" turns the C kernels off
+CACHE_ENV = "VACPACK_KERNEL_CACHE"  # where built libraries are kept
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vacpack" / "kernels"
+
+
+def _compile(compiler: str, source: Path, target: Path) -> None:
+    """Builds into a temporary file beside the target and renames it into place, so that
+    processes building at the same time never load a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(handle)
+    try:
+        subprocess.run(
+            [compiler, *COMPILE_FLAGS, str(source), "-o", partial, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.cache
+def load_kernel_library(name: str) -> ctypes.CDLL | None:
+    """The compiled library of `name`.c in this folder, or None where it cannot run here."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        logger.info("CPU kernels off: this CPU lacks %s", ", ".join(missing))
+        return None
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        logger.warning("CPU kernels off: no C compiler found (set CC); using PyTorch kernels")
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(
+        source.read_bytes() + " ".join(COMPILE_FLAGS).encode() + version.encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{digest}.so"
+    if not target.exists():
+        try:
+            _compile(compiler, source, target)
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", "") or str(error)
+            logger.warning(
+                "CPU kernel %s failed to build; using PyTorch kernels:\n%s", name, detail
+            )
+            return None
+    return ctypes.CDLL(str(target))
