@@ -97,7 +97,13 @@ MATMUL_PEAK_ROWS: tuple[int, ...] = (256, 2048)
 OP_KINDS: dict[str, tuple[str, ...]] = {
     # mkldnn::_linear_pointwise: vacpack's linear layers on prepacked CPU weights.
     "matmul": ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise"),
-    "attention": ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient"),
+    # vacpack::varlen_attention: vacpack's C kernel on bf16 CPUs (a profiler range).
+    "attention": (
+        "aten::_scaled_dot_product",
+        "aten::_flash_attention",
+        "aten::_efficient",
+        "vacpack::varlen_attention",
+    ),
     "gelu": ("aten::gelu",),
     "layer_norm": ("aten::native_layer_norm",),
 }

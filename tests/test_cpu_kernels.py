@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from vacpack import LLM, SamplingParams
 from vacpack.attention import BatchLayout, create_backend
 from vacpack.attention.selection import resolve_backend_name
-from vacpack.cpu_kernels import build, varlen_attention, varlen_attention_supported
+from vacpack.cpu_kernels import (
+    build,
+    paged_attention,
+    varlen_attention,
+    varlen_attention_supported,
+)
 from vacpack.kvcache.paged_cache import PagedKVCache
 
 CPU = torch.device("cpu")
@@ -157,18 +162,62 @@ def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool) -> Non
 
 
 @needs_kernels
+@pytest.mark.parametrize("page_size", [8, 16, 48], ids=["page8", "page16", "page48"])
+def test_paged_attention_reads_keys_in_place(page_size: int) -> None:
+    """Decodes, a fresh prefill and a prefill chunk over cached pages in one call, with pages
+    scattered through the cache: each sequence equals float32 attention over its own slots.
+    8-token pages put every 16-key block across two pages; 48-token pages hold three blocks."""
+    generator = torch.Generator().manual_seed(page_size)
+    num_heads, num_kv_heads, head_dim = 14, 2, 64
+    query_lens = [1, 1, 1, 77, 30]
+    context_lens = [1, 200, 33, 77, 130]
+    pages_per_seq = [-(-n // page_size) for n in context_lens]
+    num_pages = sum(pages_per_seq)
+    shape = (num_pages * page_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).bfloat16()
+    value_cache = torch.randn(shape, generator=generator).bfloat16()
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    tables = [order[sum(pages_per_seq[:i]) :][:n] for i, n in enumerate(pages_per_seq)]
+    padded = torch.zeros(len(tables), max(pages_per_seq), dtype=torch.int64)
+    for row, pages in enumerate(tables):
+        padded[row, : len(pages)] = torch.tensor(pages)
+    q = _random(sum(query_lens), num_heads, head_dim, generator)
+
+    out = paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        _cu(query_lens),
+        torch.tensor(context_lens),
+        padded,
+        page_size,
+    )
+
+    slots = torch.cat(
+        [
+            (torch.tensor(pages).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()[:n]
+            for pages, n in zip(tables, context_lens, strict=True)
+        ]
+    )
+    expected = _reference(
+        q, key_cache[slots], value_cache[slots], query_lens, context_lens, causal=True
+    )
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("cached_tokens", [0, 90], ids=["fresh", "over-cached-pages"])
-def test_backend_runs_engine_prefills_through_the_kernel(monkeypatch, cached_tokens) -> None:
-    """A decode and a 300-token prefill in one step: the prefill goes through the kernel (over
-    its cached pages when there are some) and equals float32 attention; the decode equals the
-    portable backend's."""
+def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> None:
+    """A decode and a 300-token prefill in one step: one kernel call over the cache, after this
+    step's keys and values were written there; the prefill equals float32 attention over its
+    slots and the decode the portable backend's."""
     calls = []
 
     def counting(*args, **kwargs) -> torch.Tensor:
-        calls.append((args[0].shape[0], args[1].shape[0]))
-        return varlen_attention(*args, **kwargs)
+        calls.append(args[3].tolist())
+        return paged_attention(*args, **kwargs)
 
-    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.varlen_attention", counting)
+    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.paged_attention", counting)
     page_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 64
     prefill_len, decode_context = 300, 20
     context_len = cached_tokens + prefill_len
@@ -189,17 +238,18 @@ def test_backend_runs_engine_prefills_through_the_kernel(monkeypatch, cached_tok
     kernels = create_backend("cpu_kernels")
     out = kernels.forward(q, k, v, layer, kernels.build_metadata(layout, CPU))
 
-    assert calls == [(prefill_len, context_len)]
+    assert calls == [[0, 1, 1 + prefill_len]]
     slots = torch.tensor(
         [p * page_size + i for p in prefill_pages for i in range(page_size)][:context_len]
     )
+    assert torch.equal(layer.keys[slots][cached_tokens:], k[1:]), "new keys are in the cache"
     expected = _reference(
         q[1:], layer.keys[slots], layer.values[slots], [prefill_len], [context_len], True
     )
     torch.testing.assert_close(out[1:].float(), expected, atol=BF16_ATOL, rtol=0)
     portable = create_backend("torch_sdpa")
     decode = portable.forward(q, k, v, layer, portable.build_metadata(layout, CPU))[:1]
-    assert torch.equal(out[:1], decode)
+    torch.testing.assert_close(out[:1].float(), decode.float(), atol=BF16_ATOL, rtol=0)
 
 
 @needs_kernels

@@ -73,6 +73,29 @@ def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torc
     return (pages.unsqueeze(-1) * page_size + offsets).flatten(-2)[..., :num_tokens]
 
 
+def build_slot_mapping(layout: BatchLayout) -> torch.Tensor:
+    """[num_tokens] int64 on the host: the cache slot each stream token's keys and values go to."""
+    page_size, num_decodes = layout.page_size, layout.num_decodes
+    # A decode's one slot in plain ints: tensor ops per sequence cost more host time here.
+    slots: list[int] = []
+    for context_len, pages in zip(
+        layout.context_lens[:num_decodes], layout.page_tables[:num_decodes], strict=True
+    ):
+        position = context_len - 1
+        slots.append(pages[position // page_size] * page_size + position % page_size)
+    slot_chunks = [torch.tensor(slots, dtype=torch.int64)]
+    for query_len, context_len, pages in zip(
+        layout.query_lens[num_decodes:],
+        layout.context_lens[num_decodes:],
+        layout.page_tables[num_decodes:],
+        strict=True,
+    ):
+        positions = torch.arange(context_len - query_len, context_len)
+        page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page_size]
+        slot_chunks.append(page_ids * page_size + positions % page_size)
+    return torch.cat(slot_chunks)
+
+
 def _group_by_length(lengths: Sequence[int], min_fill: float, min_seqs: int) -> list[list[int]]:
     """Indices grouped longest first; a group closes below min_fill of its longest member,
     once it has min_seqs members."""
@@ -152,25 +175,7 @@ class TorchSdpaBackend(AttentionBackend):
             return self._prefill_only_metadata(layout, device)
         page_size = layout.page_size
         num_decodes = layout.num_decodes
-        # A decode's one slot in plain ints: tensor ops per sequence cost more host time here.
-        slots: list[int] = []
-        for context_len, pages in zip(
-            layout.context_lens[:num_decodes], layout.page_tables[:num_decodes], strict=True
-        ):
-            position = context_len - 1
-            slots.append(pages[position // page_size] * page_size + position % page_size)
-        slot_chunks = [torch.tensor(slots, dtype=torch.int64)]
-        for query_len, context_len, pages in zip(
-            layout.query_lens[num_decodes:],
-            layout.context_lens[num_decodes:],
-            layout.page_tables[num_decodes:],
-            strict=True,
-        ):
-            positions = torch.arange(context_len - query_len, context_len)
-            page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page_size]
-            slot_chunks.append(page_ids * page_size + positions % page_size)
-        slot_mapping = torch.cat(slot_chunks).to(device, non_blocking=True)
-
+        slot_mapping = build_slot_mapping(layout).to(device, non_blocking=True)
         decode_chunks, cascade = _decode_metadata(layout, self.cascade, device)
         prefills = []
         token_start = num_decodes  # decodes come first, one token each

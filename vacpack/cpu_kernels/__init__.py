@@ -1,5 +1,9 @@
 """Hand-written CPU kernels (C, AVX-512 BF16) for what PyTorch's CPU kernels do slowly."""
 
-from vacpack.cpu_kernels.attention import varlen_attention, varlen_attention_supported
+from vacpack.cpu_kernels.attention import (
+    paged_attention,
+    varlen_attention,
+    varlen_attention_supported,
+)
 
-__all__ = ["varlen_attention", "varlen_attention_supported"]
+__all__ = ["paged_attention", "varlen_attention", "varlen_attention_supported"]

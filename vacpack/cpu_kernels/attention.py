@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 
 from vacpack.cpu_kernels.build import load_kernel_library
 
@@ -20,6 +21,7 @@ _LIBRARY_NAME = "varlen_attention"
 # The value product works on 32 dims at a time.
 HEAD_DIM_MULTIPLE = 32
 MAX_HEAD_DIM = 256
+PROFILER_NAME = "vacpack::varlen_attention"
 
 
 def _kernel() -> ctypes._CFuncPtr | None:
@@ -28,15 +30,15 @@ def _kernel() -> ctypes._CFuncPtr | None:
         return None
     function = library.varlen_attention_bf16
     if function.argtypes is None:
-        function.argtypes = (
-            [ctypes.c_void_p] * 6
-            + [ctypes.c_int64] * 8
-            + [
-                ctypes.c_float,
-                ctypes.c_int,
-                ctypes.c_int,
-            ]
-        )
+        function.argtypes = [
+            *[ctypes.c_void_p] * 6,  # q, k, v, out, cu_q, cu_k
+            *[ctypes.c_int64] * 8,  # sequences, heads, KV heads, head dim, four row strides
+            ctypes.c_void_p,  # page tables, or None
+            *[ctypes.c_int64] * 2,  # page table row stride, page size
+            ctypes.c_float,  # scale
+            ctypes.c_int,  # causal
+            ctypes.c_int,  # threads
+        ]
         function.restype = ctypes.c_int
     return function
 
@@ -73,9 +75,45 @@ def varlen_attention(
     dim], sequence b owning query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows
     cu_seqlens_k[b]:cu_seqlens_k[b+1]. When causal, each sequence's queries are its last
     tokens: query i of n_q sees keys 0..n_k-n_q+i. Returns q's shape."""
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, 0, causal, scale)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_tables: torch.Tensor,
+    page_size: int,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over a paged KV cache: key_cache and value_cache are
+    [slots, kv_heads, dim]; sequence b's queries (rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) are the
+    last of its context_lens[b] tokens, whose keys sit in the slots of the pages
+    page_tables[b] ([num_seqs, max_pages], padded anywhere past the context). One call covers
+    decodes, fresh prefills and prefill chunks over cached pages alike. Returns q's shape."""
+    cu_k = F.pad(context_lens.to(torch.int64).cumsum(0), (1, 0))
+    return _attention(
+        q, key_cache, value_cache, cu_seqlens_q, cu_k, page_tables, page_size, True, scale
+    )
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    page_tables: torch.Tensor | None,
+    page_size: int,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     kernel = _kernel()
     if kernel is None or not varlen_attention_supported(q.device, q.dtype, q.shape[-1]):
-        raise RuntimeError("varlen_attention needs bf16 CPU tensors and the compiled kernel")
+        raise RuntimeError("the CPU attention kernel needs bf16 CPU tensors and its library")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     if k.shape[2] != head_dim or v.shape[1:] != k.shape[1:] or num_heads % num_kv_heads:
@@ -87,27 +125,36 @@ def varlen_attention(
         raise ValueError("cu_seqlens_q and cu_seqlens_k describe different numbers of sequences")
     if causal and bool(((cu_k.diff() - cu_q.diff()) < 0).any()):
         raise ValueError("causal attention needs at least as many keys as queries per sequence")
+    if page_tables is not None:
+        page_tables = page_tables.to(torch.int64).contiguous()
+        if page_tables.shape[0] != num_seqs or page_size <= 0:
+            raise ValueError("page_tables needs one row per sequence and a positive page_size")
     q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
-    status = kernel(
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        out.data_ptr(),
-        cu_q.data_ptr(),
-        cu_k.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        q.stride(0),
-        k.stride(0),
-        v.stride(0),
-        out.stride(0),
-        head_dim**-0.5 if scale is None else scale,
-        int(causal),
-        torch.get_num_threads(),
-    )
+    # Named for torch.profiler, which cannot see into a ctypes call otherwise.
+    with torch.profiler.record_function(PROFILER_NAME):
+        status = kernel(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            out.data_ptr(),
+            cu_q.data_ptr(),
+            cu_k.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            out.stride(0),
+            None if page_tables is None else page_tables.data_ptr(),
+            0 if page_tables is None else page_tables.stride(0),
+            page_size,
+            head_dim**-0.5 if scale is None else scale,
+            int(causal),
+            torch.get_num_threads(),
+        )
     if status != 0:
-        raise MemoryError("varlen_attention could not allocate its per-thread buffers")
+        raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
     return out

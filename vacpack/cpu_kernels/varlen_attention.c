@@ -6,12 +6,19 @@
 // of a sequence with n_q queries and n_k keys sees keys 0..n_k-n_q+i, so the same call serves a
 // fresh prefill (n_k == n_q) and a prefill chunk over cached keys (n_k > n_q).
 //
-// One task is (sequence, KV head, chunk of queries). It packs the keys it can see into the
-// layout VDPBF16PS wants (pairs of dims of 16 keys side by side), then for each block of
-// ROW_BLOCK query rows of every query head in the group: scores in float32 registers, a float32
-// softmax with a polynomial exp2, probabilities rounded to bf16 as in flash-attention kernels,
-// and the value product with the same instruction. A block's scores live in a per-thread
-// buffer, so no [queries, keys] matrix is ever written to memory.
+// Keys and values are either rows of the stream (cu_k gives each sequence's first row) or slots
+// of a paged KV cache: with page tables, key j of sequence b sits in slot
+// pages[b][j / page_size] * page_size + j % page_size. One call then serves a whole engine
+// step: decodes (one query each), fresh prefills and prefill chunks over their cached pages.
+//
+// One task is (sequence, KV head, chunk of queries). Its rows are the chunk's queries times the
+// query heads that share the KV head, query-major, so that a decode's grouped heads fill a row
+// block together and a block's rows see almost the same keys. The task packs the keys it can
+// see into the layout VDPBF16PS wants (pairs of dims of 16 keys side by side), then for each
+// block of ROW_BLOCK rows: scores in float32 registers, a float32 softmax with a polynomial
+// exp2, probabilities rounded to bf16 as in flash-attention kernels, and the value product with
+// the same instruction, interleaving pairs of value rows on the fly. A block's scores live in a
+// per-thread buffer, so no [queries, keys] matrix is ever written to memory.
 
 #include <immintrin.h>
 #include <math.h>
@@ -53,39 +60,80 @@ static inline __m512bh broadcast_pair(const bf16* pair) {
 
 static inline __m512bh load_bh(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-// keys[0..n) of one KV head -> packed[key_block][dim_pair][16 keys][2 dims], zero past n.
-static void pack_keys(const bf16* k, int64_t k_stride, int64_t n, int64_t num_pairs,
-                      int64_t n_padded, bf16* packed) {
-    for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
-        bf16* dst = packed + block * num_pairs * 2 * KEY_BLOCK;
-        for (int64_t lane = 0; lane < KEY_BLOCK; ++lane) {
-            const int64_t key = block * KEY_BLOCK + lane;
-            const bf16* src = k + key * k_stride;
-            for (int64_t pair = 0; pair < num_pairs; ++pair) {
-                bf16* slot = dst + pair * 2 * KEY_BLOCK + lane * 2;
-                if (key < n) {
-                    slot[0] = src[2 * pair];
-                    slot[1] = src[2 * pair + 1];
-                } else {
-                    slot[0] = slot[1] = 0;
-                }
-            }
-        }
+// Where key j of one KV head is: a row of the stream, or a slot of a paged cache.
+typedef struct {
+    const bf16* base;     // the KV head's first element of row 0 (or of slot 0)
+    int64_t stride;       // elements from one row (slot) to the next
+    const int64_t* pages; // NULL for stream rows; else this sequence's page table
+    int64_t page_size;
+} KeyRows;
+
+static inline const bf16* key_row(const KeyRows* rows, int64_t j) {
+    if (!rows->pages) return rows->base + j * rows->stride;
+    const int64_t page = rows->pages[j / rows->page_size];
+    return rows->base + (page * rows->page_size + j % rows->page_size) * rows->stride;
+}
+
+// Transposes a 16x16 matrix of 32-bit elements (rows in r, columns out), in four rounds of
+// shuffles: 32-bit and 64-bit unpacks within 128-bit lanes, then two rounds across lanes.
+static inline void transpose_16x16(const __m512i r[16], __m512i out[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4m + c], 128-bit lane L: column 4L + c of rows 4m..4m+3.
+    for (int m = 0; m < 4; ++m) {
+        u[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
+        u[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512i even_top = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        const __m512i odd_top = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        const __m512i even_bottom = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i odd_bottom = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        out[c] = _mm512_shuffle_i32x4(even_top, even_bottom, 0x88);
+        out[8 + c] = _mm512_shuffle_i32x4(even_top, even_bottom, 0xdd);
+        out[4 + c] = _mm512_shuffle_i32x4(odd_top, odd_bottom, 0x88);
+        out[12 + c] = _mm512_shuffle_i32x4(odd_top, odd_bottom, 0xdd);
     }
 }
 
-// values[0..n) of one KV head -> packed[key_pair][dim][2 keys], zero past n.
-static void pack_values(const bf16* v, int64_t v_stride, int64_t n, int64_t head_dim,
-                        int64_t n_padded, bf16* packed) {
-    for (int64_t pair = 0; pair < n_padded / 2; ++pair) {
-        bf16* dst = packed + pair * 2 * head_dim;
-        for (int64_t half = 0; half < 2; ++half) {
-            const int64_t key = 2 * pair + half;
+// keys[0..n) -> packed[key_block][dim_pair][16 keys][2 dims], zero past n. A block of 16 keys
+// in one run of rows (stream rows, or one page) is transposed in registers, 16 pairs of dims
+// at a time; the others (the last, partial block; blocks across pages) go a pair at a time.
+static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t n_padded,
+                      bf16* packed) {
+    for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
+        uint32_t* dst = (uint32_t*)(packed + block * num_pairs * 2 * KEY_BLOCK);
+        const int64_t first = block * KEY_BLOCK;
+        const int one_run =
+            !keys->pages || first % keys->page_size + KEY_BLOCK <= keys->page_size;
+        if (first + KEY_BLOCK <= n && one_run) {
+            const bf16* src = key_row(keys, first);
+            for (int64_t tile = 0; tile < num_pairs / 16; ++tile) {
+                __m512i rows[16], columns[16];
+                for (int i = 0; i < 16; ++i)
+                    rows[i] = _mm512_loadu_si512(src + i * keys->stride + tile * 32);
+                transpose_16x16(rows, columns);
+                for (int j = 0; j < 16; ++j)
+                    _mm512_storeu_si512(dst + (tile * 16 + j) * KEY_BLOCK, columns[j]);
+            }
+            continue;
+        }
+        for (int64_t lane = 0; lane < KEY_BLOCK; ++lane) {
+            const int64_t key = first + lane;
             if (key < n) {
-                const bf16* src = v + key * v_stride;
-                for (int64_t d = 0; d < head_dim; ++d) dst[2 * d + half] = src[d];
+                const bf16* src = key_row(keys, key);
+                for (int64_t pair = 0; pair < num_pairs; ++pair) {
+                    uint32_t bits;
+                    memcpy(&bits, src + 2 * pair, sizeof(bits));
+                    dst[pair * KEY_BLOCK + lane] = bits;
+                }
             } else {
-                for (int64_t d = 0; d < head_dim; ++d) dst[2 * d + half] = 0;
+                for (int64_t pair = 0; pair < num_pairs; ++pair) dst[pair * KEY_BLOCK + lane] = 0;
             }
         }
     }
@@ -162,30 +210,45 @@ static float row_softmax(const float* scores, int64_t visible, int64_t n_padded,
     return _mm512_reduce_add_ps(sum);
 }
 
-// out_r = (probs_r . values) / sums_r for ROW_BLOCK rows, num_rows of them written.
+// Dims of a 32-dim chunk after interleaving two value rows with unpacklo/hi_epi16 (which work
+// within 128-bit lanes): the low half's 16 pairs hold dims 8l + 0..3 of each lane l, the high
+// half's dims 8l + 4..7. This index puts a result's 32 bf16 back in dim order.
+static inline __m512i natural_dim_order(void) {
+    int16_t index[32];
+    for (int d = 0; d < 32; ++d) index[d] = (int16_t)((d % 8 < 4 ? 0 : 16) + (d / 8) * 4 + d % 4);
+    return _mm512_loadu_si512(index);
+}
+
+// out_r = (probs_r . values) / sums_r for ROW_BLOCK rows, num_rows of them written. Values are
+// read in place, two keys at a time, and interleaved into the pairs VDPBF16PS multiplies.
 static void block_values(const bf16* probs, int64_t probs_stride, const float* sums,
-                         const bf16* packed_values, int64_t head_dim, int64_t n_padded,
+                         const KeyRows* values, int64_t n_seen, int64_t head_dim,
                          bf16* const out_rows[ROW_BLOCK], int num_rows) {
+    const __m512i order = natural_dim_order();
+    const int64_t num_key_pairs = (n_seen + 1) / 2;  // past that the probabilities are zero
     for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-        __m512 acc0[ROW_BLOCK], acc1[ROW_BLOCK];
-        for (int r = 0; r < ROW_BLOCK; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        for (int64_t pair = 0; pair < n_padded / 2; ++pair) {
-            const bf16* v = packed_values + pair * 2 * head_dim + 2 * d0;
-            const __m512bh values0 = load_bh(v);
-            const __m512bh values1 = load_bh(v + 32);
+        __m512 acc_lo[ROW_BLOCK], acc_hi[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+        for (int64_t pair = 0; pair < num_key_pairs; ++pair) {
+            const __m512i first = _mm512_loadu_si512(key_row(values, 2 * pair) + d0);
+            // An odd last key pairs with zeros (its probability is zero anyway).
+            const __m512i second = 2 * pair + 1 < n_seen
+                                       ? _mm512_loadu_si512(key_row(values, 2 * pair + 1) + d0)
+                                       : _mm512_setzero_si512();
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(first, second);
+            const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(first, second);
 #pragma GCC unroll 8
             for (int r = 0; r < ROW_BLOCK; ++r) {
                 const __m512bh p = broadcast_pair(probs + r * probs_stride + 2 * pair);
-                acc0[r] = _mm512_dpbf16_ps(acc0[r], p, values0);
-                acc1[r] = _mm512_dpbf16_ps(acc1[r], p, values1);
+                acc_lo[r] = _mm512_dpbf16_ps(acc_lo[r], p, lo);
+                acc_hi[r] = _mm512_dpbf16_ps(acc_hi[r], p, hi);
             }
         }
         for (int r = 0; r < num_rows; ++r) {
             const __m512 inverse = _mm512_set1_ps(1.0f / sums[r]);
-            _mm256_storeu_si256((__m256i*)(out_rows[r] + d0),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc0[r], inverse)));
-            _mm256_storeu_si256((__m256i*)(out_rows[r] + d0 + 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc1[r], inverse)));
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(acc_hi[r], inverse),
+                                                              _mm512_mul_ps(acc_lo[r], inverse));
+            _mm512_storeu_si512(out_rows[r] + d0, _mm512_permutexvar_epi16(order, both));
         }
     }
 }
@@ -194,12 +257,15 @@ typedef struct {
     int64_t seq, kv_head, query_start, query_end;
 } Task;
 
-// Returns 0, or -1 when a buffer could not be allocated.
+// Returns 0, or -1 when a buffer could not be allocated. With page_tables NULL, keys and values
+// of sequence b are rows cu_k[b].. of k and v; else k and v are the cache's slots and
+// page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts).
 int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
                           const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t q_stride, int64_t k_stride, int64_t v_stride,
-                          int64_t out_stride, float scale, int causal, int num_threads) {
+                          int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
+                          int64_t page_size, float scale, int causal, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_pairs = head_dim / 2;
     int64_t num_tasks = 0, max_keys = 0;
@@ -229,10 +295,9 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
 #pragma omp parallel num_threads(num_threads)
     {
         bf16* keys = aligned_alloc(64, round_up(max_padded * head_dim * 2, 64));
-        bf16* values = aligned_alloc(64, round_up(max_padded * head_dim * 2, 64));
         float* scores = aligned_alloc(64, round_up(ROW_BLOCK * max_padded * 4, 64));
         bf16* probs = aligned_alloc(64, round_up(ROW_BLOCK * max_padded * 2, 64));
-        const int allocated = keys && values && scores && probs;
+        const int allocated = keys && scores && probs;
         if (!allocated) {
 #pragma omp atomic write
             failed = 1;
@@ -245,41 +310,44 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
             const int64_t n_k = cu_k[task.seq + 1] - cu_k[task.seq];
             const int64_t first_position = n_k - n_q;  // of query 0, when causal
             const int64_t n_seen = causal ? first_position + task.query_end : n_k;
-            const int64_t n_padded = round_up(n_seen, 2 * KEY_BLOCK);
-            pack_keys(k + cu_k[task.seq] * k_stride + task.kv_head * head_dim, k_stride, n_seen,
-                      num_pairs, n_padded, keys);
-            pack_values(v + cu_k[task.seq] * v_stride + task.kv_head * head_dim, v_stride, n_seen,
-                        head_dim, n_padded, values);
-            for (int64_t head = task.kv_head * group; head < (task.kv_head + 1) * group; ++head) {
-                for (int64_t r0 = task.query_start; r0 < task.query_end; r0 += ROW_BLOCK) {
-                    const int num_rows =
-                        (int)(task.query_end - r0 < ROW_BLOCK ? task.query_end - r0 : ROW_BLOCK);
-                    const bf16* rows[ROW_BLOCK];
-                    bf16* out_rows[ROW_BLOCK];
-                    float sums[ROW_BLOCK];
-                    for (int r = 0; r < ROW_BLOCK; ++r) {
-                        const int64_t row = cu_q[task.seq] + r0 + (r < num_rows ? r : 0);
-                        rows[r] = q + row * q_stride + head * head_dim;
-                        out_rows[r] = out + row * out_stride + head * head_dim;
-                    }
-                    // Keys this block needs: up to its last row's, when causal.
-                    const int64_t block_seen =
-                        causal ? first_position + r0 + num_rows : n_seen;
-                    const int64_t block_padded = round_up(block_seen, 2 * KEY_BLOCK);
-                    block_scores(rows, keys, num_pairs, block_padded, scores, max_padded);
-                    for (int r = 0; r < ROW_BLOCK; ++r) {
-                        const int64_t visible =
-                            r >= num_rows ? 1 : causal ? first_position + r0 + r + 1 : n_k;
-                        sums[r] = row_softmax(scores + r * max_padded, visible, block_padded,
-                                              log2_scale, probs + r * max_padded);
-                    }
-                    block_values(probs, max_padded, sums, values, head_dim, block_padded,
-                                 out_rows, num_rows);
+            const int64_t* pages = page_tables ? page_tables + task.seq * pages_stride : NULL;
+            const int64_t first_row = pages ? 0 : cu_k[task.seq];
+            const KeyRows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
+                                      k_stride, pages, page_size};
+            const KeyRows value_rows = {v + first_row * v_stride + task.kv_head * head_dim,
+                                        v_stride, pages, page_size};
+            pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys);
+            // Rows: (query, head of the group), query-major.
+            const int64_t num_task_rows = (task.query_end - task.query_start) * group;
+            for (int64_t r0 = 0; r0 < num_task_rows; r0 += ROW_BLOCK) {
+                const int num_rows =
+                    (int)(num_task_rows - r0 < ROW_BLOCK ? num_task_rows - r0 : ROW_BLOCK);
+                const bf16* rows[ROW_BLOCK];
+                bf16* out_rows[ROW_BLOCK];
+                int64_t visible[ROW_BLOCK];
+                float sums[ROW_BLOCK];
+                for (int r = 0; r < ROW_BLOCK; ++r) {
+                    // Rows past the block's end repeat its first row and are never written.
+                    const int64_t row = r0 + (r < num_rows ? r : 0);
+                    const int64_t query = task.query_start + row / group;
+                    const int64_t head = task.kv_head * group + row % group;
+                    const int64_t token = cu_q[task.seq] + query;
+                    rows[r] = q + token * q_stride + head * head_dim;
+                    out_rows[r] = out + token * out_stride + head * head_dim;
+                    visible[r] = causal ? first_position + query + 1 : n_k;
                 }
+                // Query-major rows: the block's last row sees the most keys.
+                const int64_t block_seen = visible[num_rows - 1];
+                const int64_t block_padded = round_up(block_seen, 2 * KEY_BLOCK);
+                block_scores(rows, keys, num_pairs, block_padded, scores, max_padded);
+                for (int r = 0; r < ROW_BLOCK; ++r)
+                    sums[r] = row_softmax(scores + r * max_padded, visible[r], block_padded,
+                                          log2_scale, probs + r * max_padded);
+                block_values(probs, max_padded, sums, &value_rows, block_seen, head_dim,
+                             out_rows, num_rows);
             }
         }
         free(keys);
-        free(values);
         free(scores);
         free(probs);
     }
