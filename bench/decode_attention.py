@@ -1,5 +1,6 @@
 """Decode attention alone: the SDPA decode path this backend had before, against the paged
-matmul path and cascade attention, in ms per decode step of a 24-layer model, on CPU.
+matmul path, cascade attention and the C paged kernel, in ms per decode step of a 24-layer
+model, on CPU.
 
 Two decode batches with Qwen2.5-0.5B's attention shapes (14 query heads, 2 KV heads, head_dim
 64, bf16, 24 layers, 16-token pages), each layer with its own KV cache so that a step reads
@@ -39,9 +40,11 @@ import harness
 import torch
 import torch.nn.functional as F
 
-from vacpack.attention.backend import BatchLayout
+from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy
+from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
+from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +56,7 @@ HEAD_DIM = 64
 PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 CPU = torch.device("cpu")
+C_KERNEL = "C paged kernel"  # vacpack/cpu_kernels, where this CPU has AVX512-BF16
 # wall: elapsed time, what a step costs. cpu: this process's CPU time, which other processes
 # on a shared machine inflate far less; meaningful with one thread (torch's threads spin while
 # they wait for each other, which counts as CPU time).
@@ -254,14 +258,17 @@ def step_runners(
         return outs
 
     runners["sdpa (before)"] = old
-    for name, backend in (
+    backends: list[tuple[str, AttentionBackend]] = [
         ("paged matmul", TorchSdpaBackend(cascade=None)),
         ("paged matmul + cascade", TorchSdpaBackend(cascade_policy)),
-    ):
+    ]
+    if varlen_attention_supported(CPU, DTYPE, HEAD_DIM):
+        backends.append((C_KERNEL, CpuKernelBackend()))
+    for name, backend in backends:
         metadata = backend.build_metadata(batch.layout, CPU)
 
         def new(
-            backend: TorchSdpaBackend = backend, metadata: Any = metadata
+            backend: AttentionBackend = backend, metadata: Any = metadata
         ) -> list[torch.Tensor]:
             return [
                 backend.forward(q, k, v, layer, metadata)
@@ -294,6 +301,7 @@ def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
     for name, build in (
         ("sdpa (before)", lambda: (legacy_slot_mapping(batch), legacy_metadata(batch))),
         ("paged matmul + cascade", lambda: TorchSdpaBackend().build_metadata(batch.layout, CPU)),
+        (C_KERNEL, lambda: CpuKernelBackend().build_metadata(batch.layout, CPU)),
     ):
         best = float("inf")
         for _ in range(rounds):
@@ -350,6 +358,7 @@ def run_sweep(args: argparse.Namespace, generator: torch.Generator) -> list[dict
             step = make_step(batch, args.sweep_layers, generator)
             runners = step_runners(batch, step, always)
             del runners["sdpa (before)"]
+            runners.pop(C_KERNEL, None)
             timings = interleaved_best_ms(runners, args.rounds, CLOCKS[SWEEP_SETTING.clock])
             plain = timings["paged matmul"]["best_ms"] / args.sweep_layers
             cascade = timings["paged matmul + cascade"]["best_ms"] / args.sweep_layers

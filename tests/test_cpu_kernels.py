@@ -13,10 +13,13 @@ import torch.nn.functional as F
 
 from vacpack import LLM, SamplingParams
 from vacpack.attention import BatchLayout, create_backend
+from vacpack.attention.cascade import CascadePolicy
+from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
 from vacpack.attention.selection import resolve_backend_name
 from vacpack.cpu_kernels import (
     build,
     paged_attention,
+    paged_attention_with_lse,
     varlen_attention,
     varlen_attention_supported,
 )
@@ -250,6 +253,76 @@ def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> 
     portable = create_backend("torch_sdpa")
     decode = portable.forward(q, k, v, layer, portable.build_metadata(layout, CPU))[:1]
     torch.testing.assert_close(out[:1].float(), decode.float(), atol=BF16_ATOL, rtol=0)
+
+
+@needs_kernels
+def test_log_sum_exp_is_each_rows_over_its_keys() -> None:
+    generator = torch.Generator().manual_seed(3)
+    page_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 32
+    context_lens = [40, 5]
+    key_cache = torch.randn(64, num_kv_heads, head_dim, generator=generator).bfloat16()
+    value_cache = torch.randn(64, num_kv_heads, head_dim, generator=generator).bfloat16()
+    page_tables = torch.tensor([[3, 0, 2], [1, 0, 0]])
+    q = _random(2, num_heads, head_dim, generator)
+
+    _, lse = paged_attention_with_lse(
+        q, key_cache, value_cache, _cu([1, 1]), torch.tensor(context_lens), page_tables, page_size
+    )
+
+    for row, (pages, n) in enumerate(zip(page_tables.tolist(), context_lens, strict=True)):
+        slots = (torch.tensor(pages).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()
+        keys = key_cache[slots[:n]].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = torch.einsum("hd,khd->hk", q[row].float(), keys) * head_dim**-0.5
+        torch.testing.assert_close(lse[row], scores.logsumexp(-1), atol=1e-3, rtol=0)
+
+
+@needs_kernels
+def test_decodes_sharing_a_prefix_run_as_a_cascade() -> None:
+    """Six decodes whose page tables start with the same 20 pages (and two that share nothing):
+    the cascade (prefix once per group, own pages apart, merged by log-sum-exp) equals every
+    decode reading its whole context, and float32 attention."""
+    page_size, num_heads, num_kv_heads, head_dim = 16, 14, 2, 64
+    generator = torch.Generator().manual_seed(4)
+    prefix = list(range(20))
+    own_lens = [1, 17, 40, 33, 16, 70]
+    tables, context_lens, next_page = [], [], 20
+    for own in own_lens:
+        own_pages = -(-own // page_size)
+        tables.append(prefix + list(range(next_page, next_page + own_pages)))
+        context_lens.append(len(prefix) * page_size + own)
+        next_page += own_pages
+    for alone in (90, 300):
+        tables.append(list(range(next_page, next_page + -(-alone // page_size))))
+        context_lens.append(alone)
+        next_page += len(tables[-1])
+    cache = PagedKVCache(1, next_page, page_size, num_kv_heads, head_dim, torch.bfloat16, "cpu")
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+    layer = cache.layer(0)
+    layout = BatchLayout([1] * len(tables), context_lens, tables, page_size)
+    q = _random(len(tables), num_heads, head_dim, generator)
+    k = _random(len(tables), num_kv_heads, head_dim, generator)
+    v = _random(len(tables), num_kv_heads, head_dim, generator)
+
+    cascading = CpuKernelBackend(CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1))
+    metadata = cascading.build_metadata(layout, CPU)
+    assert metadata.cascade is not None
+    assert sorted(metadata.cascade.rows.tolist()) == list(range(len(own_lens)))
+    out = cascading.forward(q, k, v, layer, metadata)
+    plain = CpuKernelBackend(cascade=None)
+    whole = plain.forward(q, k, v, layer, plain.build_metadata(layout, CPU))
+
+    torch.testing.assert_close(out.float(), whole.float(), atol=BF16_ATOL, rtol=0)
+    slots = torch.cat(
+        [
+            (torch.tensor(t).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()[:n]
+            for t, n in zip(tables, context_lens, strict=True)
+        ]
+    )
+    expected = _reference(
+        q, layer.keys[slots], layer.values[slots], [1] * len(tables), context_lens, causal=True
+    )
+    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
 
 
 @needs_kernels

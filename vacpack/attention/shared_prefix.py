@@ -48,6 +48,24 @@ def find_shared_prefixes(
     return [SharedPrefix(tuple(order[lo:hi]), min(common[lo : hi - 1])) for lo, hi in spans]
 
 
+def shared_decode_prefixes(
+    page_tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    page_size: int,
+    min_prefix_tokens: int,
+    min_saved_tokens: int,
+) -> list[SharedPrefix]:
+    """find_shared_prefixes over decodes (one query token each, `context_lens` counting it),
+    thresholds in tokens: only pages wholly before a decode's newest token are shared, so its
+    own part is never empty."""
+    return find_shared_prefixes(
+        page_tables,
+        [(n - 1) // page_size for n in context_lens],
+        min_pages=-(-min_prefix_tokens // page_size),
+        min_saved_pages=-(-min_saved_tokens // page_size),
+    )
+
+
 def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """How many leading entries a and b share, up to limit: a binary search over slice
     comparisons, which run in C, instead of a Python loop over up to thousands of pages."""

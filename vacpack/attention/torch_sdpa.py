@@ -28,7 +28,7 @@ from vacpack.attention.cascade import (
     cascade_attention,
 )
 from vacpack.attention.paged_decode import DecodeChunk, build_chunk, chunk_attention, plan_chunks
-from vacpack.attention.shared_prefix import find_shared_prefixes
+from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.kvcache.paged_cache import KVLayer
 
 # Whole short sequences of a packed bin (no KV cache) run the same way, padded to the longest
@@ -122,12 +122,12 @@ def _decode_metadata(
     context_lens = layout.context_lens[:num_decodes]
     prefixes = []
     if policy is not None:
-        prefixes = find_shared_prefixes(
+        prefixes = shared_decode_prefixes(
             page_tables,
-            # Pages wholly before a decode's newest token: its own part is never empty.
-            [(n - 1) // page_size for n in context_lens],
-            min_pages=-(-policy.min_prefix_tokens // page_size),
-            min_saved_pages=-(-policy.min_saved_tokens // page_size),
+            context_lens,
+            page_size,
+            policy.min_prefix_tokens,
+            policy.min_saved_tokens,
         )
     shared_pages = [0] * num_decodes
     for prefix in prefixes:

@@ -2,8 +2,14 @@
 
 from vacpack.cpu_kernels.attention import (
     paged_attention,
+    paged_attention_with_lse,
     varlen_attention,
     varlen_attention_supported,
 )
 
-__all__ = ["paged_attention", "varlen_attention", "varlen_attention_supported"]
+__all__ = [
+    "paged_attention",
+    "paged_attention_with_lse",
+    "varlen_attention",
+    "varlen_attention_supported",
+]

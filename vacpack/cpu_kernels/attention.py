@@ -35,6 +35,7 @@ def _kernel() -> ctypes._CFuncPtr | None:
             *[ctypes.c_int64] * 8,  # sequences, heads, KV heads, head dim, four row strides
             ctypes.c_void_p,  # page tables, or None
             *[ctypes.c_int64] * 2,  # page table row stride, page size
+            ctypes.c_void_p,  # log-sum-exp out, or None
             ctypes.c_float,  # scale
             ctypes.c_int,  # causal
             ctypes.c_int,  # threads
@@ -75,7 +76,8 @@ def varlen_attention(
     dim], sequence b owning query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows
     cu_seqlens_k[b]:cu_seqlens_k[b+1]. When causal, each sequence's queries are its last
     tokens: query i of n_q sees keys 0..n_k-n_q+i. Returns q's shape."""
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, 0, causal, scale)
+    out, _ = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, 0, causal, scale, False)
+    return out
 
 
 def paged_attention(
@@ -87,16 +89,84 @@ def paged_attention(
     page_tables: torch.Tensor,
     page_size: int,
     *,
+    causal: bool = True,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries over a paged KV cache: key_cache and value_cache are
-    [slots, kv_heads, dim]; sequence b's queries (rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) are the
-    last of its context_lens[b] tokens, whose keys sit in the slots of the pages
-    page_tables[b] ([num_seqs, max_pages], padded anywhere past the context). One call covers
-    decodes, fresh prefills and prefill chunks over cached pages alike. Returns q's shape."""
+    """Attention of packed queries over a paged KV cache: key_cache and value_cache are
+    [slots, kv_heads, dim]; sequence b's queries (rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) attend
+    to its context_lens[b] keys in the slots of the pages page_tables[b] ([num_seqs, max_pages],
+    padded anywhere past the context), as the last tokens of that context when causal. One call
+    covers decodes, fresh prefills and prefill chunks over cached pages alike. Returns q's
+    shape."""
+    out, _ = _paged(
+        q,
+        key_cache,
+        value_cache,
+        cu_seqlens_q,
+        context_lens,
+        page_tables,
+        page_size,
+        causal,
+        scale,
+        False,
+    )
+    return out
+
+
+def paged_attention_with_lse(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_tables: torch.Tensor,
+    page_size: int,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention, and each row's float32 log-sum-exp of its scaled scores
+    ([q_tokens, heads]), to merge with attention over other keys (cascade.merge_by_lse)."""
+    out, lse = _paged(
+        q,
+        key_cache,
+        value_cache,
+        cu_seqlens_q,
+        context_lens,
+        page_tables,
+        page_size,
+        causal,
+        scale,
+        True,
+    )
+    assert lse is not None
+    return out, lse
+
+
+def _paged(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_tables: torch.Tensor,
+    page_size: int,
+    causal: bool,
+    scale: float | None,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     cu_k = F.pad(context_lens.to(torch.int64).cumsum(0), (1, 0))
     return _attention(
-        q, key_cache, value_cache, cu_seqlens_q, cu_k, page_tables, page_size, True, scale
+        q,
+        key_cache,
+        value_cache,
+        cu_seqlens_q,
+        cu_k,
+        page_tables,
+        page_size,
+        causal,
+        scale,
+        with_lse,
     )
 
 
@@ -110,7 +180,8 @@ def _attention(
     page_size: int,
     causal: bool,
     scale: float | None,
-) -> torch.Tensor:
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     kernel = _kernel()
     if kernel is None or not varlen_attention_supported(q.device, q.dtype, q.shape[-1]):
         raise RuntimeError("the CPU attention kernel needs bf16 CPU tensors and its library")
@@ -131,6 +202,7 @@ def _attention(
             raise ValueError("page_tables needs one row per sequence and a positive page_size")
     q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
     # Named for torch.profiler, which cannot see into a ctypes call otherwise.
     with torch.profiler.record_function(PROFILER_NAME):
         status = kernel(
@@ -151,10 +223,11 @@ def _attention(
             None if page_tables is None else page_tables.data_ptr(),
             0 if page_tables is None else page_tables.stride(0),
             page_size,
+            None if lse is None else lse.data_ptr(),
             head_dim**-0.5 if scale is None else scale,
             int(causal),
             torch.get_num_threads(),
         )
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
-    return out
+    return out, lse

@@ -30,6 +30,7 @@
 #define ROW_BLOCK 8
 #define QUERY_CHUNK 64
 #define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
 
 typedef uint16_t bf16;
 
@@ -181,9 +182,10 @@ static void block_scores(const bf16* const rows[ROW_BLOCK], const bf16* packed_k
 }
 
 // Softmax of one row over its first `visible` scores, written as bf16 probabilities up to
-// n_padded (zeros past `visible`); returns the float32 sum of the probabilities.
+// n_padded (zeros past `visible`); returns the float32 sum of the probabilities and sets
+// max_log2 to the largest scaled score, in log2 units.
 static float row_softmax(const float* scores, int64_t visible, int64_t n_padded, float log2_scale,
-                         bf16* probs) {
+                         bf16* probs, float* max_log2) {
     __m512 max_vec = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n_padded; j += KEY_BLOCK) {
         const int64_t left = visible - j;
@@ -191,7 +193,8 @@ static float row_softmax(const float* scores, int64_t visible, int64_t n_padded,
         const __mmask16 mask = left >= KEY_BLOCK ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         max_vec = _mm512_mask_max_ps(max_vec, mask, max_vec, _mm512_loadu_ps(scores + j));
     }
-    const __m512 offset = _mm512_set1_ps(_mm512_reduce_max_ps(max_vec) * log2_scale);
+    *max_log2 = _mm512_reduce_max_ps(max_vec) * log2_scale;
+    const __m512 offset = _mm512_set1_ps(*max_log2);
     const __m512 factor = _mm512_set1_ps(log2_scale);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n_padded; j += KEY_BLOCK) {
@@ -259,13 +262,16 @@ typedef struct {
 
 // Returns 0, or -1 when a buffer could not be allocated. With page_tables NULL, keys and values
 // of sequence b are rows cu_k[b].. of k and v; else k and v are the cache's slots and
-// page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts).
+// page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts). With lse
+// not NULL, each row's log-sum-exp of its scaled scores goes to lse[token * num_heads + head],
+// for merging with attention over other keys.
 int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
                           const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t q_stride, int64_t k_stride, int64_t v_stride,
                           int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
-                          int64_t page_size, float scale, int causal, int num_threads) {
+                          int64_t page_size, float* lse, float scale, int causal,
+                          int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_pairs = head_dim / 2;
     int64_t num_tasks = 0, max_keys = 0;
@@ -325,7 +331,8 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                 const bf16* rows[ROW_BLOCK];
                 bf16* out_rows[ROW_BLOCK];
                 int64_t visible[ROW_BLOCK];
-                float sums[ROW_BLOCK];
+                float sums[ROW_BLOCK], maxima[ROW_BLOCK];
+                int64_t lse_index[ROW_BLOCK];
                 for (int r = 0; r < ROW_BLOCK; ++r) {
                     // Rows past the block's end repeat its first row and are never written.
                     const int64_t row = r0 + (r < num_rows ? r : 0);
@@ -334,6 +341,7 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                     const int64_t token = cu_q[task.seq] + query;
                     rows[r] = q + token * q_stride + head * head_dim;
                     out_rows[r] = out + token * out_stride + head * head_dim;
+                    lse_index[r] = token * num_heads + head;
                     visible[r] = causal ? first_position + query + 1 : n_k;
                 }
                 // Query-major rows: the block's last row sees the most keys.
@@ -342,7 +350,10 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                 block_scores(rows, keys, num_pairs, block_padded, scores, max_padded);
                 for (int r = 0; r < ROW_BLOCK; ++r)
                     sums[r] = row_softmax(scores + r * max_padded, visible[r], block_padded,
-                                          log2_scale, probs + r * max_padded);
+                                          log2_scale, probs + r * max_padded, &maxima[r]);
+                if (lse)
+                    for (int r = 0; r < num_rows; ++r)
+                        lse[lse_index[r]] = (maxima[r] + log2f(sums[r])) * LN2;
                 block_values(probs, max_padded, sums, &value_rows, block_seen, head_dim,
                              out_rows, num_rows);
             }
