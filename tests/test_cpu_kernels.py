@@ -23,6 +23,8 @@ from vacpack.cpu_kernels import (
     varlen_attention,
     varlen_attention_supported,
 )
+from vacpack.cpu_kernels.argmax import argmax_rows, argmax_supported
+from vacpack.engine.sampler import Sampler, SamplingRow
 from vacpack.kvcache.paged_cache import PagedKVCache
 
 CPU = torch.device("cpu")
@@ -344,6 +346,50 @@ def test_a_bf16_decoder_gives_the_same_greedy_tokens_and_scores(tiny_checkpoint)
     for ours, portable in zip(results["auto"][1], results["torch_sdpa"][1], strict=True):
         assert ours.num_tokens == portable.num_tokens
         assert abs(ours.logprob - portable.logprob) <= 0.02 * max(1.0, abs(portable.logprob))
+
+
+@pytest.mark.skipif(not argmax_supported(torch.zeros(1, 1).bfloat16()), reason="needs the kernel")
+def test_argmax_equals_torch_on_ties_infinities_nans_and_strides() -> None:
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 151936, generator=generator).bfloat16()
+    logits[1] = float("-inf")  # all equal: index 0
+    logits[2, 70_000] = logits[2, 90_000] = 50.0  # a tie: the first
+    logits[3, 5] = float("nan")  # a NaN wins where it stands
+    logits[4, 151_935] = 99.0  # in the tail past the last whole vector
+    short = torch.randn(3, 13, generator=generator).bfloat16()
+    strided = torch.randn(4, 300, generator=generator).bfloat16()[:, 7:250]
+    for x in (logits, short, strided):
+        assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
+
+
+def test_plain_greedy_rows_skip_the_float32_copy(monkeypatch) -> None:
+    """The sampler takes bf16 logits: greedy rows without penalties or logprobs go straight to
+    the argmax, and equal what the float32 path picks; a row with a penalty takes that path."""
+    generator = torch.Generator().manual_seed(6)
+    vocab_size = 1000
+    logits = torch.randn(4, vocab_size, generator=generator).bfloat16()
+    sampler = Sampler(vocab_size, CPU, seed=0)
+
+    def rows(**params) -> list[SamplingRow]:
+        return [
+            SamplingRow(SamplingParams(temperature=0, **params), (1, 2), (3,), None, frozenset())
+            for _ in range(4)
+        ]
+
+    widened = []
+    original_float = torch.Tensor.float
+
+    def counting_float(self: torch.Tensor) -> torch.Tensor:
+        widened.append(tuple(self.shape))
+        return original_float(self)
+
+    monkeypatch.setattr(torch.Tensor, "float", counting_float)
+    plain = sampler(logits, rows()).sampled_token_ids
+    assert (4, vocab_size) not in widened
+    penalized = sampler(logits, rows(presence_penalty=0.5)).sampled_token_ids
+    assert (4, vocab_size) in widened
+    assert torch.equal(plain, original_float(logits).argmax(dim=-1))
+    assert plain.dtype == penalized.dtype == torch.int64
 
 
 def test_the_library_builds_once_into_its_cache(monkeypatch, tmp_path: Path) -> None:

@@ -205,7 +205,9 @@ class ModelRunner:
 
         sampler_output = None
         if step.sampled_requests:
-            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+            # In the model's dtype: the sampler widens them to float32 only where it needs to
+            # (greedy rows without penalties or logprobs take the argmax as they are).
+            logits = self.model.compute_logits(hidden.index_select(0, sample_rows), dtype=None)
             sampler_output = self.sampler(logits, step.sampling_rows)
             self.future_tokens.index_copy_(0, future_slots, sampler_output.sampled_token_ids)
             sampler_output = _to_host(sampler_output)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vacpack.cpu_kernels.argmax import argmax_rows, argmax_supported
 from vacpack.sampling import SamplingParams
 
 # Rows of the per-row parameter matrix that goes to the device in a single copy.
@@ -96,8 +97,34 @@ def gather_logprobs(
     return TokenLogprobs(token_logprobs, token_ranks, topk_token_ids, topk_logprobs)
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """A row whose token is the argmax of the raw logits: greedy, no logprobs, no penalties,
+    no stop tokens held back by min_tokens."""
+    p = row.params
+    return (
+        p.is_greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and not row.stop_token_ids_to_suppress
+    )
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax in the logits' own dtype: widening bf16 or fp16 to float32 is exact, so
+    the winner is the same, and the float32 copy of a [rows, vocab] block is skipped (on a CPU
+    it cost 37 ms of a 190 ms G1 decode step, 64 rows of a 151,936-token vocabulary)."""
+    if argmax_supported(logits):
+        return argmax_rows(logits)  # PyTorch's own CPU argmax is scalar on bf16
+    if logits.device.type == "cpu" and logits.dtype != torch.float32:
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    """Samples one token per row of a [num_rows, vocab_size] logits tensor."""
+    """Samples one token per row of a [num_rows, vocab_size] logits tensor, in any float dtype
+    (computed in float32 wherever more than an argmax is needed)."""
 
     def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
@@ -112,6 +139,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         self._check_shape(logits, rows)
+        if all(_plain_greedy(row) for row in rows):
+            return SamplerOutput(_argmax(logits), None, None, None, None)
         logits = logits.float()
         params = [row.params for row in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
