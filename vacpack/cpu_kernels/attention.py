@@ -1,11 +1,12 @@
-"""Packed variable-length attention on bf16 CPUs, from varlen_attention.c.
+"""Attention on bf16 CPUs, from varlen_attention.c: packed variable-length sequences, and
+queries over a paged KV cache (with log-sum-exp, for cascades).
 
 PyTorch's CPU attention kernel runs at a fraction of the CPU's bf16 matmul speed on small
 heads: with 32-dim heads (all-MiniLM-L6-v2) it is bound by its float32 exponentials and the
 [queries, keys] matrices it writes, and with 64-dim grouped heads (Qwen2.5-0.5B) it measured
 50-130 GFLOPS. The C kernel keeps a block of scores in registers and cache, uses the CPU's
 bf16 dot-product instruction for both products and a polynomial exp2, and reads the packed
-token stream directly: one call per batch, no padding, no gathers.
+token stream or the cache's pages directly: one call per batch, no padding, no gathers.
 """
 
 from __future__ import annotations
