@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from mixed_step import PREFILL_LEN, mixed_step
 
-from vacpack.attention import BatchLayout, blocked_prefill, create_backend
+from vacpack.attention import blocked_prefill, create_backend
 from vacpack.attention.blocked_prefill import blocked_causal_attention, use_blocked_prefill
-from vacpack.kvcache.paged_cache import PagedKVCache
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
@@ -67,32 +67,11 @@ def test_portable_backend_runs_long_bf16_prefills_blocked(monkeypatch, cached_to
         return blocked_causal_attention(*args)
 
     monkeypatch.setattr("vacpack.attention.torch_sdpa.blocked_causal_attention", counting)
-    page_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 16
-    prefill_len, decode_context = 300, 20
-    context_len = cached_tokens + prefill_len
-    generator = torch.Generator().manual_seed(0)
-    num_pages = -(-context_len // page_size) + -(-decode_context // page_size)
-    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, torch.bfloat16, "cpu")
-    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
-    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
-    decode_pages = list(range(-(-decode_context // page_size)))
-    prefill_pages = list(range(len(decode_pages), num_pages))
-    layout = BatchLayout(
-        [1, prefill_len], [decode_context, context_len], [decode_pages, prefill_pages], page_size
-    )
-    num_tokens = 1 + prefill_len
-
-    def rand(count: int) -> torch.Tensor:
-        shape = (num_tokens, count, head_dim)
-        return torch.randn(shape, generator=generator).to(torch.bfloat16)
-
-    q, k, v = rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
+    step = mixed_step(cached_tokens, num_heads=4, num_kv_heads=2, head_dim=16)
     backend = create_backend("torch_sdpa")
-    layer = cache.layer(0)
-    out = backend.forward(q, k, v, layer, backend.build_metadata(layout, torch.device("cpu")))
-    assert calls == [prefill_len]
-    slots = torch.tensor(
-        [p * page_size + i for p in prefill_pages for i in range(page_size)][:context_len]
-    )
-    expected = _reference(q[1:], layer.keys[slots], layer.values[slots])
+    metadata = backend.build_metadata(step.layout, torch.device("cpu"))
+    out = backend.forward(step.q, step.k, step.v, step.layer, metadata)
+    assert calls == [PREFILL_LEN]
+    slots = step.prefill_slots
+    expected = _reference(step.q[1:], step.layer.keys[slots], step.layer.values[slots])
     torch.testing.assert_close(out[1:].float(), expected, atol=3e-2, rtol=0)

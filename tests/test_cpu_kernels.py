@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from mixed_step import PREFILL_LEN, mixed_step
 
 from vacpack import LLM, SamplingParams
 from vacpack.attention import BatchLayout, create_backend
@@ -223,37 +224,20 @@ def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> 
         return paged_attention(*args, **kwargs)
 
     monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.paged_attention", counting)
-    page_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 64
-    prefill_len, decode_context = 300, 20
-    context_len = cached_tokens + prefill_len
-    generator = torch.Generator().manual_seed(0)
-    num_pages = -(-context_len // page_size) + -(-decode_context // page_size)
-    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, torch.bfloat16, "cpu")
-    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
-    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
-    decode_pages = list(range(-(-decode_context // page_size)))
-    prefill_pages = list(range(len(decode_pages), num_pages))
-    layout = BatchLayout(
-        [1, prefill_len], [decode_context, context_len], [decode_pages, prefill_pages], page_size
-    )
-    q = _random(1 + prefill_len, num_heads, head_dim, generator)
-    k = _random(1 + prefill_len, num_kv_heads, head_dim, generator)
-    v = _random(1 + prefill_len, num_kv_heads, head_dim, generator)
-    layer = cache.layer(0)
+    step = mixed_step(cached_tokens, num_heads=4, num_kv_heads=2, head_dim=64)
     kernels = create_backend("cpu_kernels")
-    out = kernels.forward(q, k, v, layer, kernels.build_metadata(layout, CPU))
+    metadata = kernels.build_metadata(step.layout, CPU)
+    out = kernels.forward(step.q, step.k, step.v, step.layer, metadata)
 
-    assert calls == [[0, 1, 1 + prefill_len]]
-    slots = torch.tensor(
-        [p * page_size + i for p in prefill_pages for i in range(page_size)][:context_len]
-    )
-    assert torch.equal(layer.keys[slots][cached_tokens:], k[1:]), "new keys are in the cache"
-    expected = _reference(
-        q[1:], layer.keys[slots], layer.values[slots], [prefill_len], [context_len], True
-    )
+    assert calls == [[0, 1, 1 + PREFILL_LEN]]
+    keys, values = step.layer.keys[step.prefill_slots], step.layer.values[step.prefill_slots]
+    assert torch.equal(keys[cached_tokens:], step.k[1:]), "new keys are in the cache"
+    expected = _reference(step.q[1:], keys, values, [PREFILL_LEN], [step.context_len], True)
     torch.testing.assert_close(out[1:].float(), expected, atol=BF16_ATOL, rtol=0)
     portable = create_backend("torch_sdpa")
-    decode = portable.forward(q, k, v, layer, portable.build_metadata(layout, CPU))[:1]
+    decode = portable.forward(
+        step.q, step.k, step.v, step.layer, portable.build_metadata(step.layout, CPU)
+    )[:1]
     torch.testing.assert_close(out[:1].float(), decode.float(), atol=BF16_ATOL, rtol=0)
 
 
