@@ -15,6 +15,7 @@ from sentence_transformers import SentenceTransformer
 from transformers import AutoModelForSequenceClassification
 
 from vacpack import LLM, SamplingParams
+from vacpack.corpus.runner import ENCODE_BATCH_INPUTS
 from vacpack.outputs import embeddings_array
 from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH, build_tiny_classifier_checkpoint
 
@@ -49,6 +50,16 @@ def test_minilm_embed_equals_sentence_transformers(minilm: LLM) -> None:
     report = minilm.corpus_runner.last_report
     assert report.num_documents == len(texts) and report.num_bins < len(texts) / 4
     assert report.padding_overhead == 0.0 and report.num_failed == 0
+
+
+def test_whole_input_batches_and_token_id_batches_embed(minilm: LLM) -> None:
+    """Inputs that fill the producer's tokenizer batches exactly (nothing left for a last call),
+    and a batch of token-id lists only (no text for the tokenizer): both embed every input."""
+    texts = _passages(2 * ENCODE_BATCH_INPUTS, seed=1)
+    assert len(minilm.embed(texts, use_tqdm=False)) == len(texts)
+    token_lists = [[101, 7592 + i % 50, 102] for i in range(5)]
+    by_ids = embeddings_array(minilm.embed(token_lists, use_tqdm=False))
+    assert by_ids.shape[0] == len(token_lists) and np.isfinite(by_ids).all()
 
 
 def test_an_encoder_cannot_generate_or_classify(minilm: LLM) -> None:

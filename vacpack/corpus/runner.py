@@ -179,7 +179,8 @@ def _documents(task: CorpusTask, inputs: Iterable[Any]) -> Iterator[Document | D
         if len(batch) == ENCODE_BATCH_INPUTS:
             yield from task.encode_batch(batch)
             batch = []
-    yield from task.encode_batch(batch)
+    if batch:
+        yield from task.encode_batch(batch)
 
 
 def _real_segments(

@@ -126,7 +126,9 @@ class WholeTextTask(CorpusTask):
         # call each; tokenizing a call each in the producer thread cost the job about 10% with
         # 256-token bins, against pre-tokenized input.
         texts = {index: item for index, item in items if isinstance(item, str) and item.strip()}
-        tokenized = dict(zip(texts, self._tokenize(list(texts.values())), strict=True))
+        # A tokenizer call with no texts fails in transformers: a batch of token-id lists.
+        token_lists = self._tokenize(list(texts.values())) if texts else []
+        tokenized = dict(zip(texts, token_lists, strict=True))
         results: list[Document | DocumentError] = []
         for index, item in items:
             try:
