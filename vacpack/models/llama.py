@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vacpack.cpu_kernels.elementwise import (
+    elementwise_kernels_available,
+    rotary_qk,
+    silu_and_mul,
+)
 from vacpack.models.config import ModelConfig
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.norm import RMSNorm
@@ -29,6 +34,9 @@ from vacpack.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
+    # Set once loaded on a bf16 CPU: rotary embeddings of q and k in one fused C pass.
+    use_cpu_kernels: bool = False
+
     def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -64,7 +72,10 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        if self.use_cpu_kernels:
+            q, k = rotary_qk(q, k, *cos_sin)
+        else:
+            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         out = ctx.attention.forward(q, k, v, ctx.kv_layer(self.layer_index), ctx.metadata)
         return self.o_proj(out.view(num_tokens, q_size))
 
@@ -77,6 +88,8 @@ CPU_MLP_ROWS_PER_PASS = 512
 
 class LlamaMLP(nn.Module):
     rows_per_pass: int | None = None
+    # Set once loaded on a bf16 CPU: SiLU(gate) * up in one fused C pass.
+    use_cpu_kernels: bool = False
 
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -93,7 +106,10 @@ class LlamaMLP(nn.Module):
         return torch.cat([self._mlp(part) for part in hidden.split(rows)])
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(hidden)
+        if self.use_cpu_kernels:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -169,6 +185,10 @@ class LlamaForCausalLM(nn.Module):
         if device.type == "cpu":
             for layer in self.layers:
                 layer.mlp.rows_per_pass = CPU_MLP_ROWS_PER_PASS
+        if elementwise_kernels_available(device, self.embed_tokens.weight.dtype):
+            for module in self.modules():
+                if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                    module.use_cpu_kernels = True
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

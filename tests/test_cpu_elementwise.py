@@ -1,0 +1,157 @@
+"""The fused elementwise C kernels (RMSNorm with and without the residual add, SiLU(gate) * up,
+rotary embeddings) against the PyTorch ops they replace, and bf16 models with them against the
+same models without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vacpack import LLM, SamplingParams
+from vacpack.cpu_kernels.elementwise import (
+    add_rms_norm,
+    elementwise_kernels_available,
+    rms_norm,
+    rotary_qk,
+    silu_and_mul,
+)
+from vacpack.models.llama import LlamaAttention, LlamaMLP
+from vacpack.models.norm import RMSNorm
+from vacpack.models.rotary import RotaryEmbedding, apply_rotary
+from vacpack.testing.packed_forward import load_for_test, packed_forward
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+pytestmark = pytest.mark.skipif(
+    not elementwise_kernels_available(CPU, BF16),
+    reason="needs an x86 CPU with AVX512-BF16 and a C compiler",
+)
+# One bf16 step, relative: what a float32 sum of squares in another order can move a value by.
+BF16_STEP = 2.0**-7
+FUSED_MODULES = (RMSNorm, LlamaAttention, LlamaMLP)
+
+
+def _torch_norm(hidden_size: int, weight: torch.Tensor, eps: float) -> RMSNorm:
+    norm = RMSNorm(hidden_size, eps)
+    norm.weight.data = weight
+    return norm  # use_cpu_kernels stays False: the PyTorch ops
+
+
+def _assert_within_one_step(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    """Equal but for a few values one bf16 step apart (a sum order moved a rounding)."""
+    gap = (ours.float() - reference.float()).abs()
+    assert bool((gap <= reference.float().abs() * BF16_STEP + 1e-30).all())
+    assert (ours != reference).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("hidden_size", [896, 100, 7])
+def test_rms_norm_rounds_as_pytorch_does(hidden_size: int) -> None:
+    generator = torch.Generator().manual_seed(hidden_size)
+    wide = (torch.randn(67, hidden_size + 9, generator=generator) * 3).to(BF16)
+    x = wide[:, :hidden_size]  # strided rows, as a view into a wider tensor
+    weight = (torch.rand(hidden_size, generator=generator) + 0.5).to(BF16)
+    reference = _torch_norm(hidden_size, weight, 1e-6)(x)
+    _assert_within_one_step(rms_norm(x, weight, 1e-6), reference)
+
+
+@pytest.mark.parametrize("hidden_size", [896, 100, 7])
+def test_add_rms_norm_updates_the_residual_in_place(hidden_size: int) -> None:
+    generator = torch.Generator().manual_seed(hidden_size + 1)
+    x = (torch.randn(33, hidden_size, generator=generator) * 2).to(BF16)
+    residual = torch.randn(33, hidden_size, generator=generator).to(BF16)
+    weight = (torch.rand(hidden_size, generator=generator) + 0.5).to(BF16)
+    expected_sum = x + residual
+    reference, _ = _torch_norm(hidden_size, weight, 1e-5).add_and_norm(x, residual.clone())
+    out, summed = add_rms_norm(x, residual, weight, 1e-5)
+    assert summed.data_ptr() == residual.data_ptr()
+    assert torch.equal(residual, expected_sum)
+    _assert_within_one_step(out, reference)
+
+
+@pytest.mark.parametrize("width", [4864, 100, 7])
+def test_silu_and_mul_equals_pytorch_bit_for_bit(width: int) -> None:
+    generator = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(19, 2 * width, generator=generator) * 4).to(BF16)
+    specials = [-200.0, -100.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 100.0]
+    specials += [float("inf"), float("-inf"), float("nan")]
+    row = torch.tensor(specials * (width // len(specials) + 1))[:width]
+    gate_up[0, :width] = row.to(BF16)
+    # Times 1: a product below float32's normal range would be flushed to zero by the CPU's
+    # bf16 conversion, where PyTorch keeps the subnormal (see elementwise.c).
+    gate_up[0, width:] = 1.0
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(
+        silu_and_mul(gate_up), F.silu(gate) * up, rtol=0, atol=0, equal_nan=True
+    )
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_equals_pytorch_bit_for_bit_on_views_of_the_projection(head_dim: int) -> None:
+    num_tokens, num_heads, num_kv_heads = 37, 6, 2
+    generator = torch.Generator().manual_seed(head_dim)
+    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = torch.randn(num_tokens, sum(widths), generator=generator).to(BF16)
+    q, k, _ = qkv.split(widths, dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    rotary.build_cache(CPU, BF16)
+    cos_sin = rotary.cos_sin_for(torch.randint(0, 4096, (num_tokens,), generator=generator))
+    q_out, k_out = rotary_qk(q, k, *cos_sin)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, apply_rotary(q, cos_sin))
+    assert torch.equal(k_out, apply_rotary(k, cos_sin))
+
+
+def test_bad_inputs_are_refused() -> None:
+    x = torch.randn(4, 6).to(BF16)
+    with pytest.raises(ValueError, match="even number of columns"):
+        silu_and_mul(torch.randn(4, 7).to(BF16))
+    with pytest.raises(ValueError, match="bf16 CPU"):
+        silu_and_mul(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="bad weight"):
+        rms_norm(x, torch.ones(5, dtype=BF16), 1e-6)
+    with pytest.raises(ValueError, match="heads"):
+        q = torch.randn(3, 8, 2).to(BF16).transpose(1, 2)  # heads not side by side
+        cos = torch.randn(3, 1, 4).to(BF16)
+        rotary_qk(q, q, cos, cos)
+
+
+def _set_fused(model: torch.nn.Module, enabled: bool) -> int:
+    modules = [m for m in model.modules() if isinstance(m, FUSED_MODULES)]
+    for module in modules:
+        module.use_cpu_kernels = enabled
+    return len(modules)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_a_bf16_model_with_the_kernels_matches_itself_without(tiny_checkpoint, family) -> None:
+    model = load_for_test(tiny_checkpoint(family), BF16)
+    assert all(m.use_cpu_kernels for m in model.modules() if isinstance(m, FUSED_MODULES))
+    sequences = [list(range(3, 3 + n)) for n in (1, 17, 60, 5)]
+    fused = packed_forward(model, sequences)
+    _set_fused(model, False)
+    unfused = packed_forward(model, sequences)
+    assert fused.shape == unfused.shape
+    # Only sums of squares in another order differ, by a bf16 step where they land on a
+    # rounding boundary; 2 layers can carry such a step forward a little.
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=0.05, rtol=0.02)
+    assert (fused == unfused).float().mean() > 0.9
+
+
+def test_float32_models_keep_the_pytorch_ops(tiny_checkpoint) -> None:
+    model = load_for_test(tiny_checkpoint("qwen2"), torch.float32)
+    assert not any(m.use_cpu_kernels for m in model.modules() if isinstance(m, FUSED_MODULES))
+
+
+def test_greedy_generation_is_unchanged_by_the_kernels(tiny_checkpoint) -> None:
+    llm = LLM(
+        str(tiny_checkpoint("qwen2")), dtype="bfloat16", block_size=8, enable_prefix_caching=False
+    )
+    prompts = [" ".join(["word"] * n) + " end" for n in (1, 9, 40, 120)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert _set_fused(llm.engine.model, False) > 0
+    unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused == unfused

@@ -1,0 +1,177 @@
+"""The decoder block's elementwise ops on bf16 CPU tensors, from elementwise.c: RMSNorm (alone
+or after the residual add), SiLU(gate) * up and rotary embeddings, each one pass over its rows
+that rounds where PyTorch's ops round (see elementwise.c)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from vacpack.cpu_kernels.build import load_kernel_library
+
+_LIBRARY_NAME = "elementwise"
+_POINTER = ctypes.c_void_p
+_INT = ctypes.c_int64
+
+_SIGNATURES: dict[str, list[type]] = {
+    # x, x row stride, weight, out, rows, columns, eps, threads
+    "rms_norm_bf16": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, ctypes.c_float, ctypes.c_int],
+    # x, residual (in place), weight, out, rows, columns, eps, threads
+    "add_rms_norm_bf16": [
+        *[_POINTER] * 4,
+        _INT,
+        _INT,
+        ctypes.c_float,
+        ctypes.c_int,
+    ],
+    # gate_up, its row stride, out, rows, columns of out, threads
+    "silu_and_mul_bf16": [_POINTER, _INT, _POINTER, _INT, _INT, ctypes.c_int],
+    # q, q token stride, q heads, k, k token stride, k heads, cos, sin, cos/sin token stride,
+    # q out, k out, tokens, head_dim, threads
+    "rotary_qk_bf16": [
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _INT,
+        ctypes.c_int,
+    ],
+}
+
+
+def _function(name: str) -> ctypes._CFuncPtr | None:
+    library = load_kernel_library(_LIBRARY_NAME)
+    if library is None:
+        return None
+    function = getattr(library, name)
+    if function.argtypes is None:
+        function.argtypes = _SIGNATURES[name]
+        function.restype = None
+    return function
+
+
+def _kernel(name: str) -> ctypes._CFuncPtr:
+    function = _function(name)
+    if function is None:
+        raise RuntimeError(f"the {name} CPU kernel cannot run here (see the log for why)")
+    return function
+
+
+def elementwise_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` can run its norms, activation and rotary here."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    return _function("rms_norm_bf16") is not None
+
+
+def _check(name: str, condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}: {what}")
+
+
+def _rows(name: str, x: torch.Tensor) -> None:
+    _check(name, x.device.type == "cpu" and x.dtype == torch.bfloat16, "needs bf16 CPU tensors")
+    _check(name, x.dim() == 2 and x.stride(1) == 1, f"needs 2-D rows, got {tuple(x.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [rows, hidden] (rows may be strided), as a new tensor."""
+    _rows("rms_norm", x)
+    _check("rms_norm", weight.shape == (x.shape[1],) and weight.dtype == x.dtype, "bad weight")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _kernel("rms_norm_bf16")(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual); the sum is written into `residual` in place."""
+    _rows("add_rms_norm", x)
+    _check("add_rms_norm", x.is_contiguous() and residual.is_contiguous(), "needs contiguous rows")
+    _check("add_rms_norm", residual.shape == x.shape and residual.dtype == x.dtype, "bad residual")
+    _check("add_rms_norm", weight.shape == (x.shape[1],) and weight.dtype == x.dtype, "bad weight")
+    out = torch.empty_like(x)
+    _kernel("add_rms_norm_bf16")(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for rows [gate | up] of gate_up [rows, 2 * n]: a new [rows, n]."""
+    _rows("silu_and_mul", gate_up)
+    _check("silu_and_mul", gate_up.shape[1] % 2 == 0, "needs an even number of columns")
+    n = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype)
+    _kernel("silu_and_mul_bf16")(
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        gate_up.shape[0],
+        n,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embeddings of q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim]
+    (views into a fused projection are fine: heads contiguous within a token) with cos and sin
+    [tokens, 1, head_dim // 2] sharing one token stride; new contiguous q and k."""
+    for name, x in (("q", q), ("k", k)):
+        _check("rotary_qk", x.device.type == "cpu" and x.dtype == torch.bfloat16, "bf16 CPU")
+        _check("rotary_qk", x.dim() == 3, f"{name} must be [tokens, heads, head_dim]")
+        _check("rotary_qk", x.stride(2) == 1 and x.stride(1) == x.shape[2], f"{name} heads")
+    num_tokens, _, head_dim = q.shape
+    half_dim = head_dim // 2
+    _check("rotary_qk", k.shape[0] == num_tokens and k.shape[2] == head_dim, "q and k differ")
+    for name, x in (("cos", cos), ("sin", sin)):
+        _check("rotary_qk", x.dtype == q.dtype and x.shape == (num_tokens, 1, half_dim), name)
+        _check("rotary_qk", x.stride(2) == 1 and x.stride(0) == cos.stride(0), f"{name} strides")
+    q_out = torch.empty(q.shape, dtype=q.dtype)
+    k_out = torch.empty(k.shape, dtype=k.dtype)
+    _kernel("rotary_qk_bf16")(
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[1],
+        k.data_ptr(),
+        k.stride(0),
+        k.shape[1],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+        num_tokens,
+        head_dim,
+        torch.get_num_threads(),
+    )
+    return q_out, k_out
