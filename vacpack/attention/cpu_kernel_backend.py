@@ -24,34 +24,32 @@ from vacpack.attention.backend import AttentionBackend, BatchLayout, register_ba
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy, merge_by_lse
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.attention.torch_sdpa import build_slot_mapping
-from vacpack.cpu_kernels import paged_attention, paged_attention_with_lse, varlen_attention
+from vacpack.cpu_kernels import (
+    KernelSequences,
+    attention,
+    attention_with_lse,
+    packed_sequences,
+    paged_sequences,
+)
 from vacpack.kvcache.paged_cache import KVLayer
 
 
 @dataclass(frozen=True)
 class PackedPrefill:
-    """A batch of whole sequences without a KV cache."""
+    """A batch of whole sequences without a KV cache: sequence b is stream rows
+    cu_seqlens[b] to cu_seqlens[b + 1] for queries and keys alike."""
 
-    cu_seqlens: torch.Tensor  # [num_seqs + 1] int64: sequence b is stream rows [b] to [b + 1]
-    causal: bool
-
-
-@dataclass(frozen=True)
-class PagedSequences:
-    """Queries over paged keys, as paged_attention takes them."""
-
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] each sequence's query rows
-    context_lens: torch.Tensor  # [num_seqs] keys each sequence attends to
-    page_tables: torch.Tensor  # [num_seqs, max_pages] int64, padded with page 0
+    sequences: KernelSequences
 
 
 @dataclass(frozen=True)
 class PrefixCascade:
     """Groups of decodes sharing prefix pages: group g is one sequence of the `prefixes` call
-    whose queries are the stream rows rows[cu_seqlens_q[g]:cu_seqlens_q[g + 1]]."""
+    (not causal: its members see all of the prefix) whose queries are the stream rows
+    rows[cu_seqlens_q[g]:cu_seqlens_q[g + 1]]."""
 
     rows: torch.Tensor  # [members] stream rows of the grouped decodes
-    prefixes: PagedSequences  # each group's shared pages; its members see all of them
+    prefixes: KernelSequences  # each group's shared pages
 
 
 @dataclass(frozen=True)
@@ -59,8 +57,7 @@ class PagedStep:
     """An engine step over the paged cache."""
 
     slot_mapping: torch.Tensor  # [num_tokens] where each token's keys and values are written
-    sequences: PagedSequences  # every sequence; cascade members over their own pages only
-    page_size: int
+    sequences: KernelSequences  # every sequence; cascade members over their own pages only
     cascade: PrefixCascade | None
 
 
@@ -69,14 +66,17 @@ def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
 
 
 def _paged_sequences(
-    query_lens: Sequence[int], context_lens: Sequence[int], page_tables: Sequence[Sequence[int]]
-) -> PagedSequences:
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    page_size: int,
+    causal: bool,
+) -> KernelSequences:
     padded = torch.zeros(len(page_tables), max(map(len, page_tables)), dtype=torch.int64)
     for row, pages in enumerate(page_tables):
         padded[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-    return PagedSequences(
-        _cumulative(query_lens), torch.tensor(context_lens, dtype=torch.int64), padded
-    )
+    context = torch.tensor(context_lens, dtype=torch.int64)
+    return paged_sequences(_cumulative(query_lens), context, padded, page_size, causal=causal)
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -89,7 +89,8 @@ class CpuKernelBackend(AttentionBackend):
         self, layout: BatchLayout, device: torch.device
     ) -> PackedPrefill | PagedStep:
         if not layout.page_tables:
-            return PackedPrefill(_cumulative(layout.query_lens), layout.causal)
+            cu_seqlens = _cumulative(layout.query_lens)
+            return PackedPrefill(packed_sequences(cu_seqlens, cu_seqlens, causal=layout.causal))
         page_size = layout.page_size
         page_tables = [list(pages) for pages in layout.page_tables]
         context_lens = list(layout.context_lens)
@@ -115,12 +116,15 @@ class CpuKernelBackend(AttentionBackend):
                     [len(p.members) for p in prefixes],
                     [p.num_pages * page_size for p in prefixes],
                     [layout.page_tables[p.members[0]][: p.num_pages] for p in prefixes],
+                    page_size,
+                    causal=False,
                 ),
             )
         return PagedStep(
             slot_mapping=build_slot_mapping(layout),
-            sequences=_paged_sequences(layout.query_lens, context_lens, page_tables),
-            page_size=page_size,
+            sequences=_paged_sequences(
+                layout.query_lens, context_lens, page_tables, page_size, causal=True
+            ),
             cascade=cascade,
         )
 
@@ -133,27 +137,16 @@ class CpuKernelBackend(AttentionBackend):
         metadata: PackedPrefill | PagedStep,
     ) -> torch.Tensor:
         if isinstance(metadata, PackedPrefill):
-            cu_seqlens = metadata.cu_seqlens
-            return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal=metadata.causal)
+            return attention(q, k, v, metadata.sequences)
         if kv_layer is None:
             raise ValueError("an engine step needs its layer's KV cache")
         kv_layer.write(metadata.slot_mapping, k, v)
         cache = (kv_layer.keys, kv_layer.values)
-        seqs, page_size = metadata.sequences, metadata.page_size
-        paged = (seqs.cu_seqlens_q, seqs.context_lens, seqs.page_tables, page_size)
         if metadata.cascade is None:
-            return paged_attention(q, *cache, *paged)
-        out, lse = paged_attention_with_lse(q, *cache, *paged)
+            return attention(q, *cache, metadata.sequences)
+        out, lse = attention_with_lse(q, *cache, metadata.sequences)
         rows, prefixes = metadata.cascade.rows, metadata.cascade.prefixes
-        prefix_out, prefix_lse = paged_attention_with_lse(
-            q.index_select(0, rows),
-            *cache,
-            prefixes.cu_seqlens_q,
-            prefixes.context_lens,
-            prefixes.page_tables,
-            page_size,
-            causal=False,
-        )
+        prefix_out, prefix_lse = attention_with_lse(q.index_select(0, rows), *cache, prefixes)
         merged = merge_by_lse(
             prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)
         )

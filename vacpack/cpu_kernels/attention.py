@@ -12,6 +12,7 @@ token stream or the cache's pages directly: one call per batch, no padding, no g
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,98 @@ def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+@dataclass(frozen=True)
+class KernelSequences:
+    """A batch's sequences as the kernel reads them, checked once: every layer of an engine
+    step (or of a corpus bin) reuses them, so no layer pays for building or checking them."""
+
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int64: sequence b's query rows
+    # [num_seqs + 1] int64: key rows of the stream, or with page_tables each sequence's key count
+    cu_seqlens_k: torch.Tensor
+    page_tables: torch.Tensor | None  # [num_seqs, max_pages] int64, or None for stream rows
+    page_size: int
+    causal: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
+def packed_sequences(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, causal: bool
+) -> KernelSequences:
+    """Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows
+    cu_seqlens_k[b]:cu_seqlens_k[b+1] of the token streams."""
+    return _checked(cu_seqlens_q, cu_seqlens_k, None, 0, causal)
+
+
+def paged_sequences(
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_tables: torch.Tensor,
+    page_size: int,
+    *,
+    causal: bool = True,
+) -> KernelSequences:
+    """Sequence b's queries (rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) attend to its
+    context_lens[b] keys in the slots of the pages page_tables[b] ([num_seqs, max_pages],
+    padded anywhere past the context)."""
+    cu_k = F.pad(context_lens.to(torch.int64).cumsum(0), (1, 0))
+    return _checked(cu_seqlens_q, cu_k, page_tables, page_size, causal)
+
+
+def _checked(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    page_tables: torch.Tensor | None,
+    page_size: int,
+    causal: bool,
+) -> KernelSequences:
+    cu_q = cu_seqlens_q.to(torch.int64).contiguous()
+    cu_k = cu_seqlens_k.to(torch.int64).contiguous()
+    num_seqs = cu_q.numel() - 1
+    if cu_k.numel() != num_seqs + 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k describe different numbers of sequences")
+    if causal and bool(((cu_k.diff() - cu_q.diff()) < 0).any()):
+        raise ValueError("causal attention needs at least as many keys as queries per sequence")
+    if page_tables is not None:
+        page_tables = page_tables.to(torch.int64).contiguous()
+        if page_tables.shape[0] != num_seqs or page_size <= 0:
+            raise ValueError("page_tables needs one row per sequence and a positive page_size")
+    return KernelSequences(cu_q, cu_k, page_tables, page_size, causal)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sequences: KernelSequences,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of the packed queries q [q_tokens, heads, dim] over k and v: [k_tokens,
+    kv_heads, dim] token streams, or [slots, kv_heads, dim] caches when `sequences` has page
+    tables. When causal, each sequence's queries are its last tokens: query i of n_q sees keys
+    0..n_k-n_q+i. Returns q's shape."""
+    out, _ = _attention(q, k, v, sequences, scale, with_lse=False)
+    return out
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sequences: KernelSequences,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention, and each row's float32 log-sum-exp of its scaled scores ([q_tokens, heads]),
+    to merge with attention over other keys (cascade.merge_by_lse)."""
+    out, lse = _attention(q, k, v, sequences, scale, with_lse=True)
+    assert lse is not None
+    return out, lse
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -73,12 +166,9 @@ def varlen_attention(
     causal: bool,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of packed sequences: q [q_tokens, heads, dim], k and v [k_tokens, kv_heads,
-    dim], sequence b owning query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows
-    cu_seqlens_k[b]:cu_seqlens_k[b+1]. When causal, each sequence's queries are its last
-    tokens: query i of n_q sees keys 0..n_k-n_q+i. Returns q's shape."""
-    out, _ = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, 0, causal, scale, False)
-    return out
+    """attention over packed sequences, for one call (see packed_sequences)."""
+    sequences = packed_sequences(cu_seqlens_q, cu_seqlens_k, causal=causal)
+    return attention(q, k, v, sequences, scale=scale)
 
 
 def paged_attention(
@@ -93,25 +183,10 @@ def paged_attention(
     causal: bool = True,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of packed queries over a paged KV cache: key_cache and value_cache are
-    [slots, kv_heads, dim]; sequence b's queries (rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) attend
-    to its context_lens[b] keys in the slots of the pages page_tables[b] ([num_seqs, max_pages],
-    padded anywhere past the context), as the last tokens of that context when causal. One call
-    covers decodes, fresh prefills and prefill chunks over cached pages alike. Returns q's
-    shape."""
-    out, _ = _paged(
-        q,
-        key_cache,
-        value_cache,
-        cu_seqlens_q,
-        context_lens,
-        page_tables,
-        page_size,
-        causal,
-        scale,
-        False,
-    )
-    return out
+    """attention over a paged KV cache, for one call (see paged_sequences). One call covers
+    decodes, fresh prefills and prefill chunks over cached pages alike."""
+    sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
+    return attention(q, key_cache, value_cache, sequences, scale=scale)
 
 
 def paged_attention_with_lse(
@@ -126,60 +201,16 @@ def paged_attention_with_lse(
     causal: bool = True,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """paged_attention, and each row's float32 log-sum-exp of its scaled scores
-    ([q_tokens, heads]), to merge with attention over other keys (cascade.merge_by_lse)."""
-    out, lse = _paged(
-        q,
-        key_cache,
-        value_cache,
-        cu_seqlens_q,
-        context_lens,
-        page_tables,
-        page_size,
-        causal,
-        scale,
-        True,
-    )
-    assert lse is not None
-    return out, lse
-
-
-def _paged(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    page_tables: torch.Tensor,
-    page_size: int,
-    causal: bool,
-    scale: float | None,
-    with_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cu_k = F.pad(context_lens.to(torch.int64).cumsum(0), (1, 0))
-    return _attention(
-        q,
-        key_cache,
-        value_cache,
-        cu_seqlens_q,
-        cu_k,
-        page_tables,
-        page_size,
-        causal,
-        scale,
-        with_lse,
-    )
+    """paged_attention and each row's log-sum-exp (see attention_with_lse)."""
+    sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
+    return attention_with_lse(q, key_cache, value_cache, sequences, scale=scale)
 
 
 def _attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    page_tables: torch.Tensor | None,
-    page_size: int,
-    causal: bool,
+    sequences: KernelSequences,
     scale: float | None,
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -190,17 +221,7 @@ def _attention(
     num_kv_heads = k.shape[1]
     if k.shape[2] != head_dim or v.shape[1:] != k.shape[1:] or num_heads % num_kv_heads:
         raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
-    cu_q = cu_seqlens_q.to(torch.int64).contiguous()
-    cu_k = cu_seqlens_k.to(torch.int64).contiguous()
-    num_seqs = cu_q.numel() - 1
-    if cu_k.numel() != num_seqs + 1:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k describe different numbers of sequences")
-    if causal and bool(((cu_k.diff() - cu_q.diff()) < 0).any()):
-        raise ValueError("causal attention needs at least as many keys as queries per sequence")
-    if page_tables is not None:
-        page_tables = page_tables.to(torch.int64).contiguous()
-        if page_tables.shape[0] != num_seqs or page_size <= 0:
-            raise ValueError("page_tables needs one row per sequence and a positive page_size")
+    page_tables = sequences.page_tables
     q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
@@ -211,9 +232,9 @@ def _attention(
             k.data_ptr(),
             v.data_ptr(),
             out.data_ptr(),
-            cu_q.data_ptr(),
-            cu_k.data_ptr(),
-            num_seqs,
+            sequences.cu_seqlens_q.data_ptr(),
+            sequences.cu_seqlens_k.data_ptr(),
+            sequences.num_seqs,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -223,10 +244,10 @@ def _attention(
             out.stride(0),
             None if page_tables is None else page_tables.data_ptr(),
             0 if page_tables is None else page_tables.stride(0),
-            page_size,
+            sequences.page_size,
             None if lse is None else lse.data_ptr(),
             head_dim**-0.5 if scale is None else scale,
-            int(causal),
+            int(sequences.causal),
             torch.get_num_threads(),
         )
     if status != 0:

@@ -31,9 +31,10 @@
 #define QUERY_CHUNK 64
 // How many keys ahead of use their rows are prefetched, when a task first reads them from
 // memory. A decode's keys and values sit in pages scattered over the cache, where the
-// hardware prefetchers stop at each page's end; prefetching took the G1 decode batch's
-// attention (bench/decode_attention.py) from 43 to 34 ms per step on a 2-core Zen 4 (72 to 47
-// ms on one core). 16 to 128 keys ahead measured within noise of each other.
+// hardware prefetchers stop at each page's end. Prefetching took the G1 decode batch's
+// attention (64 sequences, 24 layers) from 40-44 to 35-37 ms per step on a 2-core Zen 4, and
+// from 61-62 to 52-57 ms on one core, the two builds interleaved in one process; 16 to 128
+// keys ahead measured within noise of each other, and prefill attention did not change.
 #define PREFETCH_KEYS 32
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
