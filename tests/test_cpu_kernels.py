@@ -18,7 +18,7 @@ from vacpack.attention.cascade import CascadePolicy
 from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
 from vacpack.attention.selection import resolve_backend_name
 from vacpack.cpu_kernels import (
-    attention,
+    attend,
     build,
     paged_attention,
     paged_attention_with_lse,
@@ -148,9 +148,9 @@ def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool) -> Non
 
     def counting(*args, **kwargs) -> torch.Tensor:
         calls.append(args[3].cu_seqlens_q.tolist())
-        return attention(*args, **kwargs)
+        return attend(*args, **kwargs)
 
-    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.attention", counting)
+    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.attend", counting)
     lengths = [3, 200, 1, 64, 65]
     generator = torch.Generator().manual_seed(1)
     q = _random(sum(lengths), 6, 64, generator)
@@ -222,9 +222,9 @@ def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> 
 
     def counting(*args, **kwargs) -> torch.Tensor:
         calls.append(args[3].cu_seqlens_q.tolist())
-        return attention(*args, **kwargs)
+        return attend(*args, **kwargs)
 
-    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.attention", counting)
+    monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.attend", counting)
     step = mixed_step(cached_tokens, num_heads=4, num_kv_heads=2, head_dim=64)
     kernels = create_backend("cpu_kernels")
     metadata = kernels.build_metadata(step.layout, CPU)

@@ -26,8 +26,8 @@ from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.attention.torch_sdpa import build_slot_mapping
 from vacpack.cpu_kernels import (
     KernelSequences,
-    attention,
-    attention_with_lse,
+    attend,
+    attend_with_lse,
     packed_sequences,
     paged_sequences,
 )
@@ -137,16 +137,16 @@ class CpuKernelBackend(AttentionBackend):
         metadata: PackedPrefill | PagedStep,
     ) -> torch.Tensor:
         if isinstance(metadata, PackedPrefill):
-            return attention(q, k, v, metadata.sequences)
+            return attend(q, k, v, metadata.sequences)
         if kv_layer is None:
             raise ValueError("an engine step needs its layer's KV cache")
         kv_layer.write(metadata.slot_mapping, k, v)
         cache = (kv_layer.keys, kv_layer.values)
         if metadata.cascade is None:
-            return attention(q, *cache, metadata.sequences)
-        out, lse = attention_with_lse(q, *cache, metadata.sequences)
+            return attend(q, *cache, metadata.sequences)
+        out, lse = attend_with_lse(q, *cache, metadata.sequences)
         rows, prefixes = metadata.cascade.rows, metadata.cascade.prefixes
-        prefix_out, prefix_lse = attention_with_lse(q.index_select(0, rows), *cache, prefixes)
+        prefix_out, prefix_lse = attend_with_lse(q.index_select(0, rows), *cache, prefixes)
         merged = merge_by_lse(
             prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)
         )

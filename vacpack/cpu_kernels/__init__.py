@@ -2,8 +2,8 @@
 
 from vacpack.cpu_kernels.attention import (
     KernelSequences,
-    attention,
-    attention_with_lse,
+    attend,
+    attend_with_lse,
     packed_sequences,
     paged_attention,
     paged_attention_with_lse,
@@ -14,8 +14,8 @@ from vacpack.cpu_kernels.attention import (
 
 __all__ = [
     "KernelSequences",
-    "attention",
-    "attention_with_lse",
+    "attend",
+    "attend_with_lse",
     "packed_sequences",
     "paged_attention",
     "paged_attention_with_lse",

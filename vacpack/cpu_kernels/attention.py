@@ -125,7 +125,7 @@ def _checked(
     return KernelSequences(cu_q, cu_k, page_tables, page_size, causal)
 
 
-def attention(
+def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -141,7 +141,7 @@ def attention(
     return out
 
 
-def attention_with_lse(
+def attend_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -149,7 +149,7 @@ def attention_with_lse(
     *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention, and each row's float32 log-sum-exp of its scaled scores ([q_tokens, heads]),
+    """attend, and each row's float32 log-sum-exp of its scaled scores ([q_tokens, heads]),
     to merge with attention over other keys (cascade.merge_by_lse)."""
     out, lse = _attention(q, k, v, sequences, scale, with_lse=True)
     assert lse is not None
@@ -166,9 +166,9 @@ def varlen_attention(
     causal: bool,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """attention over packed sequences, for one call (see packed_sequences)."""
+    """attend over packed sequences, in one call (see packed_sequences)."""
     sequences = packed_sequences(cu_seqlens_q, cu_seqlens_k, causal=causal)
-    return attention(q, k, v, sequences, scale=scale)
+    return attend(q, k, v, sequences, scale=scale)
 
 
 def paged_attention(
@@ -183,10 +183,10 @@ def paged_attention(
     causal: bool = True,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """attention over a paged KV cache, for one call (see paged_sequences). One call covers
+    """attend over a paged KV cache, in one call (see paged_sequences). One call covers
     decodes, fresh prefills and prefill chunks over cached pages alike."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
-    return attention(q, key_cache, value_cache, sequences, scale=scale)
+    return attend(q, key_cache, value_cache, sequences, scale=scale)
 
 
 def paged_attention_with_lse(
@@ -201,9 +201,9 @@ def paged_attention_with_lse(
     causal: bool = True,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """paged_attention and each row's log-sum-exp (see attention_with_lse)."""
+    """paged_attention and each row's log-sum-exp (see attend_with_lse)."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
-    return attention_with_lse(q, key_cache, value_cache, sequences, scale=scale)
+    return attend_with_lse(q, key_cache, value_cache, sequences, scale=scale)
 
 
 def _attention(
