@@ -228,6 +228,12 @@ def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> 
     step = mixed_step(cached_tokens, num_heads=4, num_kv_heads=2, head_dim=64)
     kernels = create_backend("cpu_kernels")
     metadata = kernels.build_metadata(step.layout, CPU)
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("a layer rebuilt the step's sequences")
+
+    # Built and checked once per step, in build_metadata; every layer's forward reuses them.
+    monkeypatch.setattr("vacpack.cpu_kernels.attention._checked", rebuilt)
     out = kernels.forward(step.q, step.k, step.v, step.layer, metadata)
 
     assert calls == [[0, 1, 1 + PREFILL_LEN]]
