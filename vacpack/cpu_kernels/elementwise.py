@@ -11,39 +11,23 @@ import torch
 from vacpack.cpu_kernels.build import load_kernel_library
 
 _LIBRARY_NAME = "elementwise"
-_POINTER = ctypes.c_void_p
-_INT = ctypes.c_int64
+_POINTER, _INT, _FLOAT, _THREADS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 _SIGNATURES: dict[str, list[type]] = {
     # x, x row stride, weight, out, rows, columns, eps, threads
-    "rms_norm_bf16": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, ctypes.c_float, ctypes.c_int],
-    # x, residual (in place), weight, out, rows, columns, eps, threads
-    "add_rms_norm_bf16": [
-        *[_POINTER] * 4,
-        _INT,
-        _INT,
-        ctypes.c_float,
-        ctypes.c_int,
-    ],
+    "rms_norm_bf16": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
+    # x, residual (updated in place), weight, out, rows, columns, eps, threads
+    "add_rms_norm_bf16": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
     # gate_up, its row stride, out, rows, columns of out, threads
-    "silu_and_mul_bf16": [_POINTER, _INT, _POINTER, _INT, _INT, ctypes.c_int],
-    # q, q token stride, q heads, k, k token stride, k heads, cos, sin, cos/sin token stride,
-    # q out, k out, tokens, head_dim, threads
+    "silu_and_mul_bf16": [_POINTER, _INT, _POINTER, _INT, _INT, _THREADS],
+    # q, its token stride, its heads; k, its token stride, its heads; cos, sin, their token
+    # stride; q out, k out; tokens, head_dim, threads
     "rotary_qk_bf16": [
-        _POINTER,
-        _INT,
-        _INT,
-        _POINTER,
-        _INT,
-        _INT,
-        _POINTER,
-        _POINTER,
-        _INT,
-        _POINTER,
-        _POINTER,
-        _INT,
-        _INT,
-        ctypes.c_int,
+        *(_POINTER, _INT, _INT),
+        *(_POINTER, _INT, _INT),
+        *(_POINTER, _POINTER, _INT),
+        *(_POINTER, _POINTER),
+        *(_INT, _INT, _THREADS),
     ],
 }
 
@@ -88,16 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rows("rms_norm", x)
     _check("rms_norm", weight.shape == (x.shape[1],) and weight.dtype == x.dtype, "bad weight")
     out = torch.empty(x.shape, dtype=x.dtype)
-    _kernel("rms_norm_bf16")(
-        x.data_ptr(),
-        x.stride(0),
-        weight.data_ptr(),
-        out.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        eps,
-        torch.get_num_threads(),
-    )
+    _normalize("rms_norm_bf16", x, x.stride(0), weight, out, eps)
     return out
 
 
@@ -110,17 +85,20 @@ def add_rms_norm(
     _check("add_rms_norm", residual.shape == x.shape and residual.dtype == x.dtype, "bad residual")
     _check("add_rms_norm", weight.shape == (x.shape[1],) and weight.dtype == x.dtype, "bad weight")
     out = torch.empty_like(x)
-    _kernel("add_rms_norm_bf16")(
-        x.data_ptr(),
-        residual.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        eps,
-        torch.get_num_threads(),
-    )
+    _normalize("add_rms_norm_bf16", x, residual.data_ptr(), weight, out, eps)
     return out, residual
+
+
+def _normalize(
+    name: str, x: torch.Tensor, second: int, weight: torch.Tensor, out: torch.Tensor, eps: float
+) -> None:
+    """Runs one of the two norm kernels, whose second argument is x's row stride (rms_norm) or
+    the residual's address (add_rms_norm)."""
+    rows, columns = x.shape
+    threads = torch.get_num_threads()
+    _kernel(name)(
+        x.data_ptr(), second, weight.data_ptr(), out.data_ptr(), rows, columns, eps, threads
+    )
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
