@@ -2,7 +2,7 @@
 // AVX512-BF16: RMSNorm (alone or after the residual add), SiLU(gate) * up, and rotary
 // embeddings of the query and key heads.
 //
-// In PyTorch each of these is several ops (RMSNorm alone is six), and each op reads and writes
+// In PyTorch each of these is several ops (RMSNorm alone is eight), and each reads and writes
 // the whole activation and costs a dispatch. Here each row is read once and written once, while
 // it sits in L1. Every kernel rounds to bf16 exactly where the reference (transformers' PyTorch
 // modules) rounds, so the results equal PyTorch's bit for bit, except that a float32 sum of
