@@ -7,10 +7,16 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
+from vacpack.errors import (
+    CorruptWeightsError,
+    InvalidConfigError,
+    ModelNotFoundError,
+    WeightsMismatchError,
+)
 from vacpack.models.parallel import prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
@@ -19,35 +25,81 @@ logger = logging.getLogger(__name__)
 _CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
-class ModelNotFoundError(ValueError):
-    pass
-
-
 def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
-    """A local checkpoint directory as it is; a hub id downloaded (or found in the local cache)."""
+    """A checkpoint directory, resolved as huggingface_hub resolves a model name.
+
+    A path that exists locally wins. Otherwise a valid hub id ("name" or "org/name", dots
+    allowed) goes to the hub (HF_ENDPOINT) at `revision`, through the hub cache (HF_HUB_CACHE),
+    which is all there is in offline mode (HF_HUB_OFFLINE=1). The error says what was tried
+    locally and on the hub.
+    """
     local = Path(name_or_path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {str(local)!r} has no config.json")
         return local
-    if local.suffix or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise ModelNotFoundError(f"model {name_or_path!r}: no such local directory")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
+    tried_locally = f"{str(local.absolute())!r} is not a directory"
+    if local.exists():
+        raise ModelNotFoundError(f"model {name_or_path!r}: {tried_locally} (a file?)")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    looks_like_path = name_or_path.startswith((".", "/", "~"))
     try:
-        return Path(
-            snapshot_download(name_or_path, revision=revision, allow_patterns=_CHECKPOINT_FILES)
-        )
-    except (HfHubHTTPError, OSError, ValueError) as error:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        looks_like_path = True
+    if looks_like_path:
         raise ModelNotFoundError(
-            f"model {name_or_path!r} is not a local directory and could not be fetched from the "
-            f"Hugging Face hub (offline, or no such repository): {type(error).__name__}: {error}"
-        ) from error
+            f"model {name_or_path!r}: {tried_locally}, and it is not a Hugging Face hub id "
+            "('name' or 'org/name')"
+        )
+    model_dir = Path(_download_from_hub(name_or_path, revision, tried_locally))
+    if not (model_dir / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model {name_or_path!r}: the hub repository has no config.json ({str(model_dir)!r})"
+        )
+    return model_dir
+
+
+def _download_from_hub(repo_id: str, revision: str | None, tried_locally: str) -> str:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"on the Hugging Face hub at {constants.ENDPOINT} (revision {revision or 'main'!r})"
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=_CHECKPOINT_FILES)
+    except RevisionNotFoundError:
+        problem = "the repository has no such revision"
+    except RepositoryNotFoundError:
+        problem = "no such repository (or it is private or gated and no token was given)"
+    except LocalEntryNotFoundError as error:
+        if constants.HF_HUB_OFFLINE:
+            problem = (
+                f"offline mode (HF_HUB_OFFLINE=1) and not in the cache {constants.HF_HUB_CACHE}"
+            )
+        else:
+            cause = error.__cause__ or error
+            problem = (
+                f"the hub could not be reached and it is not in the cache "
+                f"{constants.HF_HUB_CACHE} ({type(cause).__name__}: {cause})"
+            )
+    except (OSError, ValueError) as error:  # HTTP errors are OSErrors in huggingface_hub
+        problem = f"{type(error).__name__}: {error}"
+    raise ModelNotFoundError(f"model {repo_id!r}: {tried_locally}, and {where}: {problem}")
 
 
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
-    return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    from huggingface_hub.errors import StrictDataclassError
+
+    config_path = model_dir / "config.json"
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as error:
+        raise InvalidConfigError(f"invalid {str(config_path)!r}: {error}") from error
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
@@ -62,8 +114,17 @@ def checkpoint_dtype(hf_config) -> torch.dtype | None:
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CorruptWeightsError(f"invalid weights index {str(index)!r}: {error}") from None
+        missing = [str(path.name) for path in files if not path.is_file()]
+        if missing:
+            raise CorruptWeightsError(
+                f"weights index {str(index)!r} names files that do not exist: {missing[:4]}"
+            )
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
@@ -74,42 +135,81 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     """Builds the model on the meta device, then streams each checkpoint tensor into place.
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
-    tensor is read from its file, cast, and copied into its (merged, sharded) slot.
+    tensor is read from its file, cast, and copied into its (merged, sharded) slot. A tensor
+    whose shape disagrees with config.json is refused before it is read.
     """
-    architectures = getattr(hf_config, "architectures", None) or []
-    if not architectures:
-        raise ValueError(f"{str(model_dir)!r}: config.json names no architectures")
-    model_class = model_class_for(architectures[0])
-    config = model_class.config_class.from_hf(hf_config)
-    with torch.device("meta"):
-        model = model_class(config).to(dtype)
-    model = model.to_empty(device=device)
+    model = _empty_model(model_dir, hf_config, dtype, device)
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
-            for hf_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = model.checkpoint_name(hf_name)
-                if target is None:
-                    continue
-                name, shard_index = target
-                module_name, _, attr = name.rpartition(".")
-                try:
-                    module = model.get_submodule(module_name)
-                except AttributeError:
-                    logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
-                    continue
-                tensor = checkpoint.get_tensor(hf_name).to(device=device, dtype=dtype)
-                if hasattr(module, "load_shard"):
-                    module.load_shard(attr, tensor, shard_index)
-                else:  # a plain torch layer, never sharded
-                    getattr(module, attr).data.copy_(tensor)
-                loaded.add(name)
+        try:
+            loaded |= _load_weights_file(model, path, dtype, device)
+        except SafetensorError as error:
+            raise CorruptWeightsError(
+                f"weights file {str(path)!r} is not valid safetensors (truncated or damaged?): "
+                f"{error}"
+            ) from None
     missing = expected - loaded
     if missing:
-        raise ValueError(f"checkpoint {str(model_dir)!r} lacks weights for: {sorted(missing)[:8]}")
+        raise WeightsMismatchError(
+            f"the weights in {str(model_dir)!r} do not match its config.json: no tensors for "
+            f"{len(missing)} parameters, such as {sorted(missing)[:4]}"
+        )
     model.finish_loading()
     num_packed = prepack_linear_weights(model)
     if num_packed:
         logger.info("%d linear weights prepacked for oneDNN", num_packed)
     return model.eval()
+
+
+def _empty_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    config_path = str(model_dir / "config.json")
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise InvalidConfigError(f"{config_path!r} names no architectures")
+    try:
+        model_class = model_class_for(architectures[0])
+        config = model_class.config_class.from_hf(hf_config)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise InvalidConfigError(f"{config_path!r}: {error}") from None
+    with torch.device("meta"):
+        model = model_class(config).to(dtype)
+    return model.to_empty(device=device)
+
+
+def _load_weights_file(
+    model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device
+) -> set[str]:
+    """Copies one file's tensors into the model; returns the parameter names it filled."""
+    loaded: set[str] = set()
+    with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
+        for hf_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+            target = model.checkpoint_name(hf_name)
+            if target is None:
+                continue
+            name, shard_index = target
+            module_name, _, attr = name.rpartition(".")
+            try:
+                module = model.get_submodule(module_name)
+            except AttributeError:
+                logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
+                continue
+            # Checked first: a narrow() into a merged or sharded slot would take a wrong-sized
+            # tensor silently, and copy_() would broadcast one.
+            shape = tuple(checkpoint.get_slice(hf_name).get_shape())
+            if hasattr(module, "checkpoint_shape"):
+                expected_shape = module.checkpoint_shape(attr, shard_index)
+            else:
+                expected_shape = tuple(getattr(module, attr).shape)
+            if shape != tuple(expected_shape):
+                raise WeightsMismatchError(
+                    f"tensor {hf_name!r} in {str(path)!r} has shape {list(shape)}, but config.json "
+                    f"implies {list(expected_shape)}"
+                )
+            tensor = checkpoint.get_tensor(hf_name).to(device=device, dtype=dtype)
+            if hasattr(module, "load_shard"):
+                module.load_shard(attr, tensor, shard_index)
+            else:  # a plain torch layer, never sharded
+                getattr(module, attr).data.copy_(tensor)
+            loaded.add(name)
+    return loaded

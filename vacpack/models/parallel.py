@@ -60,6 +60,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
 
+    def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
+        """The full shape checkpoint tensor `shard_index` must have (all ranks' rows)."""
+        num_rows = self.local_shard_sizes[shard_index] * self.tp.size
+        return (num_rows, self.weight.shape[1]) if name == "weight" else (num_rows,)
+
     def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
         """Copies this rank's slice of checkpoint tensor `shard_index` into its place."""
         param = self.weight if name == "weight" else self.bias
@@ -109,6 +114,13 @@ class RowParallelLinear(nn.Module):
         )
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
+
+    def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
+        """The full shape of the checkpoint tensor (all ranks' input columns)."""
+        num_outputs = self.weight.shape[0]
+        if name == "weight":
+            return (num_outputs, self.local_input_size * self.tp.size)
+        return (num_outputs,)
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
         if name == "bias":
