@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from vacpack import __version__
 from vacpack.bench_command import add_bench_command
 from vacpack.corpus.commands import add_corpus_commands, run_corpus_command
+from vacpack.errors import DEBUG_ENV, debug_requested, run_reporting_errors
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -91,63 +90,34 @@ def _sampling_params(args: argparse.Namespace):
     )
 
 
-def read_prompts(path: Path) -> Iterator[str]:
-    """Prompts from JSONL ({"prompt": ...} or {"text": ...} per line) or plain text lines."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not valid JSON: {error}") from None
-                if not isinstance(record, dict) or not isinstance(
-                    record.get("prompt", record.get("text")), str
-                ):
-                    raise ValueError(f'{path}:{number}: expected {{"prompt": "..."}}')
-                yield record.get("prompt", record.get("text"))
-            else:
-                yield line
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # the flags are checked before the model loads
+    if args.input or args.output:
+        from vacpack.batch.prompt_file import (
+            GenerateOptions,
+            PromptSource,
+            request_defaults,
+            run_generate_command,
+        )
+
+        source = (
+            PromptSource(Path(args.input)) if args.input else PromptSource(texts=tuple(args.prompt))
+        )
+        options = GenerateOptions(
+            Path(args.output) if args.output else None, args.overwrite, show_progress=not args.quiet
+        )
+        defaults = request_defaults(params)
+        return run_generate_command(args.model, _engine_kwargs(args), source, defaults, options)
     from vacpack.llm import LLM
 
-    prompts = list(args.prompt or [])
-    if args.input:
-        prompts.extend(read_prompts(Path(args.input)))
-    if not prompts:
-        print("vacpack generate: give --prompt TEXT or --input FILE", file=sys.stderr)
-        return 2
-    params = _sampling_params(args)
     llm = LLM(args.model, **_engine_kwargs(args))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    outputs = llm.generate(args.prompt, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
-    sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
-    try:
-        for output in outputs:
-            record = {
-                "prompt": output.prompt,
-                "outputs": [
-                    {
-                        "text": c.text,
-                        "finish_reason": c.finish_reason,
-                        "num_tokens": len(c.token_ids),
-                    }
-                    for c in output.outputs
-                ],
-            }
-            if sink:
-                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-            elif not args.quiet or len(outputs) == 1:
-                for completion in output.outputs:
-                    print(f"--- {output.prompt!r}\n{completion.text}")
-    finally:
-        if sink:
-            sink.close()
+    for output in outputs:
+        if not args.quiet or len(outputs) == 1:
+            for completion in output.outputs:
+                print(f"--- {output.prompt!r}\n{completion.text}")
     print_report(llm, outputs, elapsed)
     return 0
 
@@ -194,14 +164,23 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vacpack", description=__doc__)
     parser.add_argument("--version", action="version", version=f"vacpack {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback of an error, anywhere on the line (also {DEBUG_ENV}=1)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate completions for prompts")
     _add_engine_args(generate)
     _add_sampling_args(generate)
-    generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    generate.add_argument("--input", help="file of prompts: .jsonl or one per line")
-    generate.add_argument("--output", help="write results as JSONL here")
+    prompts = generate.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    prompts.add_argument(
+        "--input", help="file of prompts: .jsonl (fields override the flags) or one per line"
+    )
+    generate.add_argument("--output", help="write results as JSONL here, resumably")
+    generate.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     generate.add_argument("--quiet", action="store_true", help="no progress bar or texts")
     generate.set_defaults(handler=cmd_generate)
 
@@ -229,14 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = debug_requested(argv)
+    args = build_parser().parse_args([arg for arg in argv if arg != "--debug"])
+
+    def run() -> int:
         if getattr(args, "corpus_command", False):
             return run_corpus_command(args, _engine_kwargs(args))
         return args.handler(args)
-    except ValueError as error:
-        print(f"vacpack {args.command}: error: {error}", file=sys.stderr)
-        return 2
+
+    return run_reporting_errors(args.command, run, debug)
 
 
 if __name__ == "__main__":

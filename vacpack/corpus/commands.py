@@ -8,29 +8,34 @@ in input order: the result, or {"index": i, "error": "..."} for an input that fa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from vacpack.corpus.packing import DocumentError
+from vacpack.output_file import RecordSink, StreamWriter, check_input_file, open_output
 
 TEXT_KEYS = ("text", "input", "prompt")
+CORPUS_RECORD_START = b'{"index":'
+_RESULT_KEYS = frozenset({"embedding", "label", "logprob", "error"})
 
 
-def read_corpus(path: Path, task: str) -> Iterator[Any]:
-    """Streams documents from a file of any size; a bad line becomes a DocumentError."""
+def read_corpus(path: Path, task: str, skip: int = 0) -> Iterator[Any]:
+    """Streams documents from a file of any size, after the first `skip` lines; a bad line
+    becomes a DocumentError (indexed from the first document streamed)."""
     with path.open(encoding="utf-8") as lines:
-        for index, line in enumerate(lines):
-            number = index + 1
+        for index, line in enumerate(itertools.islice(lines, skip, None)):
+            number = skip + index + 1
             line = line.rstrip("\n")
             if path.suffix != ".jsonl":
                 yield line
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as error:
+            except (json.JSONDecodeError, RecursionError) as error:
                 yield DocumentError(index, f"line {number} is not valid JSON: {error}")
                 continue
             if not isinstance(record, dict):
@@ -68,26 +73,55 @@ def run_corpus_command(args: argparse.Namespace, llm_kwargs: dict[str, Any]) -> 
     from vacpack.corpus.tasks import ClassifyTask, EmbedTask, LoglikelihoodTask, resolve_pooling
     from vacpack.llm import LLM
 
-    llm = LLM(args.model, **llm_kwargs)
-    loaded = llm.loaded
-    if args.command == "embed":
-        pooling = resolve_pooling(loaded, args.pooling, args.normalize)
-        task = EmbedTask(loaded, pooling, truncate=args.truncate)
-    elif args.command == "classify":
-        task = ClassifyTask(loaded, truncate=args.truncate)
-    else:
-        task = LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+    # The files first: a missing input or an output that must not be touched fails in a moment,
+    # not after the model has loaded.
     input_path = Path(args.input)
-    documents = read_corpus(input_path, args.command)
-    sink: TextIO = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    check_input_file(input_path)
+    num_lines = count_lines(input_path)
+    sink: RecordSink = StreamWriter()
+    num_done = 0
+    if args.output:
+        sink, num_done = open_corpus_output(Path(args.output), num_lines, args.overwrite)
     try:
-        for index, result in llm.corpus_runner.run(task, documents, count_lines(input_path)):
-            sink.write(json.dumps(result_record(index, result), ensure_ascii=False) + "\n")
+        llm = LLM(args.model, **llm_kwargs)
+        loaded = llm.loaded
+        if args.command == "embed":
+            pooling = resolve_pooling(loaded, args.pooling, args.normalize)
+            task = EmbedTask(loaded, pooling, truncate=args.truncate)
+        elif args.command == "classify":
+            task = ClassifyTask(loaded, truncate=args.truncate)
+        else:
+            task = LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+        # Results come out in input order, so an earlier run answered the first `num_done`.
+        documents = read_corpus(input_path, args.command, skip=num_done)
+        results = llm.corpus_runner.run(task, documents, num_lines - num_done)
+        for index, result in results:
+            sink.write(result_record(num_done + index, result))
     finally:
-        if sink is not sys.stdout:
-            sink.close()
+        sink.close()
     print(llm.corpus_runner.last_report.summary(), file=sys.stderr)
     return 0
+
+
+def open_corpus_output(path: Path, num_lines: int, overwrite: bool) -> tuple[RecordSink, int]:
+    """The output to append to, and how many documents an earlier run in it answered."""
+    num_done = 0
+
+    def check_record(record: dict[str, Any]) -> str | None:
+        nonlocal num_done
+        if record.get("index") != num_done:
+            return f"has index {record.get('index')!r} where {num_done} belongs"
+        if num_done >= num_lines:
+            return f"answers document {num_done}, but the input has {num_lines} lines"
+        if not set(record) & _RESULT_KEYS:
+            return "is not a corpus result record"
+        num_done += 1
+        return None
+
+    writer = open_output(
+        path, record_start=CORPUS_RECORD_START, check_record=check_record, overwrite=overwrite
+    )
+    return writer, num_done
 
 
 def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: Any) -> None:
@@ -99,7 +133,10 @@ def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: A
         parser = commands.add_parser(name, help=help_text)
         add_engine_args(parser)
         parser.add_argument("--input", required=True, help=".jsonl or plain text, any size")
-        parser.add_argument("--output", help="JSONL results in input order (default: stdout)")
+        parser.add_argument(
+            "--output", help="JSONL results in input order (default: stdout), resumably"
+        )
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
         parser.add_argument("--truncate", action="store_true", help="cut over-long documents")
         if name == "embed":
             parser.add_argument("--pooling", choices=["cls", "mean", "last", "max"])

@@ -124,6 +124,10 @@ def parse_body(model: type[Request], body: bytes | str | dict[str, Any]) -> Requ
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise bad_request(f"the request body is not valid JSON: {error}") from None
+        except RecursionError:
+            # The decoder's depth limit (the interpreter's recursion limit, about 1,000 levels),
+            # far beyond any real request's.
+            raise bad_request("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

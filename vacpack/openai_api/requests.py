@@ -13,6 +13,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.message_checks import check_messages
 from vacpack.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -104,6 +105,7 @@ def prepare_chat(
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
+    check_messages(request.messages)
     conversation: list[dict[str, Any]] = []
     for message in request.messages:
         turn: dict[str, Any] = {"role": message.role, "content": message.text()}

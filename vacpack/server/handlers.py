@@ -94,6 +94,12 @@ class OpenAIHandlers:
                 code="model_not_found",
             )
 
+    def _check_n(self, n: int | None) -> None:
+        if n is not None and n > self.config.max_n:
+            raise bad_request(
+                f"n must be at most {self.config.max_n} on this server (--max-n), got {n}", "n"
+            )
+
     def _require_generation(self) -> None:
         if not self.engine.serves_generation:
             raise bad_request("this model does not generate text; it serves embeddings", "model")
@@ -115,6 +121,7 @@ class OpenAIHandlers:
     def _prepare_completion(self, body: bytes) -> PreparedGeneration:
         request = parse_body(CompletionRequest, body)
         self._check_model(request.model)
+        self._check_n(request.n)
         self._require_generation()
         return prepare_completion(
             request, self.tokenizer, self.max_model_len, RequestOutputKind.DELTA
@@ -123,6 +130,7 @@ class OpenAIHandlers:
     def _prepare_chat(self, body: bytes) -> PreparedGeneration:
         request = parse_body(ChatCompletionRequest, body)
         self._check_model(request.model)
+        self._check_n(request.n)
         self._require_generation()
         return prepare_chat(request, self.tokenizer, self.max_model_len, RequestOutputKind.DELTA)
 
