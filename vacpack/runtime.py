@@ -17,7 +17,8 @@ from torch import nn
 from vacpack.config import EngineConfig
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.host_allocator import keep_freed_host_memory
-from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
+from vacpack.models.hub import resolve_model_path
+from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 
 
