@@ -12,11 +12,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_zygote import Zygote
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -45,6 +46,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpointF
         return built_dirs[cache_key]
 
     return build_or_reuse
+
+
+@pytest.fixture(scope="session")
+def cli_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """Forks real `vacpack` command processes without each paying the interpreter's start-up."""
+    zygote = Zygote(tmp_path_factory.mktemp("cli_zygote"))
+    yield zygote
+    zygote.close()
 
 
 # ---------------------------------------------------------------- tokenizers

@@ -79,7 +79,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
             raise CorruptWeightsError(
                 f"weights file {str(path)!r} is not valid safetensors (truncated or damaged?): "
                 f"{error}"
-            ) from None
+            ) from error
     missing = expected - loaded
     if missing:
         raise WeightsMismatchError(
