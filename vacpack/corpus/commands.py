@@ -26,10 +26,14 @@ _RESULT_KEYS = frozenset({"embedding", "label", "logprob", "error"})
 def read_corpus(path: Path, task: str, skip: int = 0) -> Iterator[Any]:
     """Streams documents from a file of any size, after the first `skip` lines; a bad line
     becomes a DocumentError (indexed from the first document streamed)."""
-    with path.open(encoding="utf-8") as lines:
-        for index, line in enumerate(itertools.islice(lines, skip, None)):
+    with path.open("rb") as lines:
+        for index, raw in enumerate(itertools.islice(lines, skip, None)):
             number = skip + index + 1
-            line = line.rstrip("\n")
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as error:
+                yield DocumentError(index, f"line {number} is not UTF-8: {error}")
+                continue
             if path.suffix != ".jsonl":
                 yield line
                 continue
