@@ -76,7 +76,9 @@ class PromptSource:
     def record_problem(self, record: dict[str, Any], line_numbers: array[int]) -> str | None:
         """Why a record of an existing output does not answer a prompt of this input."""
         index = record.get("index")
-        if not set(record) <= _RECORD_KEYS or "line" not in record or not isinstance(index, int):
+        keys = set(record)
+        is_record = keys <= _RECORD_KEYS and "line" in keys and bool(keys & {"outputs", "error"})
+        if not is_record or not isinstance(index, int):
             return "is not a generate output record"
         if not 0 <= index < len(line_numbers):
             return f"answers prompt {index}, but the input has {len(line_numbers)}"
