@@ -16,7 +16,7 @@ test: install
 	$(PYTHON) -m pytest tests
 
 lint: install
-	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTHON) -m mypy
 
 bench: install
 	$(PYTHON) -m pip install -e ".[bench]"

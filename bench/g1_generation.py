@@ -95,14 +95,15 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
             temperature=0, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True
         )
         llm.generate(make_warmup_prompts(args, vocab_size), warmup_params, use_tqdm=False)
-    timeline, stats = llm.engine.timeline, llm.engine.stats
+    engine = llm.engine
+    timeline = engine.timeline
     timeline.reset()  # the timeline covers the timed run alone
-    num_preemptions_before = stats.num_preemptions
+    num_preemptions_before = engine.state().num_preemptions
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     log(f"vacpack: generating for {len(prompts)} prompts")
 
     def status() -> str:
-        return f"{stats.num_generated_tokens} tokens generated"
+        return f"{engine.state().num_generated_tokens} tokens generated"
 
     with heartbeat("vacpack", status), timed_section() as section:
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -120,7 +121,7 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
             "engine": engine_fields,
             "max_num_batched_tokens": engine_fields["max_num_batched_tokens"],
             "num_steps": timeline.num_steps,
-            "num_preemptions": stats.num_preemptions - num_preemptions_before,
+            "num_preemptions": engine.state().num_preemptions - num_preemptions_before,
             # The device's time on those steps: CUDA events on a GPU, the step's forward and
             # sampling on a CPU. The MFU's denominator.
             "prefill_device_time_s": sum(s.device_s for s in prefill_steps),

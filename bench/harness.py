@@ -408,19 +408,18 @@ def repo_relative(path: Path) -> str:
 def vacpack_engine_fields(llm: Any) -> dict[str, Any]:
     """How a vacpack engine actually runs, as resolved from its configuration: what "auto" and
     the per-device defaults turned into on this machine."""
-    engine = llm.engine
-    graph_runner = engine.runner.graph_runner
+    setup = llm.engine.setup
     return {
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "attention_backend": engine.attention.name,
-        "async_scheduling": engine.async_scheduling,
-        "cuda_graphs": graph_runner is not None,
-        "cuda_graph_batch_sizes": list(graph_runner.buckets) if graph_runner is not None else [],
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "max_num_seqs": engine.config.max_num_seqs,
-        "kv_cache_pages": engine.kv_sizing.num_pages,
-        "kv_cache_page_tokens": engine.config.block_size,
+        "device": setup.device,
+        "dtype": setup.dtype,
+        "attention_backend": setup.attention_backend,
+        "async_scheduling": setup.async_scheduling,
+        "cuda_graphs": bool(setup.cuda_graph_batch_sizes),
+        "cuda_graph_batch_sizes": list(setup.cuda_graph_batch_sizes),
+        "max_num_batched_tokens": setup.max_num_batched_tokens,
+        "max_num_seqs": setup.max_num_seqs,
+        "kv_cache_pages": setup.kv_cache_pages,
+        "kv_cache_page_tokens": setup.page_size,
     }
 
 

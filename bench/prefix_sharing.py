@@ -81,10 +81,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         prompts = shared_prompt_requests(args, vocab_size)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        steps_before = len(llm.engine.stats.steps)
+        llm.engine.timeline.reset()  # the timeline covers the timed run alone
         with harness.timed_section() as section:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        steps = llm.engine.stats.steps[steps_before:]
+        steps = llm.engine.timeline.steps
         num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
         num_prompt = sum(len(p) for p in prompts)
         return {
@@ -95,15 +95,15 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens_per_s": num_output / section.wall_s,
             "total_tokens_per_s": (num_prompt + num_output) / section.wall_s,
             "prefill_tokens_computed": sum(s.num_tokens - s.num_decode_tokens for s in steps),
-            "cache_hit_rate": llm.engine.page_pool.stats.hit_rate,
+            "cache_hit_rate": llm.engine.state().prefix_cache_hit_rate,
         }
     context_texts, continuation_texts = multiple_choice_items(args, llm.get_tokenizer())
     llm.loglikelihood(["warm up"], [" now"], use_tqdm=False)  # also measures the bin budget
-    engine_tokens_before = llm.engine.stats.num_processed_tokens if enable else 0
+    engine_tokens_before = llm.engine.state().num_processed_tokens if enable else 0
     with harness.timed_section() as section:
         results = llm.loglikelihood(context_texts, continuation_texts, use_tqdm=False)
     if enable:
-        computed = llm.engine.stats.num_processed_tokens - engine_tokens_before
+        computed = llm.engine.state().num_processed_tokens - engine_tokens_before
     else:
         report = llm.corpus_runner.last_report
         computed = report.num_real_tokens

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from vacpack.bench_command import parse_length_range
 from vacpack.cli import main
+from vacpack.cli.bench import parse_length_range
 from vacpack.engine.timeline import (
     StepTimeline,
     StepTiming,
@@ -174,6 +176,23 @@ def test_plot_from_dict_and_of_nothing(tmp_path: Path) -> None:
     assert_png(tmp_path / "from_dict.png")
     with pytest.raises(ValueError, match="no steps"):
         plot_timeline(StepTimeline(), tmp_path / "empty.png")
+
+
+def test_plotting_leaves_the_users_matplotlib_backend_alone(tmp_path: Path) -> None:
+    code = (
+        "import matplotlib\n"
+        "matplotlib.use('svg')\n"
+        "from vacpack.engine.timeline import StepTimeline, StepTiming\n"
+        "from vacpack.engine.timeline_plot import plot_timeline\n"
+        "timeline = StepTimeline()\n"
+        "timeline.record(StepTiming(0, 0.0, 0.001, 0.001, 0.002, 0.002, 0.003, 4, 1, 0, 1, 8))\n"
+        f"plot_timeline(timeline, {str(tmp_path / 'plot.png')!r})\n"
+        "print(matplotlib.get_backend())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "svg"
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_parse_length_range() -> None:

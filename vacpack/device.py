@@ -1,8 +1,6 @@
-"""Which device and dtype to run on, and how much memory it has left."""
+"""Which device and dtype to run on, and how many threads."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -34,25 +32,6 @@ def resolve_dtype(
     if device.type == "cuda" and checkpoint_dtype == torch.float16:
         return torch.float16
     return torch.bfloat16
-
-
-def available_host_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo: what can be allocated without swapping."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def host_peak_memory_bytes() -> int:
-    """Peak resident memory of this process (ru_maxrss is in KiB on Linux)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def configure_threads(device: torch.device, num_threads: int | None) -> None:

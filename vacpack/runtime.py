@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from vacpack.config import EngineConfig
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
-from vacpack.host_allocator import keep_freed_host_memory
+from vacpack.host_memory import keep_freed_host_memory
+from vacpack.models.base import PackedModel
 from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 
@@ -25,16 +26,16 @@ from vacpack.tokenizer import eos_token_ids, load_tokenizer
 class LoadedModel:
     engine_config: EngineConfig
     model_dir: Path
-    hf_config: Any
-    model: nn.Module  # model.config is its family's config (a ModelConfig for decoders)
-    tokenizer: Any
+    hf_config: PretrainedConfig
+    model: PackedModel  # model.config is its family's config (a ModelConfig for decoders)
+    tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
 
     @property
-    def config(self) -> Any:
+    def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
         return self.model.config
 
     @property

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vacpack.device import host_peak_memory_bytes
+from vacpack.host_memory import host_peak_memory_bytes
 
 
 @dataclass

@@ -17,7 +17,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ COMPILE_FLAGS = (
     "-mavx512bf16",
     "-mfma",
 )
+# A C function of a loaded library, its argtypes set: called with ints, floats and pointers.
+KernelFunction = Callable[..., Any]
+
 DISABLE_ENV = "VACPACK_CPU_KERNELS"  # "0" turns the C kernels off
 CACHE_ENV = "VACPACK_KERNEL_CACHE"  # where built libraries are kept
 
