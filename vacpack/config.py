@@ -11,7 +11,9 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's own
     revision: str | None = None
     trust_remote_code: bool = False
-    dtype: str = "auto"  # auto (bfloat16 unless the checkpoint is float16 on CUDA), or a name
+    # auto: bfloat16, but float16 for a float16 checkpoint on CUDA, and on a CPU float32 where
+    # bfloat16 matmuls are measured much slower (models/cpu_dtype.py); or a name.
+    dtype: str = "auto"
     device: str = "auto"  # auto (cuda when present), cpu, cuda, cuda:N
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 256  # most requests running at once
