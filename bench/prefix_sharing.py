@@ -224,6 +224,9 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
         for cache in ("off", "on")
         if "wall_s" in summary[cache]
     }
+    for workload, summary in results["workloads"].items():
+        if "wall_s" in summary.get(VLLM_SYSTEM, {}):
+            values[f"{workload}\n{VLLM_SYSTEM}, on"] = summary[VLLM_SYSTEM]["wall_s"]
     machine = harness.machine_summary(results["machine"])
     harness.save_bar_chart(
         values,

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,8 @@ class ChoiceCache:
 
     def path_for(self, key: dict[str, Any]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        return self.directory / f"{key['phase']}-{digest}.json"
+        readable = re.sub(r"[^A-Za-z0-9_.-]", "_", key["phase"])  # the hash alone is the key
+        return self.directory / f"{readable}-{digest}.json"
 
     def load(self, key: dict[str, Any]) -> dict[str, Any] | None:
         """The stored entry for `key`; None where there is none or it cannot be trusted."""
