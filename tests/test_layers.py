@@ -23,18 +23,16 @@ LAYERS: list[set[str]] = [
     {"vacpack.models"},
     {"vacpack.attention"},
     {"vacpack.kvcache"},
-    {"vacpack.detokenizer", "vacpack.sampling"},
+    {"vacpack.detokenizer", "vacpack.sampling", "vacpack.device"},
+    {"vacpack.tuning"},
     {
         "vacpack.cpu_kernels",
         "vacpack.config",
         "vacpack.outputs",
         "vacpack.tokenizer",
-        "vacpack.device",
         "vacpack.host_memory",
         "vacpack.pinned_staging",
         "vacpack.registry",
-        "vacpack.measured",
-        "vacpack.tuning",
     },
 ]
 # The package's __init__ (`from vacpack import LLM`) runs before any of its modules, whoever

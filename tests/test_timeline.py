@@ -214,9 +214,14 @@ def test_bench_writes_timeline_plot_and_json(
         "--timeline", str(png), "--json", str(report), "--quiet", "--no-warmup",
     ]  # fmt: skip
     assert main(argv) == 0
-    assert "device busy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "device busy" in out
+    # dtype auto on a CPU: bfloat16 or float32, timed at the model's shapes (or cached).
+    assert "chosen by measurement: cpu_dtype" in out
     assert_png(png)
     results = json.loads(report.read_text())
+    assert [c["phase"] for c in results["measured_choices"]] == ["cpu_dtype"]
+    assert results["dtype"] == results["measured_choices"][0]["chosen"]
     assert results["num_output_tokens"] == num_prompts * output_len
     assert 4 * num_prompts <= results["num_prompt_tokens"] <= 12 * num_prompts
     steps = results["timeline"]["steps"]

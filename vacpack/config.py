@@ -20,8 +20,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     """Let transformers run code shipped with the checkpoint (its config and tokenizer)."""
     dtype: str = "auto"
-    """auto (bfloat16, or float16 for a float16 checkpoint on CUDA), bfloat16, float16, or
-    float32."""
+    """auto (bfloat16; float16 for a float16 checkpoint on CUDA; on a CPU float32 where
+    bfloat16 matmuls are measured much slower), bfloat16, float16, or float32."""
     device: str = "auto"
     """auto (cuda when present), cpu, cuda, or cuda:N."""
     max_model_len: int | None = None

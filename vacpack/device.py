@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from vacpack.tuning import MeasuredChoice
+
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -23,14 +25,21 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(
-    name: str, checkpoint_dtype: torch.dtype | None, device: torch.device
+    name: str,
+    checkpoint_dtype: torch.dtype | None,
+    device: torch.device,
+    cpu_dtype_choice: MeasuredChoice | None = None,
 ) -> torch.dtype:
-    """bfloat16 by default: on CPUs with AVX-512 BF16 or AMX it is many times faster than float32,
-    and on GPUs it is the native training dtype of the model families we serve."""
+    """A named dtype is always honoured. auto: bfloat16 by default, the native training dtype
+    of the model families we serve; float16 for a float16 checkpoint on CUDA. On a CPU, auto
+    follows `cpu_dtype_choice` where one was measured (models/cpu_dtype.py): bfloat16 is many
+    times faster than float32 with AVX512-BF16 or AMX, and many times slower without them."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda" and checkpoint_dtype == torch.float16:
         return torch.float16
+    if device.type == "cpu" and cpu_dtype_choice is not None:
+        return _DTYPES[cpu_dtype_choice.chosen]
     return torch.bfloat16
 
 

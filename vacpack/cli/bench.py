@@ -141,12 +141,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "num_output_tokens": num_output_tokens,
         "output_tokens_per_s": num_output_tokens / elapsed_s,
         "total_tokens_per_s": (num_prompt_tokens + num_output_tokens) / elapsed_s,
+        "measured_choices": [c.to_dict() for c in llm.loaded.measured_choices],
     }
     print(
         f"throughput: {results['output_tokens_per_s']:.1f} output tok/s, "
         f"{results['total_tokens_per_s']:.1f} total tok/s ({num_prompt_tokens} prompt + "
         f"{num_output_tokens} output tokens in {elapsed_s:.2f} s)"
     )
+    for choice in llm.loaded.measured_choices:
+        print(f"chosen by measurement: {choice.summary()}")
     print(f"timeline: {timeline.summary().describe()}")
     results["timeline"] = timeline.to_dict()
     if args.timeline:

@@ -99,7 +99,12 @@ class CorpusRunner:
     ) -> Iterator[tuple[int, Any]]:
         """Yields (input index, result or DocumentError) in input order."""
         budget = self.budget
-        report = JobReport(task.name, bin_budget_tokens=budget.tokens, budget_source=budget.source)
+        report = JobReport(
+            task.name,
+            bin_budget_tokens=budget.tokens,
+            budget_source=budget.source,
+            measured_choices=self.loaded.measured_choices,
+        )
         self.last_report = report
         packer = FirstFitDecreasingPacker(
             budget.tokens, WINDOW_DOCS, self.align_to, _pad_token_id(self.loaded)

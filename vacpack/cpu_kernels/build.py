@@ -57,11 +57,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def user_cache_root() -> Path:
+    """vacpack's folder in the user's cache: built kernels and measured choices live here."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vacpack"
+
+
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vacpack" / "kernels"
+    return user_cache_root() / "kernels"
 
 
 def _compile(compiler: str, source: Path, target: Path) -> None:
