@@ -5,8 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from vacpack.models.bert import BertForSequenceClassification, BertModel
+from vacpack.models.decoder_embedding import LlamaModel
 from vacpack.models.llama import LlamaForCausalLM
 from vacpack.models.llama_classifier import LlamaForSequenceClassification
+from vacpack.models.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +21,15 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaModel": XLMRobertaModel,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "RobertaModel": XLMRobertaModel,
+    "RobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    # Decoder embedding models (Qwen3-Embedding style): the body without an LM head.
+    "LlamaModel": LlamaModel,
+    "MistralModel": LlamaModel,
+    "Qwen2Model": LlamaModel,
+    "Qwen3Model": LlamaModel,
 }
 
 
