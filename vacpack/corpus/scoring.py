@@ -23,25 +23,32 @@ from vacpack.runtime import LoadedModel
 TextPair = tuple[str, str]
 
 
-def pair_inputs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[TextPair]:
-    """The pairs to score: 1:1, one text_1 against every text_2 (1:N), or pairwise (N:N)."""
+def pair_inputs(
+    data_1: str | Sequence[str],
+    data_2: str | Sequence[str],
+    names: tuple[str, str] = ("text_1", "text_2"),
+) -> list[TextPair]:
+    """The pairs to score: 1:1, one text_1 against every text_2 (1:N), or pairwise (N:N).
+
+    `names` are the two sides' names in error messages (a request's own field names).
+    """
+    first_name, second_name = names
     texts_1 = [data_1] if isinstance(data_1, str) else list(data_1)
     texts_2 = [data_2] if isinstance(data_2, str) else list(data_2)
-    if not texts_1:
-        raise ValueError("give at least one text_1 (query)")
-    if not texts_2:
-        raise ValueError("give at least one text_2 (document)")
+    for name, texts in ((first_name, texts_1), (second_name, texts_2)):
+        if not texts:
+            raise ValueError(f"{name} must not be empty: give at least one text")
+        for index, text in enumerate(texts):
+            where = f"{name} {index}" if len(texts) > 1 else name
+            if not isinstance(text, str):
+                raise ValueError(f"{where} must be a string, got {type(text).__name__}")
+            if not text.strip():
+                raise ValueError(f"{where} is empty")
     if len(texts_1) > 1 and len(texts_1) != len(texts_2):
         raise ValueError(
-            f"got {len(texts_1)} text_1 and {len(texts_2)} text_2: the lengths must be 1:1, 1:N "
-            "or N:N"
+            f"got {len(texts_1)} {first_name} and {len(texts_2)} {second_name}: the lengths "
+            "must be 1:1, 1:N or N:N"
         )
-    for name, texts in (("text_1", texts_1), ("text_2", texts_2)):
-        for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(f"{name} {index} must be a string, got {type(text).__name__}")
-            if not text.strip():
-                raise ValueError(f"{name} {index} is empty")
     if len(texts_1) == 1:
         texts_1 = texts_1 * len(texts_2)
     return list(zip(texts_1, texts_2, strict=True))
