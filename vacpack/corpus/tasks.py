@@ -237,7 +237,7 @@ class EmbedTask(WholeTextTask):
     ) -> list[EmbeddingRequestOutput]:
         vectors = pool(hidden, seq_lens, self.pooling).cpu().tolist()
         return [
-            EmbeddingRequestOutput(str(doc.index), list(doc.token_ids), EmbeddingOutput(vector))
+            EmbeddingRequestOutput(str(doc.index), doc.token_ids.tolist(), EmbeddingOutput(vector))
             for doc, vector in zip(documents, vectors, strict=True)
         ]
 
