@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +24,12 @@ from vacpack.outputs import embeddings_array
 from vacpack.testing.packed_forward import load_for_test, packed_forward
 from vacpack.testing.tiny_encoders import (
     build_tiny_bert,
+    build_tiny_decoder_embedding,
     build_tiny_xlm_roberta,
     minilm_dir,
     write_sentence_transformers_files,
 )
-from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH, build_tiny_checkpoint
+from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH
 
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages\nQuery:"
 
@@ -165,15 +168,11 @@ def test_bert_pairs_read_the_second_segment_as_token_type_1(minilm_reranker_dir:
 
 @pytest.fixture(scope="module")
 def qwen3_embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Qwen3-Embedding-style checkpoint as sentence-transformers saves it: the bare Qwen3Model
-    (no lm_head, no "model." prefix), last-token pooling, Normalize, a query prompt."""
-    causal_dir = build_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3_causal"))
     out_dir = tmp_path_factory.mktemp("qwen3_embedding")
-    AutoModel.from_pretrained(causal_dir).save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(causal_dir).save_pretrained(out_dir)
-    assert json.loads((out_dir / "config.json").read_text())["architectures"] == ["Qwen3Model"]
     prompts = {"query": QUERY_PROMPT, "document": ""}
-    return write_sentence_transformers_files(out_dir, "lasttoken", prompts=prompts)
+    build_tiny_decoder_embedding(out_dir, "qwen3", prompts=prompts)
+    assert json.loads((out_dir / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    return out_dir
 
 
 def test_decoder_embeddings_equal_sentence_transformers(qwen3_embedding_dir: Path) -> None:
@@ -225,7 +224,9 @@ def test_declared_matryoshka_dimensions_are_enforced() -> None:
         check_dimensions(0, 64, SimpleNamespace())
 
 
-def test_a_generative_model_embeds_its_last_token_normalized(tiny_checkpoint) -> None:
+def test_a_generative_model_embeds_its_last_token_normalized(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
     """As vLLM's embed does for decoders: last token, L2-normalized, on LLM and CLI alike."""
     model_dir = tiny_checkpoint("qwen2")
     llm = _llm(model_dir)
@@ -244,6 +245,18 @@ def test_a_generative_model_embeds_its_last_token_normalized(tiny_checkpoint) ->
     # Scoring with an embedding-capable model: the cosine similarity of the two embeddings.
     scores = _scores(llm.score(texts[0], texts[1:4], use_tqdm=False))
     np.testing.assert_allclose(scores, ours[1:4] @ ours[0], atol=1e-5)
+    # The command line embeds the same way (here cut to 32 dimensions).
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:3]))
+    command = [sys.executable, "-m", "vacpack", "embed", "--model", str(model_dir)]
+    command += ["--dtype", "float32", "--input", str(corpus), "--output", str(tmp_path / "o")]
+    finished = subprocess.run(
+        [*command, "--dimensions", "32"], capture_output=True, text=True, timeout=300
+    )
+    assert finished.returncode == 0, finished.stderr
+    records = [json.loads(line) for line in (tmp_path / "o").read_text().splitlines()]
+    expected = embeddings_array(llm.embed(texts[:3], dimensions=32, use_tqdm=False))
+    np.testing.assert_allclose([r["embedding"] for r in records], expected, atol=1e-5)
 
 
 # ------------------------------------------------------------------ refusals

@@ -65,14 +65,21 @@ def result_record(index: int, result: Any) -> dict[str, Any]:
 
 
 def run_corpus_command(args: argparse.Namespace, llm_kwargs: dict[str, Any]) -> int:
-    from vacpack.corpus.tasks import ClassifyTask, EmbedTask, LoglikelihoodTask, resolve_pooling
+    from vacpack.corpus.tasks import (
+        ClassifyTask,
+        EmbedTask,
+        LoglikelihoodTask,
+        resolve_pooling,
+        resolve_prompt,
+    )
     from vacpack.llm import LLM
 
     llm = LLM(args.model, **llm_kwargs)
     loaded = llm.loaded
     if args.command == "embed":
-        pooling = resolve_pooling(loaded, args.pooling, args.normalize)
-        task = EmbedTask(loaded, pooling, truncate=args.truncate)
+        pooling = resolve_pooling(loaded, args.pooling, args.normalize, args.dimensions)
+        prompt = resolve_prompt(loaded, args.prompt, args.prompt_name)
+        task = EmbedTask(loaded, pooling, truncate=args.truncate, prompt=prompt)
     elif args.command == "classify":
         task = ClassifyTask(loaded, truncate=args.truncate)
     else:
@@ -104,6 +111,13 @@ def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: A
         if name == "embed":
             parser.add_argument("--pooling", choices=["cls", "mean", "last", "max"])
             parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(
+                "--dimensions", type=int, help="keep the first N dimensions (Matryoshka)"
+            )
+            parser.add_argument("--prompt", help="instruction put before every text")
+            parser.add_argument(
+                "--prompt-name", help="the checkpoint's named prompt to put before every text"
+            )
         if name == "loglikelihood":
             parser.add_argument("--token-logprobs", action="store_true")
         parser.set_defaults(corpus_command=True)

@@ -146,8 +146,6 @@ def prepare_chat(
 
 def prepare_embedding(request: EmbeddingRequest) -> list[str | list[int]]:
     """The inputs to embed, as texts or token-id lists (the embedding job tokenizes text)."""
-    if request.dimensions is not None:
-        raise bad_request("dimensions is not supported", "dimensions")
     given = request.input
     inputs: list[str | list[int]]
     if isinstance(given, str):

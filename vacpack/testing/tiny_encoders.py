@@ -165,3 +165,21 @@ def _st_module(index: int, path: str, kind: str) -> dict[str, Any]:
         "path": path,
         "type": f"sentence_transformers.models.{kind}",
     }
+
+
+def build_tiny_decoder_embedding(
+    out_dir: Path, family: str = "qwen3", prompts: Mapping[str, str] | None = None
+) -> Path:
+    """A Qwen3-Embedding-style checkpoint as sentence-transformers saves one: the bare decoder
+    (architectures Qwen3Model; no lm_head, no "model." prefix), last-token pooling, Normalize,
+    and the given prompts."""
+    from transformers import AutoTokenizer
+
+    from vacpack.testing.tiny_models import build_tiny_checkpoint
+
+    out_dir = Path(out_dir)
+    causal_dir = build_tiny_checkpoint(family, out_dir / "causal")
+    AutoModel.from_pretrained(causal_dir).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(causal_dir).save_pretrained(out_dir)
+    shutil.rmtree(causal_dir)
+    return write_sentence_transformers_files(out_dir, "lasttoken", prompts=prompts)
