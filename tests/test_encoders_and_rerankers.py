@@ -29,7 +29,7 @@ from vacpack.testing.tiny_encoders import (
     minilm_dir,
     write_sentence_transformers_files,
 )
-from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH
+from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH, build_tiny_classifier_checkpoint
 
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages\nQuery:"
 
@@ -161,6 +161,23 @@ def test_bert_pairs_read_the_second_segment_as_token_type_1(minilm_reranker_dir:
     with torch.no_grad():
         as_type_0 = reference_model(encoded["input_ids"]).logits.sigmoid().item()
     assert abs(ours[0] - as_type_0) > 1e-3
+
+
+def test_a_decoder_reranker_reads_the_two_texts_joined(tmp_path: Path) -> None:
+    """A one-label decoder classifier scores text_1 + text_2 as one text, as vLLM's "LLM as
+    reranker" does without a score template."""
+    model_dir = build_tiny_classifier_checkpoint("qwen2", tmp_path / "qwen2", num_labels=1)
+    llm = _llm(model_dir)
+    query, documents = "a question:", _texts(5, seed=8, max_words=30)
+    ours = _scores(llm.score(query, documents, use_tqdm=False))
+    reference_model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = llm.get_tokenizer()
+    with torch.no_grad():
+        logits = [
+            reference_model(torch.tensor([tokenizer.encode(query + d)])).logits[0, 0]
+            for d in documents
+        ]
+    np.testing.assert_allclose(ours, torch.stack(logits).sigmoid().numpy(), atol=1e-5)
 
 
 # ------------------------------------------------------------------ decoder embedding models
