@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from vacpack.corpus.scoring import pair_inputs
+from vacpack.corpus.scoring import TextPair, pair_inputs
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.protocol import (
     SCORE_FIELD_PAIRS,
@@ -24,7 +24,7 @@ from vacpack.openai_api.protocol import (
 )
 from vacpack.openai_api.requests import prepare_embedding
 from vacpack.openai_api.responses import embedding_body, now_s
-from vacpack.openai_api.serving import PoolingFunctions, TextPair, run_grouped
+from vacpack.openai_api.serving import PoolingFunctions, run_grouped
 from vacpack.outputs import ScoringRequestOutput
 
 

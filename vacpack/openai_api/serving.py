@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vacpack.corpus.scoring import TextPair
 from vacpack.outputs import EmbeddingRequestOutput, ScoringRequestOutput
 
 EmbedInput = str | list[int]
-TextPair = tuple[str, str]
 # Texts or token-id lists in (and the Matryoshka dimensions, None for all), one output per
 # input out, in order.
 EmbedFunction = Callable[[list[EmbedInput], int | None], list[EmbeddingRequestOutput]]
