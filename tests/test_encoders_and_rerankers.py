@@ -303,3 +303,8 @@ def test_an_unsupported_architecture_names_the_supported_ones(
         LLM(str(model_dir), dtype="float32")
     for name in ("XLMRobertaModel", "XLMRobertaForSequenceClassification", "Qwen3Model"):
         assert name in str(info.value)
+    # A model type transformers does not know either gets the same error.
+    config.update(model_type="no-such-type", architectures=["NoSuchModel"])
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'NoSuchModel' is not supported; supported:.*BertModel"):
+        LLM(str(model_dir), dtype="float32")
