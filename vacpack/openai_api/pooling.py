@@ -89,7 +89,13 @@ def prepare_rerank(
     return PreparedPooling(
         job_key=("score", request.use_activation is not False),
         inputs=pairs,
-        finish=partial(rerank_body, response_id, model_name, request.documents, request.top_n),
+        finish=partial(
+            rerank_body,
+            response_id,
+            model_name,
+            request.documents if request.return_documents is not False else None,
+            request.top_n,
+        ),
         error_param="documents",
     )
 
@@ -101,7 +107,7 @@ def run_pooling(
     by_key: dict[tuple[str, Any], list[int]] = defaultdict(list)
     for index, request in enumerate(prepared):
         by_key[request.job_key].append(index)
-    results: list[dict[str, Any] | APIError | None] = [None] * len(prepared)
+    results: dict[int, dict[str, Any] | APIError] = {}
     for key, indices in by_key.items():
         job = _job_function(functions, key)
         outputs = run_grouped(job, [prepared[index].inputs for index in indices])
@@ -111,7 +117,7 @@ def run_pooling(
                 results[index] = bad_request(str(output), request.error_param)
             else:
                 results[index] = request.finish(output)
-    return [result for result in results if result is not None]
+    return [results[index] for index in range(len(prepared))]
 
 
 def score_body(
@@ -134,11 +140,13 @@ def score_body(
 def rerank_body(
     response_id: str,
     model_name: str,
-    documents: Sequence[str],
+    documents: Sequence[str] | None,
     top_n: int | None,
     outputs: Sequence[ScoringRequestOutput],
 ) -> dict[str, Any]:
-    """Documents by relevance, most relevant first; the top_n of them when top_n > 0."""
+    """Documents by relevance, most relevant first; the top_n of them when top_n > 0. Each
+    result carries its document's text, as vLLM's do, unless `documents` is None (the client
+    sent return_documents: false)."""
     ranked = sorted(range(len(outputs)), key=lambda index: -outputs[index].outputs.score)
     if top_n:
         ranked = ranked[:top_n]
@@ -150,7 +158,7 @@ def rerank_body(
         "results": [
             {
                 "index": index,
-                "document": {"text": documents[index]},
+                **({"document": {"text": documents[index]}} if documents is not None else {}),
                 "relevance_score": outputs[index].outputs.score,
             }
             for index in ranked
