@@ -26,6 +26,7 @@ from vacpack.corpus.pipeline import BackgroundBins
 from vacpack.corpus.report import JobReport
 from vacpack.corpus.staging import BinStager
 from vacpack.corpus.tasks import CorpusTask
+from vacpack.models.forward_context import attention_specs
 from vacpack.runtime import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class CorpusRunner:
                 loaded.device,
                 loaded.dtype,
                 loaded.config.head_dim,
+                attention_specs(loaded.model),
             ),
         )
         self.align_to = align_to

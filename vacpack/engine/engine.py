@@ -29,7 +29,11 @@ from vacpack.engine.step_executor import StepHandle, create_executor
 from vacpack.engine.timeline import StepTimeline, StepTiming
 from vacpack.kvcache import PagedKVCache, PagePool, kv_bytes_per_token
 from vacpack.kvcache.sizing import size_kv_cache
-from vacpack.models.forward_context import ForwardContext
+from vacpack.models.forward_context import (
+    ForwardContext,
+    attention_specs,
+    attention_windows,
+)
 from vacpack.outputs import (
     Logprob,
     RequestMetrics,
@@ -81,7 +85,11 @@ class LLMEngine:
             self.device.type, 2048
         )
         self.attention = select_backend(
-            config.attention_backend, self.device, self.dtype, self.model_config.head_dim
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            self.model_config.head_dim,
+            attention_specs(self.model),
         )
 
         mc = self.model_config
@@ -111,7 +119,12 @@ class LLMEngine:
         self.graph_memory_bytes = 0
         self.page_pool = PagePool(sizing.num_pages, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, config.block_size),
+            SchedulerConfig(
+                config.max_num_seqs,
+                self.max_num_batched_tokens,
+                config.block_size,
+                mc.kv_window,
+            ),
             self.page_pool,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
@@ -482,7 +495,9 @@ class LLMEngine:
     def _profile_forward(self) -> None:
         """One forward at the largest step shape, with no KV cache, to measure peak memory."""
         num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
-        layout = BatchLayout([num_tokens], [num_tokens])
+        layout = BatchLayout(
+            [num_tokens], [num_tokens], attention_windows=attention_windows(self.model)
+        )
         ctx = ForwardContext(
             self.attention, self.attention.build_metadata(layout, self.device), None
         )

@@ -33,7 +33,7 @@ from vacpack.engine.sampler import (
 )
 from vacpack.engine.scheduler import ScheduledRequest
 from vacpack.kvcache.paged_cache import PagedKVCache
-from vacpack.models.forward_context import ForwardContext
+from vacpack.models.forward_context import ForwardContext, attention_windows
 
 # Prompt-logprob rows go through the LM head and log-softmax this many at a time, so a long
 # prompt chunk never materialises [chunk, vocab] float32 logits at once.
@@ -119,6 +119,7 @@ class ModelRunner:
         graph_runner: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
+        self.attention_windows = attention_windows(model)
         self.graph_runner = graph_runner
         self.kv_cache = kv_cache
         self.attention = attention
@@ -164,7 +165,13 @@ class ModelRunner:
                 sample_rows.append(row_start + num_new - 1)
                 sampled_requests.append(request)
 
-        layout = BatchLayout(query_lens, context_lens, page_tables, self.kv_cache.page_size)
+        layout = BatchLayout(
+            query_lens,
+            context_lens,
+            page_tables,
+            self.kv_cache.page_size,
+            attention_windows=self.attention_windows,
+        )
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(layout)
         num_slots = self.future_tokens.shape[0]
         future_slots = [(self._next_future_slot + i) % num_slots for i in range(len(sample_rows))]

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vacpack.engine.request import Request, RequestStatus
+from vacpack.engine.window_pages import WindowedPageRelease, held_pages
 from vacpack.kvcache.page_pool import PagePool
 
 
@@ -34,6 +35,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     page_size: int
+    # When every layer has a sliding window, the largest: pages behind it are freed as
+    # sequences advance. None keeps every page until the sequence finishes.
+    kv_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class Scheduler:
         self.pool = pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._window_release = None
+        if config.kv_window is not None:
+            self._window_release = WindowedPageRelease(config.kv_window, config.page_size)
         # Hashes of the full pages running requests are computing and have not indexed yet.
         self._pages_in_flight: dict[int, int] = {}
 
@@ -86,6 +93,7 @@ class Scheduler:
                 index += 1  # finishes by length once its launched steps are read
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            self._release_dead_pages(request)
             while not self._reserve_pages(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -112,6 +120,7 @@ class Scheduler:
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
             self._take_cached_prefix(request)
+            self._release_dead_pages(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve_pages(request, request.num_computed_tokens + num_new):
                 self._release(request)
@@ -188,11 +197,17 @@ class Scheduler:
         if count > 1:
             self._pages_in_flight[page_hash] = count - 1
 
+    def _release_dead_pages(self, request: Request) -> None:
+        """Frees the pages no layer's sliding window reaches any more (window_pages.py)."""
+        if self._window_release is not None:
+            self._window_release.release_dead_pages(request, self.pool)
+
     def _release(self, request: Request) -> None:
         for page_hash in list(request.in_flight_hashes):
             self._landed(request, page_hash)
-        self.pool.free(request.page_table)
+        self.pool.free(held_pages(request))
         request.page_table = []
+        request.num_released_pages = 0
         request.page_hashes = []
         request.num_computed_tokens = 0
 

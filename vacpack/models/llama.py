@@ -3,10 +3,15 @@
 There is no batch axis: a step's sequences are concatenated, positions restart at 0 for each
 sequence, and the attention backend keeps sequences apart. The LM head runs only on the rows
 whose logits are needed.
+
+The other decoder families (Gemma, Phi-3, the mixtures of experts) are this model with a
+different layer, norm or MLP: they override `make_layer` and the checkpoint name mapping.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -32,14 +37,27 @@ from vacpack.models.parallel import (
 )
 from vacpack.models.rotary import RotaryEmbedding, apply_rotary
 
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
 
 class LlamaAttention(nn.Module):
     # Set once loaded on a bf16 CPU: rotary embeddings of q and k in one fused C pass.
     use_cpu_kernels: bool = False
 
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        norm_class: type[nn.Module] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.spec = config.attention_spec(layer_index)
         self.num_heads = tp.split(config.num_heads, "attention heads")
         self.num_kv_heads = tp.split(config.num_kv_heads, "key/value heads")
         self.head_dim = config.head_dim
@@ -54,8 +72,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, bias=False, tp=tp
         )
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -76,7 +94,8 @@ class LlamaAttention(nn.Module):
             q, k = rotary_qk(q, k, *cos_sin)
         else:
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-        out = ctx.attention.forward(q, k, v, ctx.kv_layer(self.layer_index), ctx.metadata)
+        kv_layer = ctx.kv_layer(self.layer_index)
+        out = ctx.attention.forward(q, k, v, kv_layer, ctx.metadata, self.spec)
         return self.o_proj(out.view(num_tokens, q_size))
 
 
@@ -87,17 +106,33 @@ CPU_MLP_ROWS_PER_PASS = 512
 
 
 class LlamaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up in one matmul. `intermediate_size` overrides the
+    config's (a mixture's experts are narrower); without `reduce_results` the tensor-parallel
+    partial sums are left for the caller to reduce once (a mixture sums its experts first)."""
+
     rows_per_pass: int | None = None
     # Set once loaded on a bf16 CPU: SiLU(gate) * up in one fused C pass.
     use_cpu_kernels: bool = False
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
-        size = config.intermediate_size
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {config.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=False, tp=tp, reduce_results=reduce_results
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = self.rows_per_pass
@@ -110,16 +145,22 @@ class LlamaMLP(nn.Module):
         if self.use_cpu_kernels:
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -149,23 +190,28 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers)
+            self.make_layer(config, i, tp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
             else LMHead(config.vocab_size, config.hidden_size)
         )
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = RotaryEmbedding(config.rope)
+
+    def make_layer(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> nn.Module:
+        return LlamaDecoderLayer(config, layer_index, tp)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        return [self.rotary]
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int] | None:
         """Maps a checkpoint tensor name to (our parameter name, shard index); None to skip it."""
@@ -181,14 +227,28 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         device = self.embed_tokens.weight.device
-        self.rotary.build_cache(device, self.embed_tokens.weight.dtype)
+        for rotary in self.rotary_embeddings():
+            rotary.build_cache(device, self.embed_tokens.weight.dtype)
         if device.type == "cpu":
-            for layer in self.layers:
-                layer.mlp.rows_per_pass = CPU_MLP_ROWS_PER_PASS
-        if elementwise_kernels_available(device, self.embed_tokens.weight.dtype):
             for module in self.modules():
-                if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                if isinstance(module, LlamaMLP):
+                    module.rows_per_pass = CPU_MLP_ROWS_PER_PASS
+        if elementwise_kernels_available(device, self.embed_tokens.weight.dtype):
+            # The C kernels cover Llama's norm, SiLU and a rotation of the whole head.
+            full_rotary = self.config.partial_rotary_factor == 1.0
+            for module in self.modules():
+                if (
+                    type(module) is RMSNorm
+                    or (isinstance(module, LlamaAttention) and full_rotary)
+                    or (isinstance(module, LlamaMLP) and module.is_silu)
+                ):
                     module.use_cpu_kernels = True
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The engine runs sequences of at most max_model_len tokens: the rotary tables cover
+        that many positions, and longrope picks its factors by it."""
+        for rotary in self.rotary_embeddings():
+            rotary.build_cache(rotary.cos_sin.device, rotary.cos_sin.dtype, max_model_len)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
