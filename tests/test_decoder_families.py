@@ -16,8 +16,8 @@ from vacpack import LLM
 
 # Gemma's windows (24 tokens) are shorter than most of these prompts.
 FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
-PROMPT_LENGTHS = [1, 6, 17, 40, 70, 130]
-MAX_NEW_TOKENS = 10
+PROMPT_LENGTHS = [1, 17, 40, 90]
+MAX_NEW_TOKENS = 8
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -32,7 +32,7 @@ def test_family_equals_transformers(family: str, tiny_checkpoint) -> None:
         reference, prompts, MAX_NEW_TOKENS
     )
     assert any(0 < s.num_decode_tokens < s.num_tokens for s in llm.engine.stats.steps)
-    assert_prompt_logprobs_match(llm, reference, prompts[2:5])
+    assert_prompt_logprobs_match(llm, reference, prompts[1:3])
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path) -> None:

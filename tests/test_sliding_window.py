@@ -4,6 +4,8 @@ layer's window go back to the pool while a sequence decodes."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from transformers_reference import (
     assert_prompt_logprobs_match,
@@ -14,6 +16,7 @@ from transformers_reference import (
 )
 
 from vacpack import LLM
+from vacpack.models.config import layer_sliding_windows
 
 WINDOW = 24
 MAX_NEW_TOKENS = 20  # every prompt's decode crosses the window
@@ -39,7 +42,7 @@ WINDOWED = {
 
 @pytest.mark.parametrize(
     ("family", "async_scheduling"),
-    [("mistral", False), ("mistral", True), ("qwen2", False), ("gemma2", False)],
+    [("mistral", True), ("qwen2", False), ("gemma2", False)],
 )
 def test_windowed_model_equals_transformers(
     family: str, async_scheduling: bool, tiny_checkpoint
@@ -70,15 +73,13 @@ def test_windowed_model_equals_transformers(
     assert pool.num_free_pages == pool.num_pages
 
 
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_pages_behind_the_window_are_freed_during_decode(
-    enable_prefix_caching: bool, tiny_checkpoint
-) -> None:
+def test_pages_behind_the_window_are_freed_during_decode(tiny_checkpoint) -> None:
     """A 20-token prompt decoding 60 tokens holds about window / page_size pages, not all of
-    its context's; the same model without a window holds every page to the end."""
+    its context's, with the prefix cache on (pages go back once indexed) or off; the same model
+    without a window holds every page to the end."""
     prompts = random_prompts([20], 2048, seed=3)
     peak_pages = {}
-    for window in (WINDOW, None):
+    for window, enable_prefix_caching in [(WINDOW, True), (WINDOW, False), (None, True)]:
         llm = LLM(
             str(tiny_checkpoint("mistral", sliding_window=window)),
             dtype="float32",
@@ -87,10 +88,36 @@ def test_pages_behind_the_window_are_freed_during_decode(
             enable_prefix_caching=enable_prefix_caching,
         )
         ours_greedy(llm, prompts, 60)
-        peak_pages[window] = max(step.kv_pages_used for step in llm.engine.stats.steps)
+        steps = llm.engine.stats.steps
+        peak_pages[window, enable_prefix_caching] = max(step.kv_pages_used for step in steps)
         pool = llm.engine.page_pool
         pool.check_consistency()
         assert pool.num_free_pages == pool.num_pages
-    assert peak_pages[None] == 80 // PAGE_SIZE
+    assert peak_pages[None, True] == 80 // PAGE_SIZE
     # The window's pages, the page being filled, and one more that a step may run into.
-    assert peak_pages[WINDOW] <= WINDOW // PAGE_SIZE + 2
+    assert peak_pages[WINDOW, True] <= WINDOW // PAGE_SIZE + 2
+    assert peak_pages[WINDOW, False] <= WINDOW // PAGE_SIZE + 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"model_type": "mistral"}, (8, 8, 8, 8)),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 2},
+            (None, None, 8, 8),
+        ),
+        ({"model_type": "qwen2", "use_sliding_window": False, "max_window_layers": 2}, (None,) * 4),
+        ({"model_type": "gemma2"}, (8, None, 8, None)),
+        ({"model_type": "gemma3_text", "sliding_window_pattern": 3}, (8, 8, None, 8)),
+        (
+            {"model_type": "gemma2", "layer_types": ["full_attention", "sliding_attention"] * 2},
+            (None, 8, None, 8),
+        ),
+    ],
+)
+def test_which_layers_slide(fields: dict, expected: tuple) -> None:
+    """From layer_types where the config lists them (transformers 5), else by each family's
+    rule as transformers 4 applied it."""
+    config = SimpleNamespace(num_hidden_layers=4, sliding_window=8, **fields)
+    assert layer_sliding_windows(config) == expected

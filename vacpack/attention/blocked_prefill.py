@@ -11,6 +11,9 @@ wasted, at most half a block per query.
 
 Scores leave the bf16 matmul rounded to bf16, as in transformers' eager attention; probabilities
 meet the values in bf16, as in SDPA's own CPU kernel.
+
+The same blocks serve, in any dtype, the prefills SDPA cannot run without a large mask or at
+all: a sliding window (each block reads only the keys its queries see) and soft-capped scores.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def decoder_fields(hf_config: Any) -> dict[str, Any]:
 def layer_sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
     """Each layer's sliding window. transformers 5 configs list `layer_types` (Gemma's
     alternation, Qwen2's max_window_layers); without them a window applies to every layer
-    (Mistral, Mixtral, Phi-3, Qwen3-MoE)."""
+    (Mistral, Mixtral, Phi-3, Qwen3-MoE), or to the layers transformers 4 chose by rule."""
     num_layers = hf_config.num_hidden_layers
     # Qwen2-style configs keep a window size beside use_sliding_window false (transformers 4
     # leaves it set; Qwen2-MoE writes 0 for none).
@@ -127,7 +127,18 @@ def layer_sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types:
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    return (int(window),) * num_layers
+    return tuple(int(window) if _slides_in_transformers_4(hf_config, i) else None
+                 for i in range(num_layers))  # fmt: skip
+
+
+def _slides_in_transformers_4(hf_config: Any, layer_index: int) -> bool:
+    if getattr(hf_config, "model_type", "") == "gemma2":
+        return layer_index % 2 == 0
+    pattern = getattr(hf_config, "sliding_window_pattern", None)  # Gemma 3
+    if pattern:
+        return (layer_index + 1) % pattern != 0
+    first_windowed = getattr(hf_config, "max_window_layers", None)  # Qwen2
+    return first_windowed is None or layer_index >= first_windowed
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None, float]:
