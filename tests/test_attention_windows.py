@@ -11,8 +11,9 @@ import torch
 
 from vacpack.attention import BatchLayout, create_backend, select_backend
 from vacpack.attention import selection as selection_module
-from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
-from vacpack.attention.torch_sdpa import build_slot_mapping
+from vacpack.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionSpec
+from vacpack.attention.cascade import CascadePolicy
+from vacpack.attention.torch_sdpa import TorchSdpaBackend, build_slot_mapping
 from vacpack.engine.window_pages import RELEASED_PAGE
 from vacpack.kvcache.paged_cache import PagedKVCache
 
@@ -21,8 +22,8 @@ PAGE_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 # Decodes (contexts inside, at and past the window), prefill chunks over cached pages, a fresh
 # prompt longer than the window and a short one.
-QUERY_LENS = [1, 1, 1, 1, 1, 13, 9, 11, 3]
-CONTEXT_LENS = [1, 3, 7, 16, 37, 29, 24, 11, 3]
+QUERY_LENS = (1, 1, 1, 1, 1, 13, 9, 11, 3)
+CONTEXT_LENS = (1, 3, 7, 16, 37, 29, 24, 11, 3)
 SPECS = [
     pytest.param(AttentionSpec(sliding_window=5), id="window"),
     pytest.param(AttentionSpec(sliding_window=8, scale=0.3, logit_softcap=2.0), id="all"),
@@ -45,14 +46,24 @@ class Step:
     cache: PagedKVCache  # the earlier tokens' keys and values
 
 
-def _step(spec: AttentionSpec, release_dead_pages: bool = False, seed: int = 0) -> Step:
+def _step(
+    spec: AttentionSpec,
+    release_dead_pages: bool = False,
+    seed: int = 0,
+    query_lens: tuple[int, ...] = QUERY_LENS,
+    context_lens: tuple[int, ...] = CONTEXT_LENS,
+    num_shared_pages: int = 0,
+) -> Step:
+    """Sequences on shuffled pages; the first num_shared_pages of every table are the same
+    pages (a cached prefix)."""
     generator = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // PAGE_SIZE) for n in CONTEXT_LENS]
-    num_pages = sum(pages_per_seq) + 2
+    own_pages = [-(-n // PAGE_SIZE) - num_shared_pages for n in context_lens]
+    num_pages = num_shared_pages + sum(own_pages) + 2
     order = torch.randperm(num_pages, generator=generator).tolist()
-    page_tables, start = [], 0
-    for count, query_len, context_len in zip(pages_per_seq, QUERY_LENS, CONTEXT_LENS, strict=True):
-        table = order[start : start + count]
+    shared, start = order[:num_shared_pages], num_shared_pages
+    page_tables = []
+    for count, query_len, context_len in zip(own_pages, query_lens, context_lens, strict=True):
+        table = shared + order[start : start + count]
         start += count
         window = spec.sliding_window
         if release_dead_pages and window is not None:
@@ -63,13 +74,13 @@ def _step(spec: AttentionSpec, release_dead_pages: bool = False, seed: int = 0) 
     cache = PagedKVCache(1, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, CPU)
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
     cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
-    num_tokens = sum(QUERY_LENS)
+    num_tokens = sum(query_lens)
 
     def rand(heads: int) -> torch.Tensor:
         return torch.randn(num_tokens, heads, HEAD_DIM, generator=generator)
 
     layout = BatchLayout(
-        QUERY_LENS, CONTEXT_LENS, page_tables, PAGE_SIZE, attention_windows=(spec.sliding_window,)
+        query_lens, context_lens, page_tables, PAGE_SIZE, attention_windows=(spec.sliding_window,)
     )
     return Step(layout, rand(NUM_HEADS), rand(NUM_KV_HEADS), rand(NUM_KV_HEADS), cache)
 
@@ -103,8 +114,9 @@ def _reference(step: Step, spec: AttentionSpec) -> torch.Tensor:
     cache.values.copy_(step.cache.values)
     cache.layer(0).write(build_slot_mapping(step.layout), step.k, step.v)
     out, row = torch.empty_like(step.q), 0
+    layout = step.layout
     for query_len, context_len, pages in zip(
-        QUERY_LENS, CONTEXT_LENS, step.layout.page_tables, strict=True
+        layout.query_lens, layout.context_lens, layout.page_tables, strict=True
     ):
         positions = torch.arange(context_len)
         page_ids = torch.tensor(pages)[positions // PAGE_SIZE].clamp(min=0)
@@ -117,8 +129,10 @@ def _reference(step: Step, spec: AttentionSpec) -> torch.Tensor:
     return out
 
 
-def _run(backend_name: str, step: Step, spec: AttentionSpec) -> torch.Tensor:
-    backend = create_backend(backend_name)
+def _run(
+    backend_name: str, step: Step, spec: AttentionSpec, backend: AttentionBackend | None = None
+) -> torch.Tensor:
+    backend = backend or create_backend(backend_name)
     cache = PagedKVCache(
         1, step.cache.num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, CPU
     )
@@ -145,6 +159,20 @@ def test_triton_equals_reference(spec: AttentionSpec) -> None:
     step = _step(spec, release_dead_pages=True)
     torch.testing.assert_close(
         _run("triton", step, spec), _reference(step, spec), atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("spec", SPECS[1:3])
+def test_decodes_sharing_a_prefix_equal_reference(spec: AttentionSpec) -> None:
+    """Decodes whose tables start with the same three pages: with full attention a cascade
+    (shared prefix attended once, merged by log-sum-exp; scale and softcap in both parts), with
+    a window plain windowed chunks."""
+    step = _step(spec, query_lens=(1,) * 4, context_lens=(13, 17, 22, 30), num_shared_pages=3)
+    backend = TorchSdpaBackend(CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1))
+    metadata = backend.build_metadata(step.layout, CPU)
+    assert (metadata.view(spec.sliding_window).cascade is None) == (spec.sliding_window is not None)
+    torch.testing.assert_close(
+        _run("torch_sdpa", step, spec, backend), _reference(step, spec), atol=1e-5, rtol=1e-5
     )
 
 
