@@ -97,8 +97,8 @@ BAD_REQUESTS = [
     ),
     ("chat unknown model", "POST", CHAT, _chat(model="nope"), 404, "model", "does not exist"),
     (
-        "embeddings from a decoder",
-        "POST", EMB, {"model": "tiny", "input": "hi"}, 400, "model", "does not serve embeddings",
+        "embedding dimensions above the model's",
+        "POST", EMB, {"input": "hi", "dimensions": 65}, 400, "dimensions", "embedding size 64",
     ),
     ("JSON nested 100,000 deep", "POST", CHAT, NESTED_100K, 400, None, "too deeply"),
     (

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/score",
+    "/v1/rerank",
+    "/rerank",
+)
 
 _COUNT_CHUNK_BYTES = 1 << 20
 
@@ -81,4 +89,5 @@ def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
         problem = "body must be a JSON object"
     if problem is not None:
         return LineError(line_number, custom_id, f"line {line_number}: {problem}")
+    assert isinstance(url, str) and isinstance(body, dict)  # checked just above
     return BatchLine(line_number, custom_id, url, body)

@@ -15,7 +15,7 @@ import torch
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.kvcache.paged_cache import PagedKVCache
-from vacpack.models.forward_context import ForwardContext
+from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.runtime import LoadedModel
 
 CHUNK_PAGE_SIZE = 16
@@ -29,24 +29,40 @@ class PackedForward:
         self.device = loaded.device
         # Decoders (and their classifiers) are causal; encoders such as BERT say otherwise.
         self.causal = bool(getattr(self.model, "is_causal", True))
+        self.attention_windows = attention_windows(self.model)
 
     @torch.inference_mode()
     def packed(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, seq_lens: Sequence[int]
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: Sequence[int],
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a bin of whole sequences."""
-        layout = BatchLayout(list(seq_lens), list(seq_lens), causal=self.causal)
-        ctx = ForwardContext(
-            self.attention, self.attention.build_metadata(layout, self.device), None
+        layout = BatchLayout(
+            list(seq_lens),
+            list(seq_lens),
+            causal=self.causal,
+            attention_windows=self.attention_windows,
         )
+        ctx = ForwardContext(
+            self.attention, self.attention.build_metadata(layout, self.device), None,
+            token_type_ids,
+        )  # fmt: skip
         return self.model(token_ids, positions, ctx)
 
-    def long_document(self, token_ids: torch.Tensor, max_forward_tokens: int) -> torch.Tensor:
+    def long_document(
+        self,
+        token_ids: torch.Tensor,
+        max_forward_tokens: int,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states of one document: in one forward if it fits, else in chunks that do."""
         num_tokens = token_ids.numel()
         if num_tokens <= max_forward_tokens:
             positions = torch.arange(num_tokens, device=token_ids.device)
-            return self.packed(token_ids, positions, [num_tokens])
+            return self.packed(token_ids, positions, [num_tokens], token_type_ids)
         if not self.causal:
             raise ValueError(
                 f"document of {num_tokens} tokens is longer than one forward may hold "
@@ -69,7 +85,13 @@ class PackedForward:
         parts = []
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
-            layout = BatchLayout([end - start], [end], [page_table], CHUNK_PAGE_SIZE)
+            layout = BatchLayout(
+                [end - start],
+                [end],
+                [page_table],
+                CHUNK_PAGE_SIZE,
+                attention_windows=self.attention_windows,
+            )
             metadata = self.attention.build_metadata(layout, self.device)
             positions = torch.arange(start, end, device=self.device)
             parts.append(

@@ -3,23 +3,25 @@
 There is no batch axis: a step's sequences are concatenated, positions restart at 0 for each
 sequence, and the attention backend keeps sequences apart. The LM head runs only on the rows
 whose logits are needed.
+
+The other decoder families (Gemma, Phi-3, the mixtures of experts) are this model with a
+different layer, norm or MLP: they override `make_layer` and the checkpoint name mapping.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vacpack.cpu_kernels.elementwise import (
-    elementwise_kernels_available,
-    rotary_qk,
-    silu_and_mul,
-)
-from vacpack.models.config import ModelConfig
+from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
+from vacpack.models.layer_ops import current_layer_ops
+from vacpack.models.model_config import ModelConfig
 from vacpack.models.norm import RMSNorm
 from vacpack.models.parallel import (
     SINGLE_RANK,
@@ -30,16 +32,29 @@ from vacpack.models.parallel import (
     TensorParallel,
     VocabEmbedding,
 )
-from vacpack.models.rotary import RotaryEmbedding, apply_rotary
+from vacpack.models.rotary import RotaryEmbedding
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 class LlamaAttention(nn.Module):
-    # Set once loaded on a bf16 CPU: rotary embeddings of q and k in one fused C pass.
-    use_cpu_kernels: bool = False
-
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        norm_class: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
+        ops = current_layer_ops()
+        # The fused rotary kernel rotates whole heads; a partial rotary runs PyTorch's ops.
+        self.rotary_ops = ops if config.partial_rotary_factor == 1.0 else ops.portable()
         self.layer_index = layer_index
+        self.spec = config.attention_spec(layer_index)
         self.num_heads = tp.split(config.num_heads, "attention heads")
         self.num_kv_heads = tp.split(config.num_kv_heads, "key/value heads")
         self.head_dim = config.head_dim
@@ -54,8 +69,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, bias=False, tp=tp
         )
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -70,56 +85,67 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_cpu_kernels:
-            q, k = rotary_qk(q, k, *cos_sin)
-        else:
-            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-        out = ctx.attention.forward(q, k, v, ctx.kv_layer(self.layer_index), ctx.metadata)
+        q, k = self.rotary_ops.rotary_qk(q, k, cos_sin)
+        kv_layer = ctx.kv_layer(self.layer_index)
+        out = ctx.attention.forward(q, k, v, kv_layer, ctx.metadata, self.spec)
         return self.o_proj(out.view(num_tokens, q_size))
 
 
-# Rows of the packed stream per MLP pass on a CPU. A 2048-token step's [tokens, 2 * intermediate]
-# activation is tens of MB; in slices of 512 rows it stays in the CPU's caches, and the matmuls
-# measured 15-25% faster on a 2-core bf16 CPU. On a GPU one pass covers the whole step.
-CPU_MLP_ROWS_PER_PASS = 512
-
-
 class LlamaMLP(nn.Module):
-    rows_per_pass: int | None = None
-    # Set once loaded on a bf16 CPU: SiLU(gate) * up in one fused C pass.
-    use_cpu_kernels: bool = False
+    """down(act(gate(x)) * up(x)), gate and up in one matmul. `intermediate_size` overrides the
+    config's (a mixture's experts are narrower); without `reduce_results` the tensor-parallel
+    partial sums are left for the caller to reduce once (a mixture sums its experts first)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
-        size = config.intermediate_size
+        self.ops = current_layer_ops()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {config.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=False, tp=tp, reduce_results=reduce_results
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = self.rows_per_pass
+        rows = self.ops.mlp_rows_per_pass  # a CPU's caches hold a slice of rows, not all
         if rows is None or hidden.shape[0] <= rows:
             return self._mlp(hidden)
         return torch.cat([self._mlp(part) for part in hidden.split(rows)])
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
-        if self.use_cpu_kernels:
-            return self.down_proj(silu_and_mul(gate_up))
+        if self.is_silu:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -138,8 +164,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    config_class = ModelConfig
+class LlamaForCausalLM(PackedModel):
+    config_class: ClassVar[Any] = ModelConfig
     is_decoder = True
     # Checkpoint names that feed one of our merged layers: (our name, shard index).
     MERGED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {
@@ -149,23 +175,28 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers)
+            self.make_layer(config, i, tp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
             else LMHead(config.vocab_size, config.hidden_size)
         )
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = RotaryEmbedding(config.rope)
+
+    def make_layer(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> nn.Module:
+        return LlamaDecoderLayer(config, layer_index, tp)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        return [self.rotary]
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int] | None:
         """Maps a checkpoint tensor name to (our parameter name, shard index); None to skip it."""
@@ -181,14 +212,14 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         device = self.embed_tokens.weight.device
-        self.rotary.build_cache(device, self.embed_tokens.weight.dtype)
-        if device.type == "cpu":
-            for layer in self.layers:
-                layer.mlp.rows_per_pass = CPU_MLP_ROWS_PER_PASS
-        if elementwise_kernels_available(device, self.embed_tokens.weight.dtype):
-            for module in self.modules():
-                if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
-                    module.use_cpu_kernels = True
+        for rotary in self.rotary_embeddings():
+            rotary.build_cache(device, self.embed_tokens.weight.dtype)
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The engine runs sequences of at most max_model_len tokens: the rotary tables cover
+        that many positions, and longrope picks its factors by it."""
+        for rotary in self.rotary_embeddings():
+            rotary.build_cache(rotary.cos_sin.device, rotary.cos_sin.dtype, max_model_len)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -199,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(cos_sin, hidden, residual, ctx)
+        assert residual is not None, "a model has at least one layer"
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 

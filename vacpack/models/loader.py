@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
 from transformers import AutoConfig
 
 from vacpack.errors import (
@@ -17,6 +16,8 @@ from vacpack.errors import (
     ModelNotFoundError,
     WeightsMismatchError,
 )
+from vacpack.models.base import PackedModel, ShardedParameters
+from vacpack.models.layer_ops import select_layer_ops, use_layer_ops
 from vacpack.models.parallel import prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
@@ -26,11 +27,29 @@ logger = logging.getLogger(__name__)
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
     from huggingface_hub.errors import StrictDataclassError
 
-    config_path = model_dir / "config.json"
+    config_path = str(model_dir / "config.json")
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as error:
-        raise InvalidConfigError(f"invalid {str(config_path)!r}: {error}") from error
+    except ValueError as error:
+        # A model type transformers does not know: when we do not support its architecture
+        # either, that (and what we do support) is the error to give, not a transformers upgrade.
+        for architecture in _declared_architectures(model_dir):
+            try:
+                model_class_for(architecture)
+            except ValueError as unsupported:
+                raise InvalidConfigError(f"{config_path!r}: {unsupported}") from error
+        raise InvalidConfigError(f"invalid {config_path!r}: {error}") from error
+    except (OSError, KeyError, TypeError, StrictDataclassError) as error:
+        raise InvalidConfigError(f"invalid {config_path!r}: {error}") from error
+
+
+def _declared_architectures(model_dir: Path) -> list[str]:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return [str(a) for a in architectures] if isinstance(architectures, list) else []
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
@@ -62,7 +81,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> PackedModel:
     """Builds the model on the meta device, then streams each checkpoint tensor into place.
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
@@ -93,7 +112,9 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
-def _empty_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _empty_model(
+    model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device
+) -> PackedModel:
     config_path = str(model_dir / "config.json")
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
@@ -103,13 +124,13 @@ def _empty_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.d
         config = model_class.config_class.from_hf(hf_config)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise InvalidConfigError(f"{config_path!r}: {error}") from None
-    with torch.device("meta"):
+    with torch.device("meta"), use_layer_ops(select_layer_ops(device, dtype)):
         model = model_class(config).to(dtype)
     return model.to_empty(device=device)
 
 
 def _load_weights_file(
-    model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device
+    model: PackedModel, path: Path, dtype: torch.dtype, device: torch.device
 ) -> set[str]:
     """Copies one file's tensors into the model; returns the parameter names it filled."""
     loaded: set[str] = set()
@@ -128,17 +149,17 @@ def _load_weights_file(
             # Checked first: a narrow() into a merged or sharded slot would take a wrong-sized
             # tensor silently, and copy_() would broadcast one.
             shape = tuple(checkpoint.get_slice(hf_name).get_shape())
-            if hasattr(module, "checkpoint_shape"):
-                expected_shape = module.checkpoint_shape(attr, shard_index)
+            if isinstance(module, ShardedParameters):
+                expected_shape = tuple(module.checkpoint_shape(attr, shard_index))
             else:
                 expected_shape = tuple(getattr(module, attr).shape)
-            if shape != tuple(expected_shape):
+            if shape != expected_shape:
                 raise WeightsMismatchError(
                     f"tensor {hf_name!r} in {str(path)!r} has shape {list(shape)}, but config.json "
                     f"implies {list(expected_shape)}"
                 )
             tensor = checkpoint.get_tensor(hf_name).to(device=device, dtype=dtype)
-            if hasattr(module, "load_shard"):
+            if isinstance(module, ShardedParameters):
                 module.load_shard(attr, tensor, shard_index)
             else:  # a plain torch layer, never sharded
                 getattr(module, attr).data.copy_(tensor)

@@ -10,7 +10,7 @@ keep working.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -25,6 +25,13 @@ _FIELD_SHAPES = {
     "input": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
+    "text_1": "a string or a list of strings",
+    "text_2": "a string or a list of strings",
+    "data_1": "a string or a list of strings",
+    "data_2": "a string or a list of strings",
+    "queries": "a string or a list of strings",
+    "documents": "a string or a list of strings",
+    "items": "a string or a list of strings",
 }
 
 
@@ -104,12 +111,71 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: dict[str, Any] | None = None
 
 
+def split_prompt_input(given: PromptInput) -> list[str | list[int]]:
+    """One entry per prompt: a text, or a list of token ids (a flat id list is one prompt)."""
+    if isinstance(given, str):
+        return [given]
+    items = cast(list[str | int | list[int]], given)
+    if items and all(isinstance(item, int) for item in items):
+        return [cast(list[int], list(items))]
+    return [item if isinstance(item, str) else list(cast(list[int], item)) for item in items]
+
+
 class EmbeddingRequest(_Body):
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: int | None = None
     user: str | None = None
+
+
+# vLLM's /score takes its two sides under any of these pairs of names.
+SCORE_FIELD_PAIRS = (
+    ("text_1", "text_2"),
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+)
+
+
+class ScoreRequest(_Body):
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    use_activation: bool | None = None
+    user: str | None = None
+
+
+class RerankRequest(_Body):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # 0 or None: every document
+    use_activation: bool | None = None
+    return_documents: bool | None = True
+    user: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 Request = TypeVar("Request", bound=_Body)
@@ -149,5 +215,5 @@ def _describe(error: ValidationError) -> tuple[str, str | None]:
             # A union field: the rest of the location names union branches, noise to a client.
             param = ".".join(path)
             return f"{param} must be {_FIELD_SHAPES[str(part)]}", param
-    param = ".".join(path) or None
-    return f"{param}: {first['msg']}", param
+    location = ".".join(path)
+    return f"{location}: {first['msg']}", location or None

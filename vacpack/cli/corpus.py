@@ -15,7 +15,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vacpack.cli.engine_args import add_engine_args, engine_kwargs
 from vacpack.corpus.packing import DocumentError
+from vacpack.corpus.tasks import (
+    ClassifyTask,
+    CorpusTask,
+    EmbedTask,
+    LoglikelihoodTask,
+    resolve_pooling,
+    resolve_prompt,
+)
+from vacpack.llm import LLM
 from vacpack.output_file import RecordSink, StreamWriter, check_input_file, open_output
 
 TEXT_KEYS = ("text", "input", "prompt")
@@ -73,10 +83,7 @@ def result_record(index: int, result: Any) -> dict[str, Any]:
     return record
 
 
-def run_corpus_command(args: argparse.Namespace, llm_kwargs: dict[str, Any]) -> int:
-    from vacpack.corpus.tasks import ClassifyTask, EmbedTask, LoglikelihoodTask, resolve_pooling
-    from vacpack.llm import LLM
-
+def run_corpus_command(args: argparse.Namespace) -> int:
     # The files first: a missing input or an output that must not be touched fails in a moment,
     # not after the model has loaded.
     input_path = Path(args.input)
@@ -87,24 +94,29 @@ def run_corpus_command(args: argparse.Namespace, llm_kwargs: dict[str, Any]) -> 
     if args.output:
         sink, num_done = open_corpus_output(Path(args.output), num_lines, args.overwrite)
     try:
-        llm = LLM(args.model, **llm_kwargs)
-        loaded = llm.loaded
-        if args.command == "embed":
-            pooling = resolve_pooling(loaded, args.pooling, args.normalize)
-            task = EmbedTask(loaded, pooling, truncate=args.truncate)
-        elif args.command == "classify":
-            task = ClassifyTask(loaded, truncate=args.truncate)
-        else:
-            task = LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+        llm = LLM(args.model, **engine_kwargs(args))
+        task = _task(llm, args)
         # Results come out in input order, so an earlier run answered the first `num_done`.
         documents = read_corpus(input_path, args.command, skip=num_done)
-        results = llm.corpus_runner.run(task, documents, num_lines - num_done)
-        for index, result in results:
+        for index, result in llm.corpus_runner.run(task, documents, num_lines - num_done):
             sink.write(result_record(num_done + index, result))
     finally:
         sink.close()
-    print(llm.corpus_runner.last_report.summary(), file=sys.stderr)
+    report = llm.corpus_runner.last_report
+    assert report is not None, "a job that ran left its report"
+    print(report.summary(), file=sys.stderr)
     return 0
+
+
+def _task(llm: LLM, args: argparse.Namespace) -> CorpusTask:
+    loaded = llm.loaded
+    if args.command == "embed":
+        pooling = resolve_pooling(loaded, args.pooling, args.normalize, args.dimensions)
+        prompt = resolve_prompt(loaded, args.prompt, args.prompt_name)
+        return EmbedTask(loaded, pooling, truncate=args.truncate, prompt=prompt)
+    if args.command == "classify":
+        return ClassifyTask(loaded, truncate=args.truncate)
+    return LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
 
 
 def open_corpus_output(path: Path, num_lines: int, overwrite: bool) -> tuple[RecordSink, int]:
@@ -128,7 +140,7 @@ def open_corpus_output(path: Path, num_lines: int, overwrite: bool) -> tuple[Rec
     return writer, num_done
 
 
-def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: Any) -> None:
+def add_corpus_commands(commands: argparse._SubParsersAction) -> None:
     for name, help_text in [
         ("embed", "embed every document of a corpus"),
         ("loglikelihood", "log-likelihood of documents, or of continuations after contexts"),
@@ -145,6 +157,13 @@ def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: A
         if name == "embed":
             parser.add_argument("--pooling", choices=["cls", "mean", "last", "max"])
             parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(
+                "--dimensions", type=int, help="keep the first N dimensions (Matryoshka)"
+            )
+            parser.add_argument("--prompt", help="instruction put before every text")
+            parser.add_argument(
+                "--prompt-name", help="the checkpoint's named prompt to put before every text"
+            )
         if name == "loglikelihood":
             parser.add_argument("--token-logprobs", action="store_true")
-        parser.set_defaults(corpus_command=True)
+        parser.set_defaults(handler=run_corpus_command)
