@@ -23,14 +23,17 @@ def check_messages(messages: list[ChatMessage]) -> None:
                 f"{where}.role must be one of {', '.join(ROLES)}; got {message.role!r}",
                 f"{where}.role",
             )
-        extra = message.model_extra or {}
-        calls_a_tool = bool(extra.get("tool_calls") or extra.get("function_call"))
+        # Declared fields or extras alike (the request models accept unknown fields).
+        calls_a_tool = bool(
+            getattr(message, "tool_calls", None) or getattr(message, "function_call", None)
+        )
         if message.content is None and (message.role in _ROLES_NEEDING_CONTENT or not calls_a_tool):
             param = f"{where}.content"
-            raise _missing(f"{param} is required in a {message.role} message", param)
-        if message.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+            unless = " and there are no tool_calls" if message.role == "assistant" else ""
+            raise _missing(f"{param} is required when role is {message.role!r}{unless}", param)
+        if message.role == "tool" and not isinstance(getattr(message, "tool_call_id", None), str):
             param = f"{where}.tool_call_id"
-            raise _missing(f"{param} is required in a tool message", param)
+            raise _missing(f"{param} is required when role is 'tool'", param)
 
 
 def _invalid(message: str, param: str) -> APIError:
