@@ -17,7 +17,7 @@ def add_generate_command(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="generate completions for prompts")
     add_engine_args(generate)
     _add_sampling_args(generate)
-    prompts = generate.add_mutually_exclusive_group(required=True)
+    prompts = generate.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     prompts.add_argument(
         "--input", help="file of prompts: .jsonl (fields override the flags) or one per line"
@@ -66,6 +66,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.prompt and not args.input:
+        raise ValueError("give --prompt TEXT or --input FILE")
     params = _sampling_params(args)  # the flags are checked before the model loads
     if args.input or args.output:
         from vacpack.batch.prompt_file import (
