@@ -33,7 +33,9 @@ LAYERS: list[set[str]] = [
         "vacpack.host_memory",
         "vacpack.pinned_staging",
         "vacpack.registry",
+        "vacpack.output_file",
     },
+    {"vacpack.errors"},
 ]
 # The package's __init__ (`from vacpack import LLM`) runs before any of its modules, whoever
 # imports what: it is outside the layers.
