@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 _HERE = Path(__file__).resolve().parent
 _REPO_ROOT = _HERE.parent
+COMMAND_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,10 @@ class Zygote:
             cwd=_REPO_ROOT,
             text=True,
         )
-        assert self._receive()["ready"]
+        # Replies are read on a thread so that waiting for one can time out.
+        self._replies: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_replies, daemon=True).start()
+        assert self._receive(timeout_s=COMMAND_TIMEOUT_S)["ready"]
 
     def start(
         self,
@@ -69,11 +76,20 @@ class Zygote:
             "fsize_limit_bytes": fsize_limit_bytes,
         }
         self._send(request)
-        return self._receive()["pid"]
+        self._pid = self._receive(timeout_s=COMMAND_TIMEOUT_S)["pid"]
+        return self._pid
 
-    def wait(self) -> Finished:
-        """Waits for the child started last; its status and what it printed."""
-        status = self._receive()["status"]
+    def wait(self, timeout_s: float = COMMAND_TIMEOUT_S) -> Finished:
+        """Waits for the child started last; its status and what it printed. A child still
+        running after `timeout_s` is killed and the test fails: no test hangs on one."""
+        try:
+            status = self._receive(timeout_s)["status"]
+        except TimeoutError:
+            os.kill(self._pid, signal.SIGKILL)
+            self._receive(timeout_s=COMMAND_TIMEOUT_S)
+            raise AssertionError(
+                f"a vacpack command ran over {timeout_s} s and was killed"
+            ) from None
         return Finished(
             status,
             Path(f"{self._output_stem}.out").read_text(errors="replace"),
@@ -94,9 +110,17 @@ class Zygote:
         self._process.stdin.write(json.dumps(message) + "\n")
         self._process.stdin.flush()
 
-    def _receive(self) -> dict[str, Any]:
+    def _read_replies(self) -> None:
         assert self._process.stdout is not None
-        line = self._process.stdout.readline()
+        for line in self._process.stdout:
+            self._replies.put(line)
+        self._replies.put("")  # the zygote exited
+
+    def _receive(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError from None
         if not line:
             raise RuntimeError(f"the zygote exited with status {self._process.wait()}")
         return json.loads(line)
