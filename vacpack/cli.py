@@ -225,12 +225,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(run_batch)
     add_batch_args(run_batch)
     run_batch.set_defaults(handler=cmd_run_batch)
+
+    from vacpack.ray.cli import RAY_COMMANDS, add_ray_args
+
+    for name in RAY_COMMANDS:
+        add_ray_args(commands.choices[name], name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "ray", False):
+            from vacpack.ray.cli import run_ray_command
+
+            sampling_params = _sampling_params(args) if args.command == "generate" else None
+            return run_ray_command(args, _engine_kwargs(args), sampling_params)
         if getattr(args, "corpus_command", False):
             return run_corpus_command(args, _engine_kwargs(args))
         return args.handler(args)

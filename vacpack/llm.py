@@ -126,18 +126,21 @@ class LLM:
         normalize: bool | None = None,
         truncate: bool = False,
         use_tqdm: bool = True,
+        return_failures: bool = False,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per input, in input order (`out.outputs.embedding`).
 
         Encoders honour their sentence-transformers pooling and normalization; decoders pool
         the last token by default (`pooling="mean"` for the mean). `pooling` and `normalize`
-        given here override the checkpoint's configuration.
+        given here override the checkpoint's configuration. With `return_failures`, an input
+        that fails comes back as a DocumentError (index, message) in its place, as in every
+        corpus job here, instead of one ValueError for the whole call.
         """
         from vacpack.corpus.tasks import EmbedTask, resolve_pooling
 
         config = resolve_pooling(self.loaded, pooling, normalize)
         task = EmbedTask(self.loaded, config, truncate=truncate)
-        return self._run_corpus(task, inputs, use_tqdm)
+        return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
     def loglikelihood(
         self,
@@ -146,6 +149,7 @@ class LLM:
         return_token_logprobs: bool = False,
         truncate: bool = False,
         use_tqdm: bool = True,
+        return_failures: bool = False,
     ) -> list[LoglikelihoodOutput]:
         """Log-likelihood of each text, or of each continuation given its context.
 
@@ -153,7 +157,7 @@ class LLM:
         loglikelihood_rolling); `llm.loglikelihood(contexts, continuations)` scores each
         continuation after its context and says whether it is the greedy one (its
         loglikelihood). Results carry `logprob` (the sum), `num_tokens`, `is_greedy`, and
-        `token_logprobs` when asked.
+        `token_logprobs` when asked; `return_failures` as in `embed`.
         """
         from vacpack.corpus.tasks import LoglikelihoodTask
 
@@ -170,23 +174,31 @@ class LLM:
             # Continuations usually share contexts: the engine's prefix cache computes each once.
             from vacpack.corpus.shared_context import score_continuations
 
-            return _raise_failures(score_continuations(self.engine, task, inputs, use_tqdm))
-        return self._run_corpus(task, inputs, use_tqdm)
+            results = score_continuations(self.engine, task, inputs, use_tqdm)
+            return results if return_failures else _raise_failures(results)
+        return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
     def classify(
-        self, inputs: Sequence[str | Sequence[int]], truncate: bool = False, use_tqdm: bool = True
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        truncate: bool = False,
+        use_tqdm: bool = True,
+        return_failures: bool = False,
     ) -> list[ClassificationRequestOutput]:
         """Label probabilities per input (`out.outputs.probs`, `.label`), in input order."""
         from vacpack.corpus.tasks import ClassifyTask
 
         task = ClassifyTask(self.loaded, truncate=truncate)
-        return self._run_corpus(task, inputs, use_tqdm)
+        return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
-    def _run_corpus(self, task: CorpusTask, inputs: Sequence[Any], use_tqdm: bool) -> list[Any]:
+    def _run_corpus(
+        self, task: CorpusTask, inputs: Sequence[Any], use_tqdm: bool, return_failures: bool
+    ) -> list[Any]:
         if isinstance(inputs, str):
             inputs = [inputs]
         runner = self.corpus_runner
-        return _raise_failures([r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)])
+        results = [r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)]
+        return results if return_failures else _raise_failures(results)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
