@@ -154,7 +154,9 @@ def main() -> int:
         corpus = Path(scratch) / "corpus.parquet"
         pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), corpus)
         ray.init(
-            num_cpus=args.cpus,
+            # One logical CPU more than the replicas take, for Ray Data's reading tasks: they
+            # wait forever where replicas hold every CPU (ray-project/ray#44687).
+            num_cpus=args.cpus + 1,
             object_store_memory=OBJECT_STORE_BYTES,
             include_dashboard=False,
             log_to_driver=False,

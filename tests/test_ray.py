@@ -134,6 +134,21 @@ def test_loglikelihood_command_on_two_replicas_equals_the_single_process_command
     assert "padding 0.00%" in total and "device busy" in total
 
 
+def test_ray_commands_refuse_what_cannot_run(
+    local_ray: None, decoder_dir: Path, tmp_path: Path, capsys
+) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    command = ["embed", "--model", str(decoder_dir), "--input", str(corpus), "--ray"]
+    assert main(command) == 2
+    assert "give --output DIRECTORY" in capsys.readouterr().err
+    # Two replicas of a CPU each would hold both CPUs, and Ray Data's reads would wait forever.
+    too_many = [*command, "--output", str(tmp_path / "out"), "--num-replicas", "2"]
+    assert main(too_many) == 2
+    assert "leave no CPU of the cluster's 2 free" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_replica_killed_mid_job_loses_and_repeats_no_row(
     local_ray: None, decoder_dir: Path, documents: list[str], single_process: LLM
 ) -> None:

@@ -119,11 +119,21 @@ def _run_job(
     import ray
 
     from vacpack.ray.files import output_format, write_dataset
-    from vacpack.ray.processor import ProcessorConfig, build_processor
+    from vacpack.ray.processor import (
+        ProcessorConfig,
+        build_processor,
+        cpu_shortage_message,
+        leaves_a_cpu_free,
+    )
 
     if not args.output:
         raise ValueError("--ray writes its results through Ray Data: give --output DIRECTORY")
     file_format = output_format(args.output, args.output_format)
+    cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
+    if not leaves_a_cpu_free(args.num_replicas, args.cpus_per_replica, cluster_cpus):
+        raise ValueError(
+            cpu_shortage_message(args.num_replicas, args.cpus_per_replica, cluster_cpus)
+        )
     config = ProcessorConfig(
         model=args.model,
         task=args.command,

@@ -11,9 +11,9 @@ import ray
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIX = ".parquet"
 OUTPUT_FORMATS = ("jsonl", "parquet")
-# Reading and writing take no CPU slot: replicas may reserve every CPU of the cluster, and
-# Ray Data hangs when its read or write tasks find none free (ray-project/ray#44687). What
-# they do (parse, compress) is small beside the model's work on the same cores.
+# Reading and writing take no CPU slot, so that they are not queued behind the one CPU the
+# replicas leave free (Ray Data's file listing still takes it); what they do (parse,
+# compress) is small beside the model's work on the same cores.
 IO_TASK_CPUS = 0
 # pandas writes Ray Data's JSON with 10 decimal places unless told: too few for a float32
 # embedding component near zero.

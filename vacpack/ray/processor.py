@@ -8,11 +8,14 @@ processors do it (a config, then `processor(dataset) -> dataset`).
 
 Ray runs the actor pool: it places the replicas on the cluster's nodes, feeds them batches,
 restarts a replica that dies and runs its unfinished batch again. Rows come out in input order
-when the DataContext asks for it (`execution_options.preserve_order = True`).
+when the DataContext asks for it (`execution_options.preserve_order = True`). Leave the
+cluster a CPU that no replica reserves: Ray Data hangs when its reading and writing tasks find
+none (ray-project/ray#44687).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +24,8 @@ import ray
 
 from vacpack.ray.actors import ACTORS
 from vacpack.ray.figures import FiguresCollector, JobFigures, job_figures
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,12 @@ class Processor:
 
     def __call__(self, dataset: ray.data.Dataset) -> ray.data.Dataset:
         config = self.config
+        cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
+        if not leaves_a_cpu_free(config.concurrency, config.num_cpus, cluster_cpus):
+            logger.warning(
+                "%s (unless the cluster is about to grow)",
+                cpu_shortage_message(config.concurrency, config.num_cpus, cluster_cpus),
+            )
         return dataset.map_batches(
             ACTORS[config.task],
             fn_constructor_kwargs={
@@ -97,3 +108,15 @@ class Processor:
 
 def build_processor(config: ProcessorConfig) -> Processor:
     return Processor(config)
+
+
+def leaves_a_cpu_free(num_replicas: int, cpus_per_replica: float, cluster_cpus: float) -> bool:
+    return num_replicas * cpus_per_replica <= cluster_cpus - 1
+
+
+def cpu_shortage_message(num_replicas: int, cpus_per_replica: float, cluster_cpus: float) -> str:
+    return (
+        f"{num_replicas} replicas of {cpus_per_replica:g} CPUs leave no CPU of the cluster's "
+        f"{cluster_cpus:g} free for Ray Data's reading and writing tasks, which would wait for "
+        "one forever: give the replicas fewer CPUs, or the cluster more"
+    )
