@@ -150,7 +150,8 @@ class JobFigures:
 
     def summary(self) -> str:
         task = self.replicas[0].task if self.replicas else "job"
-        lines = [f"{task} on Ray, {len(self.replicas)} replicas:"]
+        num_replicas = len(self.replicas)
+        lines = [f"{task} on Ray, {num_replicas} replica{'s' if num_replicas != 1 else ''}:"]
         lines += [f"  {replica.describe()}" for replica in self.replicas]
         lines.append(
             f"  total: {self.num_rows} rows ({self.num_failed} failed), "
