@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -33,22 +33,29 @@ from vacpack.corpus.commands import TEXT_KEYS
 from vacpack.corpus.packing import DocumentError
 from vacpack.device import host_peak_memory_bytes
 from vacpack.llm import LLM
+from vacpack.ray.columns import (
+    ERROR_COLUMN,
+    MESSAGES_COLUMN,
+    SAMPLING_PARAMS_COLUMN,
+    RowError,
+    chat_prompt,
+    column_values,
+    first_present,
+    per_row,
+    text_or_token_ids,
+    with_columns,
+)
 from vacpack.ray.figures import BatchWork, ReplicaFigures, this_replica
 from vacpack.sampling import SamplingParams
-from vacpack.tokenizer import apply_chat_template
-
-ERROR_COLUMN = "error"
-# A row's own sampling parameters (a struct or a JSON object), over the job's, as in Ray Data.
-SAMPLING_PARAMS_COLUMN = "sampling_params"
-MESSAGES_COLUMN = "messages"
-
-
-class RowError(Exception):
-    """A row that cannot go into the model; its message goes to the row's error column."""
 
 
 class _ModelActor:
-    """One LLM per actor; running figures sent to a FiguresCollector after each batch."""
+    """One LLM per actor; running figures sent to a FiguresCollector after each batch.
+
+    Ray Data calls an actor with one batch at a time, so what `_read_rows` learns of a batch
+    (whether it has continuations, each row's sampling parameters) waits on the actor for
+    `_run` and `_result_columns`.
+    """
 
     task_name: ClassVar[str]
 
@@ -95,13 +102,13 @@ class _ModelActor:
         if self._collector is not None:
             # Waited for, so that the driver reads every batch's figures once the job is done.
             ray.get(self._collector.record.remote(self.figures))
-        return _with_columns(batch, columns)
+        return with_columns(batch, columns)
 
     # ------------------------------------------------------------ each task's own part
     def _read_rows(self, batch: pa.Table) -> list[Any]:
         """The batch's model inputs, one per row, or a RowError for a row that has none."""
-        column = self.input_column or _first_present(batch, TEXT_KEYS)
-        return [_text_or_token_ids(value, column) for value in _column(batch, column)]
+        column = self.input_column or first_present(batch, TEXT_KEYS)
+        return [text_or_token_ids(value, column) for value in column_values(batch, column)]
 
     def _run(self, inputs: list[Any]) -> tuple[list[Any], BatchWork]:
         """Results in input order (a DocumentError for an input that failed) and their cost."""
@@ -171,7 +178,7 @@ class EmbedActor(_ModelActor):
         )
 
     def _result_columns(self, results: list[Any]) -> dict[str, pa.Array]:
-        vectors = _per_row(results, lambda r: r.outputs.embedding)
+        vectors = per_row(results, lambda r: r.outputs.embedding)
         return {"embedding": pa.array(vectors, type=pa.list_(pa.float32()))}
 
 
@@ -204,11 +211,11 @@ class ClassifyActor(_ModelActor):
         )
 
     def _result_columns(self, results: list[Any]) -> dict[str, pa.Array]:
-        probs = _per_row(
+        probs = per_row(
             results, lambda r: dict(zip(r.outputs.labels, r.outputs.probs, strict=True))
         )
         return {
-            "label": pa.array(_per_row(results, lambda r: r.outputs.label), type=pa.string()),
+            "label": pa.array(per_row(results, lambda r: r.outputs.label), type=pa.string()),
             "probs": pa.array(probs, type=self._probs_type),
         }
 
@@ -241,7 +248,8 @@ class LoglikelihoodActor(_ModelActor):
         )
         if not self._has_continuations:
             return super()._read_rows(batch)
-        pairs = zip(_column(batch, "context"), _column(batch, "continuation"), strict=True)
+        contexts = column_values(batch, "context")
+        pairs = zip(contexts, column_values(batch, "continuation"), strict=True)
         return [
             (context, continuation)
             if isinstance(context, str) and isinstance(continuation, str)
@@ -272,13 +280,13 @@ class LoglikelihoodActor(_ModelActor):
 
     def _result_columns(self, results: list[Any]) -> dict[str, pa.Array]:
         columns = {
-            "logprob": pa.array(_per_row(results, lambda r: r.logprob), pa.float64()),
-            "num_tokens": pa.array(_per_row(results, lambda r: r.num_tokens), pa.int64()),
+            "logprob": pa.array(per_row(results, lambda r: r.logprob), pa.float64()),
+            "num_tokens": pa.array(per_row(results, lambda r: r.num_tokens), pa.int64()),
         }
         if self._has_continuations:
-            columns["is_greedy"] = pa.array(_per_row(results, lambda r: r.is_greedy), pa.bool_())
+            columns["is_greedy"] = pa.array(per_row(results, lambda r: r.is_greedy), pa.bool_())
         if self.return_token_logprobs:
-            per_token = _per_row(results, lambda r: r.token_logprobs)
+            per_token = per_row(results, lambda r: r.token_logprobs)
             columns["token_logprobs"] = pa.array(per_token, pa.list_(pa.float64()))
         return columns
 
@@ -312,13 +320,12 @@ class GenerateActor(_ModelActor):
     def _read_rows(self, batch: pa.Table) -> list[Any]:
         if self.input_column is None and MESSAGES_COLUMN in batch.column_names:
             tokenizer = self.llm.get_tokenizer()
-            prompts = [
-                _chat_prompt(tokenizer, messages) for messages in _column(batch, MESSAGES_COLUMN)
-            ]
+            conversations = column_values(batch, MESSAGES_COLUMN)
+            prompts = [chat_prompt(tokenizer, messages) for messages in conversations]
         else:
             prompts = super()._read_rows(batch)
         overrides = (
-            _column(batch, SAMPLING_PARAMS_COLUMN)
+            column_values(batch, SAMPLING_PARAMS_COLUMN)
             if SAMPLING_PARAMS_COLUMN in batch.column_names
             else [None] * batch.num_rows
         )
@@ -367,15 +374,15 @@ class GenerateActor(_ModelActor):
 
     def _result_columns(self, results: list[Any]) -> dict[str, pa.Array]:
         return {
-            "generated_text": pa.array(_per_row(results, lambda r: r.outputs[0].text), pa.string()),
+            "generated_text": pa.array(per_row(results, lambda r: r.outputs[0].text), pa.string()),
             "finish_reason": pa.array(
-                _per_row(results, lambda r: r.outputs[0].finish_reason), pa.string()
+                per_row(results, lambda r: r.outputs[0].finish_reason), pa.string()
             ),
             "num_input_tokens": pa.array(
-                _per_row(results, lambda r: len(r.prompt_token_ids)), pa.int64()
+                per_row(results, lambda r: len(r.prompt_token_ids)), pa.int64()
             ),
             "num_generated_tokens": pa.array(
-                _per_row(results, lambda r: len(r.outputs[0].token_ids)), pa.int64()
+                per_row(results, lambda r: len(r.outputs[0].token_ids)), pa.int64()
             ),
         }
 
@@ -389,55 +396,9 @@ ACTORS: Mapping[str, type[_ModelActor]] = {
 
 
 # ---------------------------------------------------------------- helpers
-def _per_row(results: list[Any], value: Callable[[Any], Any]) -> list[Any]:
-    """`value(result)` per row; None for a row that failed."""
-    return [None if result is None else value(result) for result in results]
-
-
-def _first_present(batch: pa.Table, names: Sequence[str]) -> str:
-    for name in names:
-        if name in batch.column_names:
-            return name
-    raise ValueError(
-        f"the dataset has no input column: expected one of {list(names)} (or name one with "
-        f"input_column), got columns {batch.column_names}"
-    )
-
-
-def _column(batch: pa.Table, name: str) -> list[Any]:
-    if name not in batch.column_names:
-        raise ValueError(f"the dataset has no column {name!r}; its columns: {batch.column_names}")
-    return batch.column(name).to_pylist()
-
-
-def _text_or_token_ids(value: Any, column: str) -> str | list[int] | RowError:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(t, int) for t in value):
-        return value
-    return RowError(f"column {column!r} holds {type(value).__name__}, not text or token ids")
-
-
-def _chat_prompt(tokenizer: Any, messages: Any) -> list[int] | RowError:
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        return RowError(f"column {MESSAGES_COLUMN!r} must hold a list of messages")
-    try:
-        return apply_chat_template(tokenizer, messages, add_generation_prompt=True)
-    except Exception as error:  # a template can raise anything; the row says what
-        return RowError(f"the chat template failed: {type(error).__name__}: {error}")
-
-
 def _check_one_completion(params: SamplingParams) -> None:
     if params.n != 1:
         raise ValueError(f"n={params.n}: one completion per row; give each sample its own row")
-
-
-def _with_columns(batch: pa.Table, columns: Mapping[str, pa.Array]) -> pa.Table:
-    """The batch with `columns` appended; a result column replaces an input of the same name."""
-    table = batch.drop_columns([name for name in columns if name in batch.column_names])
-    for name, array in columns.items():
-        table = table.append_column(name, array)
-    return table
 
 
 def _peak_memory_bytes(llm: LLM) -> int:
