@@ -147,6 +147,9 @@ def test_ray_commands_refuse_what_cannot_run(
     assert main(too_many) == 2
     assert "leave no CPU of the cluster's 2 free" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    samples = ["generate", "--model", str(decoder_dir), "--prompt", "hi", "--n", "2", "--ray"]
+    assert main([*samples, "--output", str(tmp_path / "out")]) == 2
+    assert "one completion per row" in capsys.readouterr().err
 
 
 def test_a_replica_killed_mid_job_loses_and_repeats_no_row(

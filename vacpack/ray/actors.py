@@ -314,7 +314,7 @@ class GenerateActor(_ModelActor):
         if isinstance(sampling_params, Mapping):
             sampling_params = SamplingParams(**sampling_params)
         self.sampling_params = sampling_params or SamplingParams()
-        _check_one_completion(self.sampling_params)
+        check_one_completion(self.sampling_params)
         self._params: list[SamplingParams] = []
 
     def _read_rows(self, batch: pa.Table) -> list[Any]:
@@ -351,7 +351,7 @@ class GenerateActor(_ModelActor):
         except (TypeError, ValueError) as error:
             raise RowError(f"bad {SAMPLING_PARAMS_COLUMN}: {error}") from None
         try:
-            _check_one_completion(params)
+            check_one_completion(params)
         except ValueError as error:
             raise RowError(str(error)) from None
         return params
@@ -396,7 +396,7 @@ ACTORS: Mapping[str, type[_ModelActor]] = {
 
 
 # ---------------------------------------------------------------- helpers
-def _check_one_completion(params: SamplingParams) -> None:
+def check_one_completion(params: SamplingParams) -> None:
     if params.n != 1:
         raise ValueError(f"n={params.n}: one completion per row; give each sample its own row")
 

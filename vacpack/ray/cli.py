@@ -77,11 +77,13 @@ def run_ray_command(
         num_gpus = _gpus_per_replica(args, ray.cluster_resources())
         if args.command == "serve":
             return _serve(args, engine_kwargs, num_gpus)
-        task_kwargs = (
-            {"sampling_params": sampling_params}
-            if args.command == "generate"
-            else _corpus_task_kwargs(args)
-        )
+        if args.command == "generate":
+            from vacpack.ray.actors import check_one_completion
+
+            check_one_completion(sampling_params)  # here, before any replica starts
+            task_kwargs = {"sampling_params": sampling_params}
+        else:
+            task_kwargs = _corpus_task_kwargs(args)
         return _run_job(args, engine_kwargs, task_kwargs, num_gpus)
     finally:
         if started_here:
