@@ -66,10 +66,9 @@ def run_ray_command(
     args: argparse.Namespace, engine_kwargs: dict[str, Any], sampling_params: Any = None
 ) -> int:
     """Runs a parsed `--ray` command (`sampling_params`: generate's, from its flags)."""
+    _check_before_starting(args, sampling_params)
     import ray
 
-    if args.num_replicas < 1:
-        raise ValueError(f"--num-replicas must be >= 1, got {args.num_replicas}")
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=args.ray_address)
@@ -77,17 +76,34 @@ def run_ray_command(
         num_gpus = _gpus_per_replica(args, ray.cluster_resources())
         if args.command == "serve":
             return _serve(args, engine_kwargs, num_gpus)
-        if args.command == "generate":
-            from vacpack.ray.actors import check_one_completion
-
-            check_one_completion(sampling_params)  # here, before any replica starts
-            task_kwargs = {"sampling_params": sampling_params}
-        else:
-            task_kwargs = _corpus_task_kwargs(args)
+        task_kwargs = (
+            {"sampling_params": sampling_params}
+            if args.command == "generate"
+            else _corpus_task_kwargs(args)
+        )
         return _run_job(args, engine_kwargs, task_kwargs, num_gpus)
     finally:
         if started_here:
             ray.shutdown()
+
+
+def _check_before_starting(args: argparse.Namespace, sampling_params: Any) -> None:
+    """What the flags alone say is wrong, before Ray starts (which takes seconds)."""
+    if args.num_replicas < 1:
+        raise ValueError(f"--num-replicas must be >= 1, got {args.num_replicas}")
+    if args.command == "serve":
+        return
+    if not args.output:
+        raise ValueError("--ray writes its results through Ray Data: give --output DIRECTORY")
+    prompts = getattr(args, "prompt", None)
+    if prompts and args.input:
+        raise ValueError("give --prompt or --input with --ray, not both")
+    if not prompts and not args.input:
+        raise ValueError("give --input FILE (or --prompt TEXT for generate)")
+    if args.command == "generate":
+        from vacpack.ray.actors import check_one_completion
+
+        check_one_completion(sampling_params)
 
 
 def _corpus_task_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,8 +144,6 @@ def _run_job(
         leaves_a_cpu_free,
     )
 
-    if not args.output:
-        raise ValueError("--ray writes its results through Ray Data: give --output DIRECTORY")
     file_format = output_format(args.output, args.output_format)
     cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
     if not leaves_a_cpu_free(args.num_replicas, args.cpus_per_replica, cluster_cpus):
@@ -165,12 +179,8 @@ def _input_dataset(args: argparse.Namespace, min_num_blocks: int) -> Any:
     from vacpack.ray.files import read_dataset
 
     prompts = getattr(args, "prompt", None)
-    if prompts and args.input:
-        raise ValueError("give --prompt or --input with --ray, not both")
     if prompts:
         return ray.data.from_items([{"prompt": prompt} for prompt in prompts])
-    if not args.input:
-        raise ValueError("give --input FILE (or --prompt TEXT for generate)")
     return read_dataset(args.input, min_num_blocks)
 
 

@@ -2,9 +2,10 @@
 processors do it (a config, then `processor(dataset) -> dataset`).
 
     config = ProcessorConfig(model="my-encoder", task="embed", concurrency=4, num_cpus=8)
+    start_s = time.perf_counter()
     with build_processor(config) as processor:
         processor(ray.data.read_parquet("s3://bucket/corpus/")).write_parquet("s3://bucket/out/")
-        print(processor.figures(wall_s).summary())
+        print(processor.figures(time.perf_counter() - start_s).summary())
 
 Ray runs the actor pool: it places the replicas on the cluster's nodes, feeds them batches,
 restarts a replica that dies and runs its unfinished batch again. Rows come out in input order
