@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from vacpack import LLM, SamplingParams
 from vacpack.ray.actors import ClassifyActor, EmbedActor, GenerateActor, LoglikelihoodActor
+from vacpack.ray.figures import BatchWork, ReplicaFigures, job_figures
 from vacpack.testing.tiny_models import build_tiny_classifier_checkpoint
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 256, "kv_cache_memory_bytes": 2**24}
@@ -109,3 +110,24 @@ def test_generate_rows_with_their_own_sampling_params(decoder_dir: Path) -> None
     chat = actor(pa.table({"messages": [[{"role": "user", "content": "hi"}]]})).to_pylist()
     assert chat[0]["error"] is None and chat[0]["num_generated_tokens"] == 6
     assert actor.figures.num_rows == 5 and actor.figures.num_failed == 2
+
+
+def test_replica_figures_sum_over_replicas() -> None:
+    first = ReplicaFigures("a", 1, "embed", load_s=1.0).with_batch(
+        10, 1, BatchWork(900, 100, 2, device_busy_s=3.0, elapsed_s=3.5), 4.0, 2**30
+    )
+    first = first.with_batch(5, 0, BatchWork(500, 0, 1, device_busy_s=1.0, elapsed_s=1.0), 6.0, 0)
+    second = ReplicaFigures("b", 2, "embed", load_s=2.0).with_batch(
+        20, 0, BatchWork(1000, 0, 3, device_busy_s=2.0, elapsed_s=2.0), 4.0, 2**29
+    )
+    assert (first.num_batches, first.num_rows, first.num_failed) == (2, 15, 1)
+    assert first.span_s == 6.0 and first.peak_memory_bytes == 2**30
+    assert first.tokens_per_s == pytest.approx(1400 / 6.0)
+    total = job_figures([second, first], wall_s=10.0)
+    assert [r.replica for r in total.replicas] == ["a pid 1", "b pid 2"]
+    assert (total.num_rows, total.num_failed, total.num_real_tokens) == (35, 1, 2400)
+    assert total.tokens_per_s == pytest.approx(240.0)
+    assert total.replica_tokens_per_s == pytest.approx(1400 / 6.0 + 1000 / 4.0)
+    assert total.padding_overhead == pytest.approx(100 / 2500)
+    assert total.device_busy_fraction == pytest.approx(6.0 / 10.0)
+    assert "embed on Ray, 2 replicas:" in total.summary()

@@ -91,10 +91,11 @@ class ReplicaFigures:
     def describe(self) -> str:
         return (
             f"{self.replica}: {self.num_rows} rows ({self.num_failed} failed) in "
-            f"{self.num_batches} batches, {self.num_real_tokens:,} tokens in {self.span_s:.2f} s "
-            f"= {self.tokens_per_s:,.0f} tokens/s, padding {self.padding_overhead:.2%}, "
-            f"device busy {self.device_busy_fraction:.1%}, model load {self.load_s:.1f} s, "
-            f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB"
+            f"{self.num_batches} batches ({self.num_bins} forwards), {self.num_real_tokens:,} "
+            f"tokens in {self.span_s:.2f} s = {self.tokens_per_s:,.0f} tokens/s, padding "
+            f"{self.padding_overhead:.2%}, device busy {self.device_busy_fraction:.1%} (in "
+            f"vacpack's calls {self.in_calls_s / max(self.span_s, 1e-9):.0%} of the span), "
+            f"model load {self.load_s:.1f} s, peak memory {self.peak_memory_bytes / 2**30:.2f} GiB"
         )
 
 
