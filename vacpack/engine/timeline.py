@@ -30,6 +30,7 @@ class StepTiming:
     num_padded_slots: int  # dummy slots a CUDA graph bucket added; counted, never hidden
     kv_pages_used: int
     kv_pages_total: int
+    num_preempted: int = 0  # sequences preempted when the step was scheduled
 
     @property
     def prepare_s(self) -> float:

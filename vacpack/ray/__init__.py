@@ -18,7 +18,6 @@ _EXPORTS = {
     "ProcessorConfig": "vacpack.ray.processor",
     "Processor": "vacpack.ray.processor",
     "build_processor": "vacpack.ray.processor",
-    "FiguresCollector": "vacpack.ray.figures",
     "ReplicaFigures": "vacpack.ray.figures",
     "JobFigures": "vacpack.ray.figures",
     "VacpackServer": "vacpack.ray.serve",

@@ -29,9 +29,9 @@ import pyarrow as pa
 import ray
 import torch
 
-from vacpack.corpus.commands import TEXT_KEYS
+from vacpack.cli.corpus import TEXT_KEYS
 from vacpack.corpus.packing import DocumentError
-from vacpack.device import host_peak_memory_bytes
+from vacpack.host_memory import host_peak_memory_bytes
 from vacpack.llm import LLM
 from vacpack.ray.columns import (
     ERROR_COLUMN,
@@ -123,6 +123,7 @@ class _ModelActor:
         """Runs `call` (one LLM corpus method over the batch) and reads its job report."""
         results = call()
         report = self.llm.corpus_runner.last_report
+        assert report is not None, "a job that ran left its report"
         work = BatchWork(
             num_real_tokens=report.num_real_tokens,
             num_padding_tokens=report.num_padding_tokens,
@@ -170,11 +171,18 @@ class EmbedActor(_ModelActor):
         truncate: bool = False,
     ) -> None:
         super().__init__(model, engine_kwargs, input_column, figures_collector)
-        self.options = {"pooling": pooling, "normalize": normalize, "truncate": truncate}
+        self.pooling, self.normalize, self.truncate = pooling, normalize, truncate
 
     def _run(self, inputs: list[Any]) -> tuple[list[Any], BatchWork]:
         return self._run_corpus_job(
-            lambda: self.llm.embed(inputs, use_tqdm=False, return_failures=True, **self.options)
+            lambda: self.llm.embed(
+                inputs,
+                pooling=self.pooling,
+                normalize=self.normalize,
+                truncate=self.truncate,
+                use_tqdm=False,
+                return_failures=True,
+            )
         )
 
     def _result_columns(self, results: list[Any]) -> dict[str, pa.Array]:
@@ -258,25 +266,29 @@ class LoglikelihoodActor(_ModelActor):
         ]
 
     def _run(self, inputs: list[Any]) -> tuple[list[Any], BatchWork]:
-        options = {
-            "return_token_logprobs": self.return_token_logprobs,
-            "truncate": self.truncate,
-            "use_tqdm": False,
-            "return_failures": True,
-        }
         if not self._has_continuations:
-            return self._run_corpus_job(lambda: self.llm.loglikelihood(inputs, **options))
+            return self._run_corpus_job(lambda: self._score(inputs, None))
         contexts = [context for context, _ in inputs]
         continuations = [continuation for _, continuation in inputs]
 
         def score() -> list[Any]:
-            return self.llm.loglikelihood(contexts, continuations, **options)
+            return self._score(contexts, continuations)
 
         # LLM.loglikelihood scores continuations through the engine's prefix cache when it is
         # on (shared contexts computed once), else in packed bins.
         if self.llm.config.enable_prefix_caching:
             return self._run_on_engine(score)
         return self._run_corpus_job(score)
+
+    def _score(self, texts_or_contexts: list[str], continuations: list[str] | None) -> list[Any]:
+        return self.llm.loglikelihood(
+            texts_or_contexts,
+            continuations,
+            return_token_logprobs=self.return_token_logprobs,
+            truncate=self.truncate,
+            use_tqdm=False,
+            return_failures=True,
+        )
 
     def _result_columns(self, results: list[Any]) -> dict[str, pa.Array]:
         columns = {

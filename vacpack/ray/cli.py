@@ -62,10 +62,13 @@ def add_ray_args(parser: argparse.ArgumentParser, command: str) -> None:
     )
 
 
-def run_ray_command(
-    args: argparse.Namespace, engine_kwargs: dict[str, Any], sampling_params: Any = None
-) -> int:
-    """Runs a parsed `--ray` command (`sampling_params`: generate's, from its flags)."""
+def run_ray_command(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """Runs a parsed `--ray` command."""
+    sampling_params = None
+    if args.command == "generate":
+        from vacpack.cli.generate import sampling_params_from_args
+
+        sampling_params = sampling_params_from_args(args)
     _check_before_starting(args, sampling_params)
     import ray
 
@@ -188,7 +191,7 @@ def _serve(args: argparse.Namespace, engine_kwargs: dict[str, Any], num_gpus: fl
     from ray import serve
 
     from vacpack.ray.serve import build_serve_app
-    from vacpack.server.config import server_config_from_args
+    from vacpack.server.options import server_config_from_args
 
     config = server_config_from_args(args)
     app = build_serve_app(

@@ -168,9 +168,8 @@ def job_figures(replicas: Sequence[ReplicaFigures], wall_s: float) -> JobFigures
     return JobFigures(tuple(sorted(replicas, key=lambda r: (r.host, r.pid))), wall_s)
 
 
-@ray.remote(num_cpus=0)
 class FiguresCollector:
-    """Holds the latest figures of every replica of one job (a Ray actor)."""
+    """Holds the latest figures of every replica of one job (run as a Ray actor: see below)."""
 
     def __init__(self) -> None:
         self._latest: dict[tuple[str, int], ReplicaFigures] = {}
@@ -180,3 +179,7 @@ class FiguresCollector:
 
     def all(self) -> list[ReplicaFigures]:
         return list(self._latest.values())
+
+
+# The collector as a Ray actor class, taking no CPU slot: `FiguresCollectorActor.remote()`.
+FiguresCollectorActor = ray.remote(num_cpus=0)(FiguresCollector)

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from vacpack.ray.actors import ACTORS
-from vacpack.ray.figures import FiguresCollector, JobFigures, job_figures
+from vacpack.ray.figures import FiguresCollectorActor, JobFigures, job_figures
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class Processor:
 
     def __init__(self, config: ProcessorConfig) -> None:
         self.config = config
-        self._collector = FiguresCollector.remote()
+        # An actor handle: Ray types its methods' `.remote` only in part.
+        self._collector: Any = FiguresCollectorActor.remote()
 
     def __call__(self, dataset: ray.data.Dataset) -> ray.data.Dataset:
         config = self.config

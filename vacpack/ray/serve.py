@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vacpack.llm import LLM
 from vacpack.ray.figures import replica_label, this_replica
-from vacpack.server.config import ServerConfig
 from vacpack.server.launch import build_server_app
+from vacpack.server.options import ServerConfig
 
 REPLICA_HEADER = "x-vacpack-replica"
 # vacpack batches a replica's requests continuously: it wants many in flight at once, far more
@@ -71,8 +71,8 @@ class VacpackServer:
 
 
 VacpackDeployment = serve.deployment(
-    VacpackServer, name="vacpack", max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS
-)
+    name="vacpack", max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS
+)(VacpackServer)
 
 
 def build_serve_app(
