@@ -37,7 +37,12 @@ def add_ray_args(parser: argparse.ArgumentParser, command: str) -> None:
         help="the cluster to join (auto, or host:port); default: $RAY_ADDRESS, else a local Ray",
     )
     group.add_argument("--num-replicas", type=int, default=1, help="model replicas (actors)")
-    group.add_argument("--cpus-per-replica", type=float, default=1.0)
+    group.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPUs each replica reserves; its torch threads on a CPU",
+    )
     group.add_argument(
         "--gpus-per-replica",
         type=float,
@@ -70,7 +75,10 @@ def run_ray_command(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
 
         sampling_params = sampling_params_from_args(args)
     _check_before_starting(args, sampling_params)
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'vacpack[ray]'") from None
 
     started_here = not ray.is_initialized()
     if started_here:
