@@ -131,3 +131,12 @@ def test_replica_figures_sum_over_replicas() -> None:
     assert total.padding_overhead == pytest.approx(100 / 2500)
     assert total.device_busy_fraction == pytest.approx(6.0 / 10.0)
     assert "embed on Ray, 2 replicas:" in total.summary()
+
+
+def test_embed_options_are_llm_embeds(decoder_dir: Path) -> None:
+    options = {"prompt": "query: ", "dimensions": 16}
+    actor = EmbedActor(str(decoder_dir), ENGINE_KWARGS, **options)
+    vectors = actor(pa.table({"text": ["hello world"]})).column("embedding").to_pylist()
+    expected = LLM(str(decoder_dir), **ENGINE_KWARGS).embed(["hello world"], **options)
+    assert len(vectors[0]) == 16
+    assert vectors[0] == pytest.approx(expected[0].outputs.embedding, abs=1e-6)

@@ -156,7 +156,8 @@ _NO_WORK = BatchWork(0, 0, 0, 0.0, 0.0)
 
 
 class EmbedActor(_ModelActor):
-    """Adds `embedding` (list of float32) per row, from the text in `input_column`."""
+    """Adds `embedding` (list of float32) per row, from the text in `input_column`; the
+    options are LLM.embed's."""
 
     task_name = "embed"
 
@@ -169,9 +170,13 @@ class EmbedActor(_ModelActor):
         pooling: str | None = None,
         normalize: bool | None = None,
         truncate: bool = False,
+        dimensions: int | None = None,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
     ) -> None:
         super().__init__(model, engine_kwargs, input_column, figures_collector)
         self.pooling, self.normalize, self.truncate = pooling, normalize, truncate
+        self.dimensions, self.prompt, self.prompt_name = dimensions, prompt, prompt_name
 
     def _run(self, inputs: list[Any]) -> tuple[list[Any], BatchWork]:
         return self._run_corpus_job(
@@ -180,6 +185,9 @@ class EmbedActor(_ModelActor):
                 pooling=self.pooling,
                 normalize=self.normalize,
                 truncate=self.truncate,
+                dimensions=self.dimensions,
+                prompt=self.prompt,
+                prompt_name=self.prompt_name,
                 use_tqdm=False,
                 return_failures=True,
             )

@@ -106,7 +106,7 @@ def _check_before_starting(args: argparse.Namespace, sampling_params: Any) -> No
         return
     if not args.output:
         raise ValueError("--ray writes its results through Ray Data: give --output DIRECTORY")
-    prompts = getattr(args, "prompt", None)
+    prompts = _generate_prompts(args)
     if prompts and args.input:
         raise ValueError("give --prompt or --input with --ray, not both")
     if not prompts and not args.input:
@@ -120,7 +120,14 @@ def _check_before_starting(args: argparse.Namespace, sampling_params: Any) -> No
 def _corpus_task_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The options of the corpus commands' flags, as the actors take them."""
     if args.command == "embed":
-        return {"pooling": args.pooling, "normalize": args.normalize, "truncate": args.truncate}
+        return {
+            "pooling": args.pooling,
+            "normalize": args.normalize,
+            "truncate": args.truncate,
+            "dimensions": args.dimensions,
+            "prompt": args.prompt,
+            "prompt_name": args.prompt_name,
+        }
     if args.command == "loglikelihood":
         return {"return_token_logprobs": args.token_logprobs, "truncate": args.truncate}
     return {"truncate": args.truncate}
@@ -189,10 +196,15 @@ def _input_dataset(args: argparse.Namespace, min_num_blocks: int) -> Any:
 
     from vacpack.ray.files import read_dataset
 
-    prompts = getattr(args, "prompt", None)
+    prompts = _generate_prompts(args)
     if prompts:
         return ray.data.from_items([{"prompt": prompt} for prompt in prompts])
     return read_dataset(args.input, min_num_blocks)
+
+
+def _generate_prompts(args: argparse.Namespace) -> list[str]:
+    """generate's --prompt texts (embed's --prompt is an instruction, not an input)."""
+    return list(args.prompt or []) if args.command == "generate" else []
 
 
 def _serve(args: argparse.Namespace, engine_kwargs: dict[str, Any], num_gpus: float) -> int:
