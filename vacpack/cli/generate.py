@@ -44,7 +44,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--logprobs", type=int, default=None)
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         n=args.n,
         max_tokens=args.max_tokens,
@@ -92,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("vacpack generate: give --prompt TEXT or --input FILE", file=sys.stderr)
         return 2
-    params = _sampling_params(args)
+    params = sampling_params_from_args(args)
     llm = LLM(args.model, **engine_kwargs(args))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
