@@ -14,7 +14,8 @@ PACKAGE_DIR = Path(vacpack.__file__).parent
 LAYERS: list[set[str]] = [
     {"vacpack.__main__"},
     {"vacpack.cli"},
-    {"vacpack.server", "vacpack.batch", "vacpack.ray"},
+    {"vacpack.ray"},  # Ray Serve wraps the server's app; Ray Data actors run LLM jobs
+    {"vacpack.server", "vacpack.batch"},
     {"vacpack.openai_api"},
     {"vacpack.llm"},
     {"vacpack.corpus"},
@@ -154,4 +155,4 @@ def test_the_checks_find_a_lazy_circle_and_an_upward_import() -> None:
     assert graph["vacpack.engine.b"] == {"vacpack.engine.a"}
     assert _cycles(graph) == ["vacpack.engine.a -> vacpack.engine.b -> vacpack.engine.a"]
     graph["vacpack.engine.b"] = {"vacpack.llm"}
-    assert _upward_imports(graph) == ["vacpack.engine.b (layer 6) imports vacpack.llm"]
+    assert _upward_imports(graph) == ["vacpack.engine.b (layer 7) imports vacpack.llm"]

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(run_batch)
     add_batch_args(run_batch)
     run_batch.set_defaults(handler=cmd_run_batch)
+
+    from vacpack.cli.ray import RAY_COMMANDS, add_ray_args
+
+    for name in RAY_COMMANDS:
+        add_ray_args(commands.choices[name], name)
     return parser
 
 
@@ -61,7 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = debug_requested(argv)
     args = build_parser().parse_args([arg for arg in argv if arg != "--debug"])
-    return run_reporting_errors(args.command, lambda: int(args.handler(args)), debug)
+
+    def run() -> int:
+        if getattr(args, "ray", False):
+            from vacpack.cli.ray import run_ray_command
+
+            return run_ray_command(args, engine_kwargs(args))
+        return int(args.handler(args))
+
+    return run_reporting_errors(args.command, run, debug)
 
 
 if __name__ == "__main__":

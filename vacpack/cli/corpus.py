@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
+from vacpack.corpus.input_fields import TEXT_KEYS
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.tasks import (
     ClassifyTask,
@@ -28,7 +29,6 @@ from vacpack.corpus.tasks import (
 from vacpack.llm import LLM
 from vacpack.output_file import RecordSink, StreamWriter, check_input_file, open_output
 
-TEXT_KEYS = ("text", "input", "prompt")
 CORPUS_RECORD_START = b'{"index":'
 _RESULT_KEYS = frozenset({"embedding", "label", "logprob", "error"})
 

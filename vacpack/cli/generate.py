@@ -46,7 +46,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--logprobs", type=int, default=None)
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         n=args.n,
         max_tokens=args.max_tokens,
@@ -68,7 +68,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt and not args.input:
         raise ValueError("give --prompt TEXT or --input FILE")
-    params = _sampling_params(args)  # the flags are checked before the model loads
+    params = sampling_params_from_args(args)  # the flags are checked before the model loads
     if args.input or args.output:
         from vacpack.batch.prompt_file import (
             GenerateOptions,
