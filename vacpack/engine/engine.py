@@ -37,12 +37,16 @@ from vacpack.outputs import (
 )
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
+from vacpack.structured.manager import StructuredOutputManager
+from vacpack.structured.token_masks import StepTokenMasks
 
 logger = logging.getLogger(__name__)
 
 # A step's token budget when none is given: large enough that prefill matmuls run near the
 # device's peak, small enough that decodes sharing the step are not held up for long.
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+# With nothing to run until a grammar is compiled, a step waits this long for one at most.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class _LaunchedStep:
     prepare_start_s: float
     launch_s: float
     num_preempted: int
+    token_masks: StepTokenMasks | None  # constrained rows' masks; maybe filled after launch
 
 
 class LLMEngine:
@@ -115,6 +120,9 @@ class LLMEngine:
             self.page_pool,
         )
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device
+        )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -173,6 +181,7 @@ class LLMEngine:
         if request_id in self._user_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        grammar = self.structured.check(params)
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -195,6 +204,7 @@ class LLMEngine:
                     detokenizer=self._detokenizer_for(params),
                     metrics=RequestMetrics(arrival_time=metrics.arrival_time),
                     prompt_logprobs_start=prompt_logprobs_start,
+                    constraints=self.structured.constraints_for(sample_params, grammar),
                 )
             )
         self._user_requests[request_id] = UserRequest(request_id, prompt, sequences, metrics)
@@ -240,7 +250,11 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         schedule = self.scheduler.schedule()
         scheduled = schedule.scheduled
-        if scheduled and self._in_flight is not None and _needs_known_outputs(scheduled):
+        if (
+            scheduled
+            and self._in_flight is not None
+            and _needs_known_outputs(scheduled, self.executor.work_may_wait_for_host)
+        ):
             # Penalties count the output tokens on the host: read the running step first.
             outputs += self._read(self._in_flight)
             self._in_flight = None
@@ -248,8 +262,16 @@ class LLMEngine:
         launched = None
         if scheduled:
             launched = self._launch(scheduled, prepare_start_s, len(schedule.preempted))
-        if self._in_flight is not None:
-            outputs += self._read(self._in_flight)
+        elif self._in_flight is None:
+            self.structured.wait_for_grammars(GRAMMAR_WAIT_S)
+        try:
+            if self._in_flight is not None:
+                outputs += self._read(self._in_flight)
+        finally:
+            if launched is not None and launched.token_masks is not None:
+                # The masks that needed the tokens just read; the device waits for them to
+                # sample, after the step's forward.
+                self.structured.fill(launched.token_masks, launched.prepared.sampled_requests)
         self._in_flight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._read(launched)
@@ -264,8 +286,9 @@ class LLMEngine:
                 item.request.metrics.first_scheduled_time = prepare_start_s
         with self.executor.stream_context():
             prepared = self.runner.prepare(scheduled)
+            token_masks = self.structured.step_masks(prepared.sampled_requests)
             launch_s = time.perf_counter()
-            handle = self.executor.launch(lambda: self.runner.run(prepared))
+            handle = self.executor.launch(lambda: self.runner.run(prepared, token_masks))
         reaches_end = [item.samples for item in scheduled]
         # Lengths advance at launch: the next step is scheduled as if this one had finished.
         for item in scheduled:
@@ -285,6 +308,7 @@ class LLMEngine:
             prepare_start_s,
             launch_s,
             num_preempted,
+            token_masks,
         )
 
     def _read(self, launched: _LaunchedStep) -> list[RequestOutput]:
@@ -302,6 +326,7 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         process_end_s = time.perf_counter()
+        masks = launched.token_masks
         self.stats.record_step(
             start_s=launched.prepare_start_s,
             end_s=process_end_s,
@@ -324,6 +349,8 @@ class LLMEngine:
                 num_padded_slots=result.num_padded_slots,
                 kv_pages_used=self.page_pool.num_used_pages,
                 kv_pages_total=self.page_pool.num_pages,
+                mask_fill_start_s=masks.fill_start_s if masks else 0.0,
+                mask_fill_end_s=masks.fill_end_s if masks else 0.0,
             )
         )
         return outputs
@@ -375,7 +402,10 @@ class LLMEngine:
             self.stats.num_generated_tokens += 1
             if request.logprobs is not None:
                 self._record_logprobs(request, token_id, row, result)
-            self._check_stop(request, token_id)
+            grammar = self.structured.accept(request, token_id)
+            self._check_stop(request, token_id, output_complete=grammar == "complete")
+            if grammar == "refused" and not request.is_finished:
+                self._finish(request, "abort", None)
         for item, reaches_end in zip(scheduled, launched.reaches_end, strict=True):
             request = item.request
             if id(request) in finished_before:
@@ -389,7 +419,8 @@ class LLMEngine:
             touched[user_request.request_id] = user_request
         return list(touched.values())
 
-    def _check_stop(self, request: Request, token_id: int) -> None:
+    def _check_stop(self, request: Request, token_id: int, output_complete: bool = False) -> None:
+        """output_complete: the request's grammar allows no more tokens."""
         params = request.params
         # The sampler suppressed stop tokens until min_tokens, so any stop token here counts.
         stops_on_token = token_id in request.stop_token_ids
@@ -404,6 +435,8 @@ class LLMEngine:
             self._finish(request, "stop", token_id if token_id in params.stop_token_ids else None)
         elif stop_string is not None:
             self._finish(request, "stop", stop_string)
+        elif output_complete:
+            self._finish(request, "stop", None)
         elif request.num_output_tokens >= (params.max_tokens or request.max_total_tokens) or (
             request.num_known_tokens >= request.max_total_tokens
         ):
@@ -498,15 +531,22 @@ def _resolve_async_scheduling(setting: bool | None, device: torch.device) -> boo
     return device.type == "cuda" if setting is None else setting
 
 
-def _needs_known_outputs(scheduled: list[ScheduledRequest]) -> bool:
+def _needs_known_outputs(scheduled: list[ScheduledRequest], masks_may_wait: bool) -> bool:
     """True when a scheduled request's sampling reads its earlier output tokens on the host
-    (penalties) and one of them is still being sampled."""
+    and one of them is still being sampled: penalties count them; a grammar's (or a multi-token
+    bad word's) mask depends on them, unless the device work may wait for the host to fill
+    the masks after launch (masks_may_wait)."""
     return any(
         item.request.num_pending_tokens
         and (
             item.request.params.repetition_penalty != 1.0
             or item.request.params.frequency_penalty != 0.0
             or item.request.params.presence_penalty != 0.0
+            or (
+                not masks_may_wait
+                and item.request.constraints is not None
+                and item.request.constraints.needs_known_outputs
+            )
         )
         for item in scheduled
     )

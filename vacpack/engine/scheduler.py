@@ -11,9 +11,10 @@ no request starves, and as the cache holds at least one whole sequence there is 
 With prefix caching, a request admitted (or re-admitted after preemption) first takes the
 cached pages of its longest cached prefix and computes only the rest; after each step the
 pages it has filled are indexed for others. A waiting request whose next uncached page is being
-computed right now by a running request waits for it (the one exception to first come, first
+computed right now by a running request waits for it (an exception to first come, first
 served), so requests that share a prefix and arrive together (n > 1 samples, a common system
-prompt, few-shot contexts) compute it once.
+prompt, few-shot contexts) compute it once. The other exception: a request whose grammar is
+still being compiled (structured outputs) waits, and the requests behind it go first.
 
 With async scheduling, the next step is scheduled while the previous one still runs: request
 lengths already count the tokens being sampled (see Request.num_pending_tokens), and a request
@@ -108,6 +109,9 @@ class Scheduler:
             request = self.waiting[position]
             if request.num_pending_tokens:
                 break  # preempted with a token still being sampled: readmitted once it is read
+            if request.constraints is not None and not request.constraints.is_ready:
+                position += 1  # its grammar is being compiled: the requests behind it go first
+                continue
             if self._next_page_in_flight(request):
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
