@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Any
 from vacpack import __version__
 from vacpack.bench_command import add_bench_command
 from vacpack.corpus.commands import add_corpus_commands, run_corpus_command
+from vacpack.structured.params import StructuredOutputsParams
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -68,6 +70,15 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--logprobs", type=int, default=None)
+    group.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='constrain every output, e.g. \'{"json": {"type": "object"}}\' or \'{"choice": '
+        '["yes", "no"]}\' (keys: json, json_object, regex, choice, grammar); a JSONL input '
+        'line\'s own "structured_outputs" wins',
+    )
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -88,11 +99,13 @@ def _sampling_params(args: argparse.Namespace):
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        structured_outputs=args.structured_outputs,
     )
 
 
-def read_prompts(path: Path) -> Iterator[str]:
-    """Prompts from JSONL ({"prompt": ...} or {"text": ...} per line) or plain text lines."""
+def read_prompts(path: Path) -> Iterator[tuple[str, StructuredOutputsParams | None]]:
+    """(prompt, structured_outputs or None) from JSONL ({"prompt": ...} or {"text": ...} per
+    line, optionally with "structured_outputs": {...}) or plain text lines."""
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             line = line.rstrip("\n")
@@ -107,24 +120,35 @@ def read_prompts(path: Path) -> Iterator[str]:
                     record.get("prompt", record.get("text")), str
                 ):
                     raise ValueError(f'{path}:{number}: expected {{"prompt": "..."}}')
-                yield record.get("prompt", record.get("text"))
+                structured = record.get("structured_outputs")
+                if structured is not None:
+                    try:
+                        structured = StructuredOutputsParams.from_dict(structured)
+                    except ValueError as error:
+                        raise ValueError(f"{path}:{number}: {error}") from None
+                yield record.get("prompt", record.get("text")), structured
             else:
-                yield line
+                yield line, None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from vacpack.llm import LLM
 
-    prompts = list(args.prompt or [])
+    records = [(prompt, None) for prompt in args.prompt or []]
     if args.input:
-        prompts.extend(read_prompts(Path(args.input)))
-    if not prompts:
+        records.extend(read_prompts(Path(args.input)))
+    if not records:
         print("vacpack generate: give --prompt TEXT or --input FILE", file=sys.stderr)
         return 2
     params = _sampling_params(args)
+    prompts = [prompt for prompt, _ in records]
+    params_list = [
+        params if structured is None else dataclasses.replace(params, structured_outputs=structured)
+        for _, structured in records
+    ]
     llm = LLM(args.model, **_engine_kwargs(args))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    outputs = llm.generate(prompts, params_list, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
     sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
     try:

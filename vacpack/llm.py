@@ -88,9 +88,10 @@ class LLM:
         batch = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(batch))
         encoded = [self._encode(prompt) for prompt in batch]
-        for index, (_, token_ids) in enumerate(encoded):
+        for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list, strict=True)):
             try:
                 self.engine.validate_prompt(token_ids)
+                self.engine.structured.check(params)
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
         return self._run(encoded, params_list, use_tqdm)

@@ -124,7 +124,13 @@ class OpenAIHandlers:
         request = parse_body(ChatCompletionRequest, body)
         self._check_model(request.model)
         self._require_generation()
-        return prepare_chat(request, self.tokenizer, self.max_model_len, RequestOutputKind.DELTA)
+        return prepare_chat(
+            request,
+            self.tokenizer,
+            self.max_model_len,
+            RequestOutputKind.DELTA,
+            tool_call_parser=self.config.tool_call_parser,
+        )
 
     async def _generate(
         self, raw: Request, prepared: PreparedGeneration, response_id: str

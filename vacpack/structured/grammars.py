@@ -65,11 +65,16 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults=dict(JSON_LAYOUT)
-        )
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(with_json_layout(schema)))
     except ValueError as error:
         raise GrammarError(f"the JSON schema is not usable: {error}") from None
+
+
+def with_json_layout(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema with llguidance's layout options set to JSON_LAYOUT (where the schema does
+    not set them itself), for schemas embedded in a Lark grammar as well."""
+    layout = {**JSON_LAYOUT, **schema.get("x-guidance", {})}
+    return {**schema, "x-guidance": layout}
 
 
 def lark_grammar(lark: str, description: str) -> GrammarSpec:
