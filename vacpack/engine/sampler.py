@@ -149,7 +149,8 @@ class Sampler:
         rows: Sequence[SamplingRow],
         masks: StepTokenMasks | None = None,
     ) -> SamplerOutput:
-        """With masks (see StepTokenMasks), waits until the host has filled them."""
+        """With masks (see StepTokenMasks), waits until the host has filled them; on a CPU the
+        masks set forbidden logits to -inf in these logits, in place."""
         self._check_shape(logits, rows)
         if masks is not None:
             masks.wait()
