@@ -10,6 +10,13 @@
 4. ``accept`` for every token the host reads: the matcher advances, and says whether the
    output is complete (finish "stop") or the token was refused;
 5. ``wait_for_grammars`` when nothing can run until a grammar is compiled.
+
+Step N+1's masks need step N's tokens. Where the device work runs on a worker thread (CPU,
+async scheduling) the step is launched with its masks unfilled and waits for them after its
+forward, so filling them overlaps the forward (vLLM splits its step the same way, SGLang's
+overlap scheduler waits in its forward thread). Where the host itself queues the device work
+(CUDA streams) a step with constrained rows reads the previous step first, as penalties do;
+splitting the CUDA launch into forward and sampling would lift that.
 """
 
 from __future__ import annotations
