@@ -22,8 +22,10 @@ splitting the CUDA launch into forward and sampling would lift that.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol
 
@@ -33,7 +35,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.sampling import SamplingParams
-from vacpack.structured.compiler import GrammarCompiler
+from vacpack.structured.compiler import GRAMMAR_CACHE_SIZE, GrammarCompiler
 from vacpack.structured.constraints import SequenceConstraints, allowed_tokens_mask
 from vacpack.structured.grammars import GrammarSpec, grammar_spec
 from vacpack.structured.token_masks import LogitBias, StepTokenMasks
@@ -72,6 +74,9 @@ class StructuredOutputManager:
         self._pin = device.type == "cuda"
         # Built on the first constrained request: an engine that never sees one pays nothing.
         self._compiler: GrammarCompiler | None = None
+        # Checked grammars by constraint: a schema sent with every request is checked once,
+        # not on the engine thread per request.
+        self._specs: OrderedDict[tuple[str, str], GrammarSpec] = OrderedDict()
         self._compiling: set[concurrent.futures.Future[llguidance.LLMatcher]] = set()
 
     @property
@@ -93,9 +98,19 @@ class StructuredOutputManager:
                     f"{field_name} names token ids outside the vocabulary [0, {self.vocab_size}): "
                     f"{bad[:5]}"
                 )
-        if params.structured_outputs is None:
+        structured = params.structured_outputs
+        if structured is None:
             return None
-        return grammar_spec(params.structured_outputs)
+        value = getattr(structured, structured.kind)
+        key = (structured.kind, json.dumps(value, sort_keys=True, default=list))
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = grammar_spec(structured)
+            self._specs[key] = spec
+            if len(self._specs) > GRAMMAR_CACHE_SIZE:
+                self._specs.popitem(last=False)
+        self._specs.move_to_end(key)
+        return spec
 
     def constraints_for(
         self, params: SamplingParams, spec: GrammarSpec | None
