@@ -231,6 +231,17 @@ def test_n_samples_each_follow_the_schema(llm: LLM) -> None:
     assert compiler.num_compiled == num_compiled_before + 1
 
 
+def test_the_test_tokenizer_spells_json_byte_by_byte(llm: LLM) -> None:
+    # A byte-level BPE over all 256 bytes: every character JSON needs is one token (or a few
+    # byte tokens, for non-ASCII), so any document can be written.
+    tokenizer = llm.get_tokenizer()
+    for character in '{}[]":,.-+0123456789eE truefalsnu\\/bfnrt':
+        assert len(tokenizer.encode(character, add_special_tokens=False)) == 1, character
+    for text in ("é", "中", "😀"):
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(token_ids) == text
+
+
 def test_cut_off_document_finishes_with_length(llm: LLM) -> None:
     schema = SCHEMAS["nested_object"]
     [output] = llm.generate("x", _sampled(0, _json(schema), max_tokens=4), use_tqdm=False)

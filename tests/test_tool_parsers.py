@@ -81,6 +81,12 @@ def test_streamed_pieces_add_up_to_the_parse(bpe, parser_name: str, text: str) -
         ]
 
 
+def test_without_parallel_calls_a_stream_keeps_the_first(hermes: ToolParser) -> None:
+    stream = ToolCallStream(hermes, max_calls=1)
+    _, calls = stream.feed(HERMES_TEXT, finished=True)
+    assert [call.name for call in calls] == ["f"]
+
+
 def test_hermes_holds_back_a_possible_marker(hermes: ToolParser) -> None:
     assert hermes.settled("Hi <tool") == (3, [])
     assert hermes.settled("Hi <b>") == (len("Hi <b>"), [])

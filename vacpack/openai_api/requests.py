@@ -56,6 +56,7 @@ class PreparedGeneration:
     include_usage_in_stream: bool
     # Chat with tools (tool_choice not "none"): splits each choice into content and tool calls.
     tool_parser: ToolParser | None = None
+    parallel_tool_calls: bool = True  # False: a choice keeps its first call only
 
     @property
     def num_choices_per_prompt(self) -> int:
@@ -163,6 +164,7 @@ def prepare_chat(
         stream=bool(request.stream),
         include_usage_in_stream=request.include_usage_in_stream,
         tool_parser=tool_plan.parser,
+        parallel_tool_calls=tool_plan.parallel,
     )
 
 

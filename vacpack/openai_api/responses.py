@@ -164,9 +164,10 @@ def chat_message(
         return {"role": "assistant", "content": choice.text}, choice.finish_reason
     parsed = prepared.tool_parser.parse(choice.text)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if not parsed.tool_calls:
+    calls = parsed.tool_calls if prepared.parallel_tool_calls else parsed.tool_calls[:1]
+    if not calls:
         return message, choice.finish_reason
-    message["tool_calls"] = [call.to_json() for call in parsed.tool_calls]
+    message["tool_calls"] = [call.to_json() for call in calls]
     return message, tool_calls_finish_reason(choice.finish_reason)
 
 

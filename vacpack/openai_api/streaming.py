@@ -144,7 +144,8 @@ class StreamState:
         parser = self.prepared.tool_parser
         if parser is None:
             return ({"content": text} if text else {}), finish_reason
-        stream = self.tool_streams.setdefault(index, ToolCallStream(parser))
+        max_calls = None if self.prepared.parallel_tool_calls else 1
+        stream = self.tool_streams.setdefault(index, ToolCallStream(parser, max_calls))
         content, calls = stream.feed(text, finished=finish_reason is not None)
         message: dict[str, Any] = {"content": content} if content else {}
         if calls:

@@ -18,6 +18,7 @@ from vacpack.openai_api.tool_parsers import ToolCall, ToolParser
 @dataclass
 class ToolCallStream:
     parser: ToolParser
+    max_calls: int | None = None  # 1 without parallel_tool_calls: later calls are dropped
     text: str = ""
     num_content_sent: int = 0  # characters of text sent as content
     calls_sent: list[ToolCall] = field(default_factory=list)
@@ -35,7 +36,7 @@ class ToolCallStream:
             content_end, calls = self.parser.settled(self.text)
         content = self.text[self.num_content_sent : content_end]
         self.num_content_sent = max(self.num_content_sent, content_end)
-        new_calls = calls[len(self.calls_sent) :]
+        new_calls = calls[len(self.calls_sent) : self.max_calls]
         self.calls_sent.extend(new_calls)
         return content, new_calls
 
