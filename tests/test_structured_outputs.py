@@ -380,3 +380,18 @@ def test_other_requests_run_while_a_grammar_compiles(llm: LLM) -> None:
             if output.finished:
                 finished[output.request_id] = output
     assert json.loads(finished["waits"].outputs[0].text) in ({"slow": True}, {"slow": False})
+
+
+def test_a_grammar_that_fails_to_compile_ends_only_its_request(llm: LLM, monkeypatch) -> None:
+    compiler = llm.engine.structured.compiler
+
+    def failing_compile(spec):
+        raise RuntimeError("out of grammar memory")
+
+    monkeypatch.setattr(compiler, "_compile", failing_compile)
+    schema = {"type": "object", "properties": {"fails": {"type": "null"}}, "required": ["fails"]}
+    failing = _sampled(0, _json(schema), max_tokens=10)
+    fine = SamplingParams(max_tokens=4, ignore_eos=True)
+    failed, other = llm.generate(["x", "y"], [failing, fine], use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "abort"
+    assert len(other.outputs[0].token_ids) == 4
