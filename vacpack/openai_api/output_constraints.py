@@ -55,11 +55,12 @@ def token_controls(request: CompletionRequest | ChatCompletionRequest) -> dict[s
     return controls
 
 
-def plan_tools(request: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
-    """How the request's tools are used; 400 for a malformed tool or tool_choice."""
+def plan_tools(request: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan:
+    """How the request's tools are used (parser: None when it has none); 400 for a malformed
+    tool or tool_choice."""
     tools = request.tools
     choice = request.tool_choice
-    if not tools:
+    if not tools or parser is None:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         return NO_TOOLS

@@ -15,7 +15,6 @@ from transformers import PreTrainedTokenizerBase
 
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.output_constraints import (
-    NO_TOOLS,
     plan_tools,
     structured_outputs,
     token_controls,
@@ -112,9 +111,8 @@ def prepare_chat(
 ) -> PreparedGeneration:
     """tool_call_parser: a name from tool_parsers.TOOL_CALL_PARSERS ("auto": from the chat
     template)."""
-    tool_plan = (
-        plan_tools(request, tool_parser(tool_call_parser, tokenizer)) if request.tools else NO_TOOLS
-    )
+    parser = tool_parser(tool_call_parser, tokenizer) if request.tools else None
+    tool_plan = plan_tools(request, parser)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if not request.messages:
