@@ -103,8 +103,10 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to conversations rendered by the tokenizer's chat template."""
+        """Generates replies to conversations rendered by the tokenizer's chat template, which
+        also gets `tools` (OpenAI function tools) when given."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [
             {
@@ -113,6 +115,7 @@ class LLM:
                     list(conversation),
                     add_generation_prompt=add_generation_prompt,
                     chat_template=chat_template,
+                    **({"tools": tools} if tools else {}),
                 )
             }
             for conversation in conversations

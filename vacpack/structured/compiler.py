@@ -76,9 +76,6 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
             return future
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
         return llguidance.hf.from_tokenizer(
             self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None

@@ -223,7 +223,3 @@ class StructuredOutputManager:
             logger.error("constrained output stopped: %s", constraints.problem(token_id))
             return "refused"
         return "complete" if constraints.is_complete else "continue"
-
-    def close(self) -> None:
-        if self._compiler is not None:
-            self._compiler.close()
