@@ -17,7 +17,7 @@ import openai
 import pytest
 from server_process import running_server
 
-from vacpack import LLM
+from vacpack import LLM, SamplingParams
 from vacpack.batch.options import BatchOptions
 from vacpack.batch.runner import run_batch
 
@@ -79,6 +79,11 @@ def tools_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
     shutil.copytree(tiny_checkpoint("qwen2"), model_dir)
     (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE, encoding="utf-8")
     return model_dir
+
+
+@pytest.fixture(scope="module")
+def tools_llm(tools_checkpoint: Path) -> LLM:
+    return LLM(str(tools_checkpoint), dtype="float32", max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +235,14 @@ def test_completion_choice_and_logit_bias(client: openai.OpenAI, tools_checkpoin
     assert forced.choices[0].text == load_tokenizer(str(tools_checkpoint)).decode([300] * 4)
 
 
-def test_batch_file_with_schema_and_forced_tool_calls(tools_checkpoint, tmp_path) -> None:
+def test_llm_chat_passes_tools_to_the_template(tools_llm: LLM) -> None:
+    params = SamplingParams(max_tokens=1)
+    [plain] = tools_llm.chat(MESSAGES, params, use_tqdm=False)
+    [with_tools] = tools_llm.chat(MESSAGES, params, use_tqdm=False, tools=TOOLS)
+    assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids) + 40
+
+
+def test_batch_file_with_schema_and_forced_tool_calls(tools_llm: LLM, tmp_path) -> None:
     response_format = _strict_json_schema(PERSON)
     bodies = {
         "person": {"messages": MESSAGES, "response_format": response_format, "max_tokens": 150},
@@ -248,8 +260,7 @@ def test_batch_file_with_schema_and_forced_tool_calls(tools_checkpoint, tmp_path
     input_path = tmp_path / "in.jsonl"
     input_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     output_path = tmp_path / "out.jsonl"
-    llm = LLM(str(tools_checkpoint), dtype="float32", max_model_len=MAX_MODEL_LEN)
-    run_batch(llm, BatchOptions(input_path, output_path, show_progress=False))
+    run_batch(tools_llm, BatchOptions(input_path, output_path, show_progress=False))
     records = {r["custom_id"]: r for r in map(json.loads, output_path.read_text().splitlines())}
     person = records["person"]["response"]["body"]["choices"][0]["message"]["content"]
     jsonschema.validate(json.loads(person), {**PERSON, "additionalProperties": False})
