@@ -2,10 +2,10 @@
 
 What chose vacpack's grammar engine (vacpack/structured/compiler.py). Both engines get the same
 tokenizer of realistic size (the 128,000-token byte-level BPE that bench/structured.py trains
-on the standard library, or `--tokenizer DIR`), the same JSON schema, a regex, a small EBNF
-grammar and json_object; then 64 matchers walk the schema's documents together, each step
-taking a random allowed token per matcher (a babbling model), and the time to fill the batch's
-masks is recorded per step: serially, and with each engine's own thread pool.
+on this Python installation's sources, or `--tokenizer DIR`), the same JSON schema, a regex,
+a small EBNF grammar and json_object; then 64 matchers walk the schema's documents together,
+each step taking a random allowed token per matcher (a babbling model), and the time to fill
+the batch's masks is recorded per step: serially, and with each engine's own thread pool.
 
     python bench/grammar_engines.py [--tokenizer DIR] [--output FILE.json]
 

@@ -10,8 +10,9 @@ builds llguidance's view of the tokenizer and compiles the schema first.
 
 The G1 checkpoint carries the bundled 2,048-token tokenizer; its grammar masks are cheap to
 fill. `--tokenizer python-bpe` runs with a realistic one instead: a 128,000-token byte-level
-BPE trained on this Python installation's standard library sources (built once, cached under
-bench/.cache, about a minute), which makes llguidance's mask work that of a real model.
+BPE trained on the first 120 MB of this Python installation's sources (standard library and
+installed packages; built once, cached under bench/.cache, a few minutes), which makes
+llguidance's mask work that of a real model.
 
 Reported: wall time and output tokens/s of both runs, the cost, the decode steps' median time,
 the host's mask-filling time per step, and where it ran (before launch, or after it while the
@@ -82,7 +83,7 @@ def log(message: str) -> None:
 
 
 def python_bpe_tokenizer() -> Path:
-    """A realistic vocabulary built locally: byte-level BPE over the standard library's .py."""
+    """A realistic vocabulary built locally: byte-level BPE over this Python's .py sources."""
     if (PYTHON_BPE_DIR / "tokenizer.json").exists():
         return PYTHON_BPE_DIR
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -90,7 +91,7 @@ def python_bpe_tokenizer() -> Path:
 
     from vacpack.testing.tiny_models import SPECIAL_TOKENS
 
-    log(f"training a {PYTHON_BPE_VOCAB_SIZE}-token BPE on the standard library (once)")
+    log(f"training a {PYTHON_BPE_VOCAB_SIZE}-token BPE on this Python's sources (once)")
     sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
 
     def lines() -> Any:
