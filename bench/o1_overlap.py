@@ -181,10 +181,10 @@ def run_config(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     timeline.reset()  # the timeline covers the timed run alone
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    stats = llm.engine.stats
+    engine = llm.engine
     log(f"{args.worker}: generating for {len(prompts)} prompts")
     with (
-        heartbeat(args.worker, lambda: f"{stats.num_generated_tokens} tokens generated"),
+        heartbeat(args.worker, lambda: f"{engine.state().num_generated_tokens} tokens generated"),
         timed_section() as section,
     ):
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -11,6 +11,8 @@ Every document is scored after one prefix token (the tokenizer's BOS, else its E
 - hf_padded: transformers `AutoModelForCausalLM` forwards over right-padded batches of 8 in
   input order, log_softmax over the logits, the next tokens gathered, padding left out.
 - hf_sorted: the same over batches of 8 sorted by length (the usual fix for padding).
+- vllm_cpu: vLLM's CPU build (installed by `make bench` into its own environment) with
+  `prompt_logprobs=0`, the same prefix token in front, on a CPU only (bench/p1_vllm.py).
 
 Each system runs in its own subprocess (`--worker SYSTEM`) after an untimed warm-up (for vacpack
 this is where it measures its bin budget). Tokens/s counts real tokens (prefix included), never
@@ -35,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import p1_vllm
 import torch
+import vllm_cpu
 from harness import (
     heartbeat,
     job_report_fields,
@@ -50,8 +54,10 @@ from harness import (
     timed_section,
 )
 
-SYSTEMS: tuple[str, ...] = ("vacpack", "hf_padded", "hf_sorted")
-BASELINES: tuple[str, ...] = ("hf_padded", "hf_sorted")
+SYSTEMS: tuple[str, ...] = ("vacpack", "hf_padded", "hf_sorted", "vllm_cpu")
+BASELINES: tuple[str, ...] = ("hf_padded", "hf_sorted", "vllm_cpu")
+# Run in its own environment rather than as a worker of this script.
+VLLM_SYSTEMS: tuple[str, ...] = ("vllm_cpu",)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -389,6 +395,13 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
     )
 
 
+def run_vllm_cpu(args: argparse.Namespace, documents: list[list[int]]) -> dict[str, Any]:
+    prefix = prefix_token_id(args.model_dir)
+    sequences = [[prefix, *doc] for doc in documents]
+    warmup_sequences = [s[:WARMUP_TOKENS] for s in sequences[:WARMUP_DOCS]]
+    return p1_vllm.run_vllm_cpu(args, sequences, warmup_sequences)
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     systems_to_run = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems_to_run) - set(SYSTEMS))
@@ -402,6 +415,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     systems: dict[str, dict[str, Any]] = {}
     for index, name in enumerate(systems_to_run):
         log(f"system {index + 1}/{len(systems_to_run)}: {name}")
+        if name in VLLM_SYSTEMS:
+            systems[name] = run_vllm_cpu(args, documents)
+            continue
         systems[name] = harness.run_worker(
             lambda path, name=name: worker_command(args, name, path), name, "p1"
         )
@@ -453,7 +469,11 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated subset of {', '.join(SYSTEMS)} (vllm_cpu: on a CPU only)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
     parser.add_argument(
         "--num-docs", type=int, default=None, help="default 128 on CPU, 400 on a GPU"
@@ -472,8 +492,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="vacpack's bin budget in tokens; default measured by its probe forwards",
     )
+    parser.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=vllm_cpu.DEFAULT_KV_CACHE_GIB,
+        help="vllm_cpu's KV cache size",
+    )
     # Internal: run one system in this process and write its result to --worker-output.
-    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=[*WORKERS], help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not 1 <= args.short_min <= args.short_max or not 1 <= args.long_min <= args.long_max:
@@ -482,6 +508,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     device_type = args.device.split(":")[0]
     if args.num_docs is None:
         args.num_docs = DEFAULT_NUM_DOCS.get(device_type, DEFAULT_NUM_DOCS["cpu"])
+    if args.systems is None:
+        on_cpu = device_type == "cpu"
+        args.systems = ",".join(s for s in SYSTEMS if on_cpu or s not in VLLM_SYSTEMS)
     if args.num_docs < 1:
         parser.error("--num-docs must be at least 1")
     args.output = args.output or RESULTS_DIR / f"p1_{device_type}.json"

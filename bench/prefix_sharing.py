@@ -13,7 +13,9 @@ checkpoint), random-token prompts (seed 0):
   context: ~2,500 s for 250).
 
 Each (workload, cache setting) runs in its own subprocess. Reports end-to-end throughput, the
-prefill tokens actually computed, the cache hit rate, and the on/off ratios.
+prefill tokens actually computed, the cache hit rate, and the on/off ratios. With `--vllm` (the
+default) vLLM's CPU build runs shared_prompt too, prefix caching on, in its own environment
+(installed by `make bench`; bench/prefix_vllm.py), and the table shows vacpack's speed-up over it.
 
 Full run (about 10 minutes on a 2-core CPU):
     python bench/prefix_sharing.py
@@ -26,6 +28,7 @@ Quick check:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,8 @@ from typing import Any
 
 import harness
 import torch
+import vllm_cpu
+from prefix_vllm import VLLM_SYSTEM, run_vllm_shared_prompt
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "bench" / ".cache" / "g1-qwen2.5-0.5b-shapes"
@@ -81,10 +86,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         prompts = shared_prompt_requests(args, vocab_size)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        steps_before = len(llm.engine.stats.steps)
+        llm.engine.timeline.reset()  # the timeline covers the timed run alone
         with harness.timed_section() as section:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        steps = llm.engine.stats.steps[steps_before:]
+        steps = llm.engine.timeline.steps
         num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
         num_prompt = sum(len(p) for p in prompts)
         return {
@@ -95,15 +100,15 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens_per_s": num_output / section.wall_s,
             "total_tokens_per_s": (num_prompt + num_output) / section.wall_s,
             "prefill_tokens_computed": sum(s.num_tokens - s.num_decode_tokens for s in steps),
-            "cache_hit_rate": llm.engine.page_pool.stats.hit_rate,
+            "cache_hit_rate": llm.engine.state().prefix_cache_hit_rate,
         }
     context_texts, continuation_texts = multiple_choice_items(args, llm.get_tokenizer())
     llm.loglikelihood(["warm up"], [" now"], use_tqdm=False)  # also measures the bin budget
-    engine_tokens_before = llm.engine.stats.num_processed_tokens if enable else 0
+    engine_tokens_before = llm.engine.state().num_processed_tokens if enable else 0
     with harness.timed_section() as section:
         results = llm.loglikelihood(context_texts, continuation_texts, use_tqdm=False)
     if enable:
-        computed = llm.engine.stats.num_processed_tokens - engine_tokens_before
+        computed = llm.engine.state().num_processed_tokens - engine_tokens_before
     else:
         report = llm.corpus_runner.last_report
         computed = report.num_real_tokens
@@ -130,11 +135,24 @@ def orchestrate(args: argparse.Namespace) -> int:
                 "prefix",
             )
         results["workloads"][workload] = summarize(workload, runs)
+        if workload == "shared_prompt" and args.vllm:
+            add_vllm_run(args, results["workloads"][workload])
     results["settings"] = {k: str(v) for k, v in vars(args).items()}
     harness.publish_results(
         results, args.output, args.plot, save_plot, markdown_table(results), "prefix"
     )
     return 0
+
+
+def add_vllm_run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """vLLM CPU on the same requests, and vacpack's speed-up over it (both caching prefixes)."""
+    log(f"shared_prompt, {VLLM_SYSTEM}, prefix cache on")
+    vocab_size = int(json.loads((args.model_dir / "config.json").read_text())["vocab_size"])
+    prompts = shared_prompt_requests(args, vocab_size)
+    run = run_vllm_shared_prompt(args.model_dir, prompts, args.max_tokens, args.vllm_kv_cache_gib)
+    summary[VLLM_SYSTEM] = run
+    if "wall_s" in run and "wall_s" in summary["on"]:
+        summary[f"vacpack_on/{VLLM_SYSTEM}"] = run["wall_s"] / summary["on"]["wall_s"]
 
 
 def summarize(workload: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -182,6 +200,20 @@ def markdown_table(results: dict[str, Any]) -> str:
             speedup = f"{summary['speedup']:.2f}x" if show_speedup else ""
             wall = f"{run['wall_s']:.1f}"
             lines.append(f"| {workload} | {cache} | {wall} | {rate} | {computed:,} | {speedup} |")
+        vllm = summary.get(VLLM_SYSTEM)
+        if vllm is not None and "error" in vllm:
+            lines.append(
+                f"| {workload} | {VLLM_SYSTEM}, on | failed: "
+                f"{harness.markdown_cell(vllm['error'])} | | | |"
+            )
+        elif vllm is not None:
+            ratio = summary.get(f"vacpack_on/{VLLM_SYSTEM}")
+            rate = f"{vllm['output_tokens_per_s']:.1f} out tok/s"
+            lines.append(
+                f"| {workload} | {VLLM_SYSTEM}, on | {vllm['wall_s']:.1f} | {rate} | "
+                f"{vllm['prefill_tokens_computed']:,} | "
+                f"vacpack on: {f'{ratio:.2f}x' if ratio else 'n/a'} |"
+            )
     return "\n".join(lines)
 
 
@@ -192,6 +224,9 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
         for cache in ("off", "on")
         if "wall_s" in summary[cache]
     }
+    for workload, summary in results["workloads"].items():
+        if "wall_s" in summary.get(VLLM_SYSTEM, {}):
+            values[f"{workload}\n{VLLM_SYSTEM}, on"] = summary[VLLM_SYSTEM]["wall_s"]
     machine = harness.machine_summary(results["machine"])
     harness.save_bar_chart(
         values,
@@ -228,6 +263,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-len", type=int, default=600)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/prefix_cpu.json")
     parser.add_argument("--plot", type=Path, default=REPO_ROOT / "bench/results/prefix_cpu.png")
+    parser.add_argument(
+        "--vllm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run shared_prompt on vLLM CPU (its own environment, from `make bench`)",
+    )
+    parser.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=vllm_cpu.DEFAULT_KV_CACHE_GIB,
+        help="vLLM CPU's KV cache size",
+    )
     parser.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--cache", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=Path, help=argparse.SUPPRESS)

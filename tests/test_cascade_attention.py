@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from vacpack import LLM, SamplingParams
-from vacpack.attention import backend as backend_registry
 from vacpack.attention import cascade as cascade_module
 from vacpack.attention import torch_sdpa
 from vacpack.attention.backend import BatchLayout
@@ -308,13 +307,14 @@ def test_greedy_outputs_equal_with_the_prefix_cache_on_and_off(
         cascade_attention(*args, **kwargs)
 
     monkeypatch.setattr(torch_sdpa, "cascade_attention", counting)
-    monkeypatch.setitem(
-        backend_registry._BACKENDS, TorchSdpaBackend.name, lambda: TorchSdpaBackend(ALWAYS)
-    )
     model_dir = tiny_checkpoint("qwen3")
     kwargs = dict(dtype="float32", block_size=8, max_num_batched_tokens=256)
     on = LLM(str(model_dir), enable_prefix_caching=True, **kwargs)
     off = LLM(str(model_dir), enable_prefix_caching=False, **kwargs)
+    for llm in (on, off):
+        backend = llm.engine.attention
+        assert isinstance(backend, TorchSdpaBackend)
+        backend.cascade = ALWAYS  # the runner builds every step's metadata with this backend
     generator = torch.Generator().manual_seed(5)
     vocab_size = on.loaded.config.vocab_size
     shared = torch.randint(0, vocab_size, (100,), generator=generator).tolist()

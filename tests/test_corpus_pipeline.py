@@ -1,4 +1,4 @@
-"""BackgroundBins (packing ahead in a thread) and BinStager (bins onto the device)."""
+"""BackgroundBins (packing ahead in a thread) and PinnedStager (bins onto the device)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 
 from vacpack.corpus import (
     BackgroundBins,
-    BinStager,
     Document,
     FirstFitDecreasingPacker,
     PackedBin,
 )
+from vacpack.pinned_staging import PinnedStager
 
 
 def numbers(count: int, delay_s: float = 0.0) -> Iterator[int]:
@@ -128,9 +128,9 @@ def packed_bins(budget_tokens: int) -> list[PackedBin]:
 
 
 def test_on_cpu_staging_returns_the_bins_own_tensors() -> None:
-    stager = BinStager(torch.device("cpu"), budget_tokens=64)
+    stager = PinnedStager(torch.device("cpu"), capacity=128, copy_stream=True)
     for packed in packed_bins(64):
-        token_ids, positions = stager.stage(packed)
+        token_ids, positions = stager.stage([packed.token_ids, packed.positions])
         assert token_ids is packed.token_ids
         assert positions is packed.positions
 
@@ -141,17 +141,17 @@ def test_on_cuda_staged_values_match_while_copies_overlap_compute() -> None:
     budget_tokens = 4096
     bins = packed_bins(budget_tokens)
     assert any(b.oversize for b in bins)  # bigger than the pinned buffers: they grow
-    stager = BinStager(device, budget_tokens)
+    stager = PinnedStager(device, 2 * budget_tokens, copy_stream=True)
     busy = torch.randn(2048, 2048, device=device)
     received = []
     for packed in bins:
-        staged = stager.stage(packed)
+        token_ids, positions = stager.stage([packed.token_ids, packed.positions])
         # Queue device work that reads the bin without any host sync, as a forward would, while
         # the next bin is written into the other pinned buffer and copied.
         busy = torch.tanh(busy @ busy)
-        received.append((staged.token_ids * 1, staged.positions * 1))
+        received.append((token_ids * 1, positions * 1))
     torch.cuda.synchronize(device)
-    assert staged.token_ids.device.type == "cuda"
+    assert token_ids.device.type == "cuda"
     for packed, (token_ids, positions) in zip(bins, received, strict=True):
         assert torch.equal(token_ids.cpu(), packed.token_ids)
         assert torch.equal(positions.cpu(), packed.positions)

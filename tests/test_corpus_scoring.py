@@ -9,11 +9,11 @@ import torch
 
 from vacpack import LLM
 from vacpack.corpus.budget import BinBudget, measure_bin_budget
-from vacpack.corpus.host_memory import PeakAllocation, can_measure
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.runner import CorpusRunner
 from vacpack.corpus.tasks import EmbedTask, LoglikelihoodTask, resolve_pooling
 from vacpack.corpus.token_logprobs import LM_HEAD_ROWS, score_tokens
+from vacpack.host_memory import PeakAllocation, can_measure
 
 VOCAB_SIZE = 1000
 HIDDEN_SIZE = 16

@@ -16,6 +16,7 @@ from vacpack.cpu_kernels.elementwise import (
     rotary_qk,
     silu_and_mul,
 )
+from vacpack.models.layer_ops import CpuKernelLayerOps, LayerOps
 from vacpack.models.llama import LlamaAttention, LlamaMLP
 from vacpack.models.norm import RMSNorm
 from vacpack.models.rotary import RotaryEmbedding, apply_rotary
@@ -35,7 +36,7 @@ FUSED_MODULES = (RMSNorm, LlamaAttention, LlamaMLP)
 def _torch_norm(hidden_size: int, weight: torch.Tensor, eps: float) -> RMSNorm:
     norm = RMSNorm(hidden_size, eps)
     norm.weight.data = weight
-    return norm  # use_cpu_kernels stays False: the PyTorch ops
+    return norm  # built outside use_layer_ops: the PyTorch ops
 
 
 def _assert_within_one_step(ours: torch.Tensor, reference: torch.Tensor) -> None:
@@ -121,14 +122,19 @@ def test_bad_inputs_are_refused() -> None:
 def _set_fused(model: torch.nn.Module, enabled: bool) -> int:
     modules = [m for m in model.modules() if isinstance(m, FUSED_MODULES)]
     for module in modules:
-        module.use_cpu_kernels = enabled
+        rows_per_pass = module.ops.mlp_rows_per_pass
+        module.ops = (CpuKernelLayerOps if enabled else LayerOps)(rows_per_pass)
     return len(modules)
+
+
+def _fused(module: torch.nn.Module) -> bool:
+    return isinstance(module.ops, CpuKernelLayerOps)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_a_bf16_model_with_the_kernels_matches_itself_without(tiny_checkpoint, family) -> None:
     model = load_for_test(tiny_checkpoint(family), BF16)
-    assert all(m.use_cpu_kernels for m in model.modules() if isinstance(m, FUSED_MODULES))
+    assert all(_fused(m) for m in model.modules() if isinstance(m, FUSED_MODULES))
     sequences = [list(range(3, 3 + n)) for n in (1, 17, 60, 5)]
     fused = packed_forward(model, sequences)
     _set_fused(model, False)
@@ -142,7 +148,7 @@ def test_a_bf16_model_with_the_kernels_matches_itself_without(tiny_checkpoint, f
 
 def test_float32_models_keep_the_pytorch_ops(tiny_checkpoint) -> None:
     model = load_for_test(tiny_checkpoint("qwen2"), torch.float32)
-    assert not any(m.use_cpu_kernels for m in model.modules() if isinstance(m, FUSED_MODULES))
+    assert not any(_fused(m) for m in model.modules() if isinstance(m, FUSED_MODULES))
 
 
 def test_greedy_generation_is_unchanged_by_the_kernels(tiny_checkpoint) -> None:
@@ -152,6 +158,6 @@ def test_greedy_generation_is_unchanged_by_the_kernels(tiny_checkpoint) -> None:
     prompts = [" ".join(["word"] * n) + " end" for n in (1, 9, 40, 120)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert _set_fused(llm.engine.model, False) > 0
+    assert _set_fused(llm.loaded.model, False) > 0
     unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fused == unfused

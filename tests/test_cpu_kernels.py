@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from mixed_step import PREFILL_LEN, mixed_step
 
 from vacpack import LLM, SamplingParams
-from vacpack.attention import BatchLayout, create_backend
+from vacpack.attention import BatchLayout, create_backend, resolve_backend_name
 from vacpack.attention.cascade import CascadePolicy
 from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
-from vacpack.attention.selection import resolve_backend_name
 from vacpack.cpu_kernels import (
     attend,
     build,

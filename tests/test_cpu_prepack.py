@@ -86,7 +86,7 @@ def test_a_loaded_model_is_packed_and_generates_the_same_tokens(
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
     packed = LLM(model_dir, dtype="bfloat16", block_size=8)
-    model = packed.engine.model
+    model = packed.loaded.model
     assert model.layers[0].mlp.gate_up_proj.packed_weight is not None
     assert model.layers[0].self_attn.o_proj.weight.is_meta
     assert model.lm_head.packed_weight is not None
@@ -94,7 +94,7 @@ def test_a_loaded_model_is_packed_and_generates_the_same_tokens(
 
     monkeypatch.setenv(cpu_prepack.DISABLE_ENV, "0")
     plain = LLM(model_dir, dtype="bfloat16", block_size=8)
-    assert plain.engine.model.layers[0].mlp.gate_up_proj.packed_weight is None
+    assert plain.loaded.model.layers[0].mlp.gate_up_proj.packed_weight is None
     plain_outputs = plain.generate(prompts, params, use_tqdm=False)
 
     for ours, reference in zip(packed_outputs, plain_outputs, strict=True):

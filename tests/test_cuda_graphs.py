@@ -207,8 +207,8 @@ def test_the_engine_runs_decode_steps_through_the_graph_runner(model_dir: Path) 
     llm = _engine_llm(model_dir, "cpu", attention_backend="triton", async_scheduling=True)
     engine = llm.engine
     engine.runner.graph_runner = DecodeGraphRunner(
-        engine.model, engine.kv_cache, engine.attention, MAX_NUM_SEQS, MAX_PAGES_PER_SEQ,
-        engine.device, capture=False,
+        engine.loaded.model, engine.kv_cache, engine.attention, MAX_NUM_SEQS, MAX_PAGES_PER_SEQ,
+        engine.loaded.device, capture=False,
     )  # fmt: skip
     assert _greedy_tokens(llm, prompts) == _greedy_tokens(reference, prompts)
     summary = engine.timeline.summary()

@@ -19,7 +19,7 @@ def llm(tiny_checkpoint) -> LLM:
 
 def _random_prompts(llm: LLM, num_prompts: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    vocab_size = llm.engine.model_config.vocab_size
+    vocab_size = llm.loaded.config.vocab_size
     return [
         torch.randint(0, vocab_size, (int(n),), generator=generator).tolist()
         for n in torch.randint(3, 60, (num_prompts,), generator=generator)
@@ -225,7 +225,7 @@ def test_delta_outputs_add_up_to_the_final_output(llm: LLM) -> None:
     from vacpack.outputs import RequestOutputKind
 
     engine = llm.engine
-    prompt = engine.tokenizer.encode("The weather today is")
+    prompt = engine.loaded.tokenizer.encode("The weather today is")
     reference_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     (reference,) = llm.generate([prompt], reference_params, use_tqdm=False)
     text = reference.outputs[0].text

@@ -41,13 +41,13 @@ def test_greedy_tokens_equal_transformers(family: str, tiny_checkpoint) -> None:
     llm = LLM(
         str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=96, max_num_seqs=8
     )
-    prompts = _prompts(llm.engine.model_config.vocab_size)
+    prompts = _prompts(llm.loaded.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     expected = _transformers_greedy(model_dir, prompts)
     assert ours == expected
     # Chunked prefill and mixed batches really happened.
-    steps = llm.engine.stats.steps
+    steps = llm.engine.timeline.steps
     assert any(0 < s.num_decode_tokens < s.num_tokens for s in steps)
 
 
@@ -55,7 +55,7 @@ def test_greedy_tokens_equal_transformers(family: str, tiny_checkpoint) -> None:
 def test_prompt_logprobs_close_to_transformers(family: str, tiny_checkpoint) -> None:
     model_dir = tiny_checkpoint(family)
     llm = LLM(str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=64)
-    prompts = _prompts(llm.engine.model_config.vocab_size, seed=1)[5:12]
+    prompts = _prompts(llm.loaded.config.vocab_size, seed=1)[5:12]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -78,7 +78,7 @@ def test_preemption_leaves_greedy_outputs_unchanged(tiny_checkpoint) -> None:
     model_dir = tiny_checkpoint("qwen3")
     common = dict(dtype="float32", block_size=4, max_model_len=320, max_num_batched_tokens=128)
     roomy = LLM(str(model_dir), **common)
-    prompts = _prompts(roomy.engine.model_config.vocab_size, seed=2)
+    prompts = _prompts(roomy.loaded.config.vocab_size, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     assert roomy.engine.stats.num_preemptions == 0

@@ -15,7 +15,7 @@ import pytest
 # Touches 256 MiB in one tensor, frees it and reports how much of it is still resident.
 _PROBE = """
 import json, os, torch
-from vacpack.host_allocator import keep_freed_host_memory
+from vacpack.host_memory import keep_freed_host_memory
 
 def resident_bytes():
     with open("/proc/self/statm") as statm:

@@ -6,12 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scheduler_helpers import add_sequence, finish, run_step
 
 from vacpack import LLM, SamplingParams
-from vacpack.engine.request import Request
+from vacpack.engine.request import Sequence
 from vacpack.engine.scheduler import Scheduler, SchedulerConfig
 from vacpack.kvcache.page_pool import PagePool
-from vacpack.outputs import RequestMetrics
 
 PAGE_SIZE = 8
 
@@ -79,7 +79,7 @@ def test_n_samples_compute_their_prompt_once(model_dir) -> None:
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     assert len(output.outputs) == 4
-    steps = llm.engine.stats.steps
+    steps = llm.engine.timeline.steps
     prefill_tokens = sum(s.num_tokens - s.num_decode_tokens for s in steps)
     # One full prompt, then each other sample only the last page (recomputed for its logits).
     assert prefill_tokens <= len(prompt) + 3 * PAGE_SIZE
@@ -109,14 +109,6 @@ def test_eviction_under_a_tiny_budget_keeps_outputs_and_leaks_nothing(model_dir)
 # ------------------------------------------------------------------ property test
 
 
-def _request(name: str, token_ids: list[int]) -> Request:
-    return Request(
-        request_id=name, prompt_token_ids=token_ids, params=SamplingParams(max_tokens=50),
-        stop_token_ids=frozenset(), max_total_tokens=10_000, generator=None, detokenizer=None,
-        metrics=RequestMetrics(0.0),
-    )  # fmt: skip
-
-
 operation = st.one_of(
     st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 40)),  # prefix id, suffix length
     st.tuples(st.just("step"), st.just(0), st.just(0)),
@@ -131,28 +123,20 @@ def test_random_add_step_finish_abort_keep_the_pool_consistent(ops, num_pages: i
     pool = PagePool(num_pages, 4, enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(4, 24, 4), pool)
     prefixes = [list(range(k * 100, k * 100 + 4 * (k + 1) + 1)) for k in range(4)]
-    live: list[Request] = []
+    live: list[Sequence] = []
     for number, (kind, a, b) in enumerate(ops):
         if kind == "add":
             tokens = prefixes[a] + list(range(5000 + number, 5000 + number + b))
             if -(-(len(tokens) + 10) // 4) > num_pages:
                 continue  # could never fit: an engine refuses a cache this small (test below)
-            request = _request(str(number), tokens)
-            live.append(request)
-            scheduler.add(request)
+            live.append(add_sequence(scheduler, str(number), tokens, max_tokens=50))
         elif kind == "step":
-            for item in scheduler.schedule().scheduled:
-                samples = item.samples
-                item.request.num_computed_tokens += item.num_new_tokens
-                scheduler.register_computed_pages(item.request)
-                if samples:
-                    item.request.token_ids.append(7 + number)
+            run_step(scheduler, sampled_token_id=7 + number)
         elif live:
-            request = live.pop(a % len(live))
-            scheduler.finish(request)
+            finish(scheduler, live.pop(a % len(live)))
         pool.check_consistency()
-    for request in live:
-        scheduler.finish(request)
+    for sequence in live:
+        finish(scheduler, sequence)
     pool.check_consistency()
     assert pool.num_free_pages == num_pages
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from vacpack.bench_command import parse_length_range
 from vacpack.cli import main
+from vacpack.cli.bench import parse_length_range
 from vacpack.engine.timeline import (
     StepTimeline,
     StepTiming,
@@ -176,6 +178,23 @@ def test_plot_from_dict_and_of_nothing(tmp_path: Path) -> None:
         plot_timeline(StepTimeline(), tmp_path / "empty.png")
 
 
+def test_plotting_leaves_the_users_matplotlib_backend_alone(tmp_path: Path) -> None:
+    code = (
+        "import matplotlib\n"
+        "matplotlib.use('svg')\n"
+        "from vacpack.engine.timeline import StepTimeline, StepTiming\n"
+        "from vacpack.engine.timeline_plot import plot_timeline\n"
+        "timeline = StepTimeline()\n"
+        "timeline.record(StepTiming(0, 0.0, 0.001, 0.001, 0.002, 0.002, 0.003, 4, 1, 0, 1, 8))\n"
+        f"plot_timeline(timeline, {str(tmp_path / 'plot.png')!r})\n"
+        "print(matplotlib.get_backend())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "svg"
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_parse_length_range() -> None:
     assert parse_length_range("4:12") == (4, 12)
     assert parse_length_range("7") == (7, 7)
@@ -195,9 +214,14 @@ def test_bench_writes_timeline_plot_and_json(
         "--timeline", str(png), "--json", str(report), "--quiet", "--no-warmup",
     ]  # fmt: skip
     assert main(argv) == 0
-    assert "device busy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "device busy" in out
+    # dtype auto on a CPU: bfloat16 or float32, timed at the model's shapes (or cached).
+    assert "chosen by measurement: cpu_dtype" in out
     assert_png(png)
     results = json.loads(report.read_text())
+    assert [c["phase"] for c in results["measured_choices"]] == ["cpu_dtype"]
+    assert results["dtype"] == results["measured_choices"][0]["chosen"]
     assert results["num_output_tokens"] == num_prompts * output_len
     assert 4 * num_prompts <= results["num_prompt_tokens"] <= 12 * num_prompts
     steps = results["timeline"]["steps"]

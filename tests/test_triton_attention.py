@@ -19,8 +19,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 from vacpack import LLM, SamplingParams  # noqa: E402
-from vacpack.attention import BatchLayout, create_backend  # noqa: E402
-from vacpack.attention.selection import resolve_backend_name  # noqa: E402
+from vacpack.attention import (  # noqa: E402
+    BatchLayout,
+    create_backend,
+    resolve_backend_name,
+)
 from vacpack.attention.triton_backend import (  # noqa: E402
     TritonBackend,
     VarlenMetadata,
@@ -189,6 +192,6 @@ def test_greedy_generation_with_triton_equals_portable(tiny_checkpoint) -> None:
         )  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
-        steps = llm.engine.stats.steps
+        steps = llm.engine.timeline.steps
         assert any(0 < s.num_decode_tokens < s.num_tokens for s in steps)
     assert tokens["triton"] == tokens["torch_sdpa"]

@@ -1,4 +1,8 @@
-"""EngineConfig: every engine knob in one validated, frozen place (names follow vLLM's)."""
+"""EngineConfig: every engine knob in one validated, frozen place (names follow vLLM's).
+
+Each field's docstring is its help text: `vacpack --help` flags are generated from these fields
+(vacpack/cli/engine_args.py), so a new knob is on the command line as soon as it is here.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +12,48 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    tokenizer: str | None = None  # defaults to the model's own
+    """A local checkpoint directory or a Hugging Face hub id."""
+    tokenizer: str | None = None
+    """The tokenizer's directory or hub id (default: the model's own)."""
     revision: str | None = None
+    """The hub revision (branch, tag or commit) of the model and its tokenizer."""
     trust_remote_code: bool = False
-    dtype: str = "auto"  # auto (bfloat16 unless the checkpoint is float16 on CUDA), or a name
-    device: str = "auto"  # auto (cuda when present), cpu, cuda, cuda:N
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    max_num_seqs: int = 256  # most requests running at once
-    max_num_batched_tokens: int | None = None  # token budget of one step; default per device
-    block_size: int = 16  # tokens per KV page
-    enable_prefix_caching: bool = True  # reuse the KV pages of repeated prefixes
+    """Let transformers run code shipped with the checkpoint (its config and tokenizer)."""
+    dtype: str = "auto"
+    """auto (bfloat16; float16 for a float16 checkpoint on CUDA; on a CPU float32 where
+    bfloat16 matmuls are measured much slower), bfloat16, float16, or float32."""
+    device: str = "auto"
+    """auto (cuda when present), cpu, cuda, or cuda:N."""
+    max_model_len: int | None = None
+    """Longest sequence, prompt and output together (default: the model's
+    max_position_embeddings)."""
+    max_num_seqs: int = 256
+    """Most sequences running at once."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step (default: 2048 on a CPU, 8192 on CUDA); corpus jobs measure
+    their bin budget when it is not given."""
+    block_size: int = 16
+    """Tokens per KV page (vLLM's name; `page_size` below the configuration)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV pages of repeated prefixes."""
     seed: int = 0
-    kv_cache_memory_bytes: int | None = None  # explicit KV budget; else measured
-    gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory we may use
-    cpu_kv_cache_fraction: float = 0.4  # CPU: share of available RAM, after loading, for KV
-    # auto: the fastest backend present for the device (see vacpack.attention.select_backend).
+    """Seed of the engine's random generator (requests may carry their own)."""
+    kv_cache_memory_bytes: int | None = None
+    """An explicit KV cache budget in bytes; by default it is measured."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: the share of the device's memory the engine may use, KV cache included."""
+    cpu_kv_cache_fraction: float = 0.4
+    """CPU: the share of the RAM available after loading the model that the KV cache takes."""
     attention_backend: str = "auto"
-    # The host prepares step N+1 while the device runs step N. None: on where it is measured to
-    # help (CUDA), off elsewhere. Outputs are identical either way.
+    """auto (the fastest backend available for the device, dtype and head size), or a
+    backend's name: torch_sdpa, cpu_kernels, triton."""
     async_scheduling: bool | None = None
-    # CUDA graphs for decode steps (CUDA only); False runs every step eagerly.
+    """Prepare step N+1 while the device runs step N (default: on for CUDA, off on a CPU);
+    outputs are identical either way."""
     enable_cuda_graphs: bool = True
-    num_threads: int | None = None  # CPU: torch intra-op threads; default all cores
+    """CUDA: replay decode steps from captured CUDA graphs."""
+    num_threads: int | None = None
+    """CPU: torch's intra-op threads (default: all cores)."""
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

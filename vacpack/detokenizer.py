@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from vacpack.tokenizer import decode_text
+
 # What UTF-8 decoding yields for bytes that do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -175,7 +177,8 @@ class IncrementalDetokenizer:
         return "".join(pieces)
 
     def _decode_plain(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(
+        return decode_text(
+            self._tokenizer,
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,
@@ -262,6 +265,7 @@ class RequestDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ) -> None:
+        self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(
             tokenizer,
             skip_special_tokens=skip_special_tokens,
@@ -279,6 +283,10 @@ class RequestDetokenizer:
     @property
     def output_text(self) -> str:
         return self._output_text
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, decoded alone (a logprob's `decoded_token`)."""
+        return decode_text(self._tokenizer, [token_id])
 
     def update(
         self, new_token_ids: Iterable[int], *, check_stop_strings: bool = True

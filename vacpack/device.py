@@ -1,10 +1,10 @@
-"""Which device and dtype to run on, and how much memory it has left."""
+"""Which device and dtype to run on, and how many threads."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from vacpack.tuning import MeasuredChoice
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -25,34 +25,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(
-    name: str, checkpoint_dtype: torch.dtype | None, device: torch.device
+    name: str,
+    checkpoint_dtype: torch.dtype | None,
+    device: torch.device,
+    cpu_dtype_choice: MeasuredChoice | None = None,
 ) -> torch.dtype:
-    """bfloat16 by default: on CPUs with AVX-512 BF16 or AMX it is many times faster than float32,
-    and on GPUs it is the native training dtype of the model families we serve."""
+    """A named dtype is always honoured. auto: bfloat16 by default, the native training dtype
+    of the model families we serve; float16 for a float16 checkpoint on CUDA. On a CPU, auto
+    follows `cpu_dtype_choice` where one was measured (models/cpu_dtype.py): bfloat16 is many
+    times faster than float32 with AVX512-BF16 or AMX, and many times slower without them."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda" and checkpoint_dtype == torch.float16:
         return torch.float16
+    if device.type == "cpu" and cpu_dtype_choice is not None:
+        return _DTYPES[cpu_dtype_choice.chosen]
     return torch.bfloat16
-
-
-def available_host_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo: what can be allocated without swapping."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def host_peak_memory_bytes() -> int:
-    """Peak resident memory of this process (ru_maxrss is in KiB on Linux)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def configure_threads(device: torch.device, num_threads: int | None) -> None:

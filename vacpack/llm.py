@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from vacpack.config import EngineConfig
 from vacpack.engine.engine import LLMEngine
@@ -71,7 +72,7 @@ class LLM:
             self._corpus_runner = CorpusRunner(self.loaded, self.config.max_num_batched_tokens)
         return self._corpus_runner
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.loaded.tokenizer
 
     def generate(
@@ -107,7 +108,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered by the tokenizer's chat template, which
         also gets `tools` (OpenAI function tools) when given."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        conversations: list[Conversation]
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [cast(Conversation, messages)]
+        else:
+            conversations = list(cast(Sequence[Conversation], messages))
         prompts = [
             {
                 "prompt_token_ids": apply_chat_template(
@@ -240,12 +245,12 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
-    prompts = list(prompts)
-    if not prompts:
+    items = list(prompts)
+    if not items:
         raise ValueError("no prompts given")
-    if isinstance(prompts[0], int):  # a single prompt given as token ids
-        return [prompts]
-    return prompts
+    if isinstance(items[0], int):  # a single prompt given as token ids
+        return [cast(list[int], items)]
+    return cast(list[PromptType], items)
 
 
 def _as_params_list(

@@ -12,29 +12,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from vacpack.config import EngineConfig
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
-from vacpack.host_allocator import keep_freed_host_memory
+from vacpack.host_memory import keep_freed_host_memory
+from vacpack.models.base import PackedModel
+from vacpack.models.cpu_dtype import choose_cpu_dtype, timed_linear_shape
 from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model, resolve_model_path
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
+from vacpack.tuning import MeasuredChoice
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     engine_config: EngineConfig
     model_dir: Path
-    hf_config: Any
-    model: nn.Module  # model.config is its family's config (a ModelConfig for decoders)
-    tokenizer: Any
+    hf_config: PretrainedConfig
+    model: PackedModel  # model.config is its family's config (a ModelConfig for decoders)
+    tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU), with the
+    # timings that chose it: for job reports and /metrics.
+    measured_choices: tuple[MeasuredChoice, ...] = ()
 
     @property
-    def config(self) -> Any:
+    def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
         return self.model.config
 
     @property
@@ -49,7 +55,8 @@ def load(config: EngineConfig) -> LoadedModel:
         keep_freed_host_memory()
     model_dir = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(model_dir, config.trust_remote_code)
-    dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device)
+    dtype_choice = _measured_cpu_dtype(config, hf_config, device)
+    dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device, dtype_choice)
     tokenizer = load_tokenizer(
         config.tokenizer or str(model_dir),
         trust_remote_code=config.trust_remote_code,
@@ -66,7 +73,18 @@ def load(config: EngineConfig) -> LoadedModel:
         device=device,
         dtype=dtype,
         max_model_len=_max_model_len(config, model.config.max_position_embeddings),
+        measured_choices=(dtype_choice,) if dtype_choice is not None else (),
     )
+
+
+def _measured_cpu_dtype(
+    config: EngineConfig, hf_config: Any, device: torch.device
+) -> MeasuredChoice | None:
+    """bfloat16 or float32, timed at the model's shapes, where dtype is auto on a CPU."""
+    if config.dtype != "auto" or device.type != "cpu":
+        return None
+    shape = timed_linear_shape(hf_config)
+    return choose_cpu_dtype(shape) if shape is not None else None
 
 
 def _max_model_len(config: EngineConfig, model_limit: int) -> int:

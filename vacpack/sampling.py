@@ -261,6 +261,16 @@ class SamplingParams:
         """True when the next token is always the most likely one after penalties."""
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling reads the tokens generated so far (repetition, frequency or
+        presence penalty)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
     def all_stop_token_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
         """Token ids that finish this request: ``stop_token_ids``, plus EOS unless ignored."""
         stop_ids = frozenset(self.stop_token_ids or ())

@@ -25,6 +25,13 @@ class TokenizerNotFoundError(TokenizerLoadError):
     """The name is neither a local model directory nor a Hub repo available here."""
 
 
+def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], **options: Any) -> str:
+    """The text of one sequence of token ids (`decode` is typed for batches too)."""
+    text = tokenizer.decode(token_ids, **options)
+    assert isinstance(text, str), "one sequence of ids decodes to one string"
+    return text
+
+
 def _not_found_message(name_or_path: str) -> str:
     return (
         f"Cannot load a tokenizer for {name_or_path!r}: it is neither a local directory nor "

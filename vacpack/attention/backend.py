@@ -8,7 +8,7 @@ arguments) once, and every layer's `forward` reuses it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,16 +94,3 @@ class AttentionBackend(ABC):
         Writes k and v into `kv_layer` (when there is one) and returns the attention output
         shaped like q: each token attends to its own sequence's earlier tokens only.
         """
-
-
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
-
-
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
-    _BACKENDS[name] = factory
-
-
-def create_backend(name: str) -> AttentionBackend:
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vacpack.attention.backend import AttentionBackend, BatchLayout, register_backend
+from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy, merge_by_lse
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.attention.torch_sdpa import build_slot_mapping
@@ -151,6 +151,3 @@ class CpuKernelBackend(AttentionBackend):
             prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)
         )
         return out.index_copy_(0, rows, merged)
-
-
-register_backend(CpuKernelBackend.name, CpuKernelBackend)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -104,6 +105,23 @@ def gather_pages(
     return gathered[:, :num_keys].transpose(1, 2).contiguous()
 
 
+@overload
+def attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    padding: KeyPadding | None = None,
+    *,
+    with_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    padding: KeyPadding | None = None,
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 def attend(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -154,6 +172,14 @@ def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return scores.float().add_(lost.float())
 
 
+@overload
+def chunk_attention(
+    q: torch.Tensor, kv_layer: KVLayer, chunk: DecodeChunk, *, with_lse: Literal[True]
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def chunk_attention(
+    q: torch.Tensor, kv_layer: KVLayer, chunk: DecodeChunk, with_lse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 def chunk_attention(
     q: torch.Tensor, kv_layer: KVLayer, chunk: DecodeChunk, with_lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -36,7 +36,9 @@ def find_shared_prefixes(
     Only the first shareable_pages[i] pages of sequence i may be shared (its full pages before
     the token being decoded, so that its own part is never empty).
     """
-    order = sorted(range(len(page_tables)), key=lambda i: page_tables[i][: shareable_pages[i]])
+    order = sorted(
+        range(len(page_tables)), key=lambda i: list(page_tables[i][: shareable_pages[i]])
+    )
     # common[j]: leading pages that sorted sequences j and j + 1 share.
     common = [
         _common_prefix_len(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vacpack.attention.backend import AttentionBackend, BatchLayout, register_backend
+from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.attention.blocked_prefill import blocked_causal_attention, use_blocked_prefill
 from vacpack.attention.cascade import (
     DEFAULT_CASCADE_POLICY,
@@ -214,12 +214,17 @@ class TorchSdpaBackend(AttentionBackend):
         metadata: SdpaMetadata,
     ) -> torch.Tensor:
         if kv_layer is not None:
+            assert metadata.slot_mapping is not None, "built from a layout with page tables"
             kv_layer.write(metadata.slot_mapping, k, v)
+        elif metadata.decode_chunks or metadata.cascade is not None:
+            raise ValueError("decodes read keys and values from the KV cache: none was given")
         out = torch.empty_like(q)
         for chunk in metadata.decode_chunks:
+            assert kv_layer is not None
             attn, _ = chunk_attention(q.index_select(0, chunk.rows), kv_layer, chunk)
             out.index_copy_(0, chunk.rows, attn)
         if metadata.cascade is not None:
+            assert kv_layer is not None
             cascade_attention(q, kv_layer, metadata.cascade, out)
         for group in metadata.packed_groups:
             out.index_copy_(0, group.out_rows, _packed(q, k, v, group))
@@ -228,6 +233,7 @@ class TorchSdpaBackend(AttentionBackend):
             if seg.context_slots is None:
                 keys, values = k[rows], v[rows]
             else:
+                assert kv_layer is not None, "cached context is read from the KV cache"
                 keys = kv_layer.keys.index_select(0, seg.context_slots)
                 values = kv_layer.values.index_select(0, seg.context_slots)
             out[rows] = self._prefill_attention(q[rows], keys, values, seg.mask, metadata.causal)
@@ -292,6 +298,3 @@ def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PackedGrou
     )
     flat = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
     return flat.index_select(0, group.real_slots)
-
-
-register_backend(TorchSdpaBackend.name, TorchSdpaBackend)

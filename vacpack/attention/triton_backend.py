@@ -74,7 +74,7 @@ def find_varlen_attention() -> VarlenAttention | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        varlen_attn = None
+        varlen_attn = None  # type: ignore[assignment]
     # Earlier torch releases had varlen_attn without grouped-query heads or causal windows.
     if varlen_attn is not None and {"enable_gqa", "window_size"} <= set(
         inspect.signature(varlen_attn).parameters
@@ -89,10 +89,12 @@ def find_varlen_attention() -> VarlenAttention | None:
             causal: bool,
         ) -> torch.Tensor:
             window = (-1, 0) if causal else (-1, -1)
-            return varlen_attn(
+            out = varlen_attn(
                 q, k, v, cu_seqlens, cu_seqlens, max_seq_len, max_seq_len,
                 window_size=window, enable_gqa=True,
             )  # fmt: skip
+            assert isinstance(out, torch.Tensor)  # no return_aux asked for: the output alone
+            return out
 
         return torch_varlen
     try:

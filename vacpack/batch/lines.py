@@ -79,4 +79,5 @@ def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
         problem = "body must be a JSON object"
     if problem is not None:
         return LineError(line_number, custom_id, f"line {line_number}: {problem}")
+    assert isinstance(url, str) and isinstance(body, dict)  # checked just above
     return BatchLine(line_number, custom_id, url, body)

@@ -24,23 +24,20 @@ from vacpack.batch.records import line_error_record, response_record
 from vacpack.batch.result_file import AnsweredSet, ResultWriter, recover_answered
 from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request
-from vacpack.openai_api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    parse_body,
-)
+from vacpack.openai_api.logprobs import token_decoder
+from vacpack.openai_api.protocol import EmbeddingRequest, parse_body
 from vacpack.openai_api.requests import (
+    GENERATION_URLS,
+    RESPONSE_ID_PREFIXES,
     PreparedGeneration,
-    prepare_chat,
-    prepare_completion,
+    parse_generation,
     prepare_embedding,
+    prepare_generation,
 )
 from vacpack.openai_api.responses import (
     PromptResult,
-    chat_body,
-    completion_body,
     embedding_body,
+    generation_body,
     new_response_id,
     now_s,
 )
@@ -55,8 +52,7 @@ from vacpack.outputs import RequestOutput, RequestOutputKind
 logger = logging.getLogger(__name__)
 
 _RESPONSE_ID_PREFIXES = {
-    "/v1/chat/completions": "chatcmpl",
-    "/v1/completions": "cmpl",
+    **{url: RESPONSE_ID_PREFIXES[kind] for url, kind in GENERATION_URLS.items()},
     "/v1/embeddings": "embd",
 }
 
@@ -103,6 +99,7 @@ class BatchRunner:
         self._engine = generation_engine(llm)
         self._embed = embed_function(llm)
         self._tokenizer = llm.get_tokenizer()
+        self._decode_token = token_decoder(self._tokenizer)
         self._max_model_len = llm.loaded.max_model_len
         self._model_name = llm.config.model
         self._options = options
@@ -213,13 +210,9 @@ class BatchRunner:
             return _Ready(line, response_id, embed_inputs=inputs, encoding_format=encoding_format)
         if self._engine is None:
             raise bad_request("this model does not generate text; it serves embeddings", "model")
+        request = parse_generation(GENERATION_URLS[line.url], line.body)
         kind = RequestOutputKind.FINAL_ONLY  # one output per request: nothing built per step
-        if line.url == "/v1/chat/completions":
-            chat_request = parse_body(ChatCompletionRequest, line.body)
-            prepared = prepare_chat(chat_request, self._tokenizer, self._max_model_len, kind)
-        else:
-            request = parse_body(CompletionRequest, line.body)
-            prepared = prepare_completion(request, self._tokenizer, self._max_model_len, kind)
+        prepared = prepare_generation(request, self._tokenizer, self._max_model_len, kind)
         return _Ready(line, response_id, prepared=prepared)
 
     def _submit(self, ready: _Ready) -> None:
@@ -277,16 +270,16 @@ class BatchRunner:
         if pending.num_unfinished:
             return
         results = [r for r in pending.results if r is not None]
-        args = (ready.response_id, pending.created, self._model_name, ready.prepared)
-        if ready.prepared.kind == "chat":
-            body = chat_body(*args, results[0], self._decode_token)
-        else:
-            body = completion_body(*args, results, self._decode_token)
+        body = generation_body(
+            ready.response_id,
+            pending.created,
+            self._model_name,
+            ready.prepared,
+            results,
+            self._decode_token,
+        )
         self._num_output_tokens += body["usage"]["completion_tokens"]
         self._write_response(ready.line.custom_id, ready.response_id, 200, body)
-
-    def _decode_token(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
 
     def _write_response(
         self, custom_id: str, request_id: str, status_code: int, body: dict[str, Any]
@@ -322,10 +315,10 @@ def run_batch_command(model: str, engine_kwargs: dict[str, Any], options: BatchO
         file=sys.stderr,
     )
     if llm.loaded.is_decoder:  # the engine exists: BatchRunner built it
-        engine = llm.engine
+        state = llm.engine.state()
         print(
-            f"memory pressure: {engine.stats.num_preemptions} preemptions; "
-            f"{engine.page_pool.stats.describe()}",
+            f"memory pressure: {state.num_preemptions} preemptions; "
+            f"{state.describe_prefix_cache()}",
             file=sys.stderr,
         )
     # Only a run that generated has a step timeline; asking an embedding-only run for its

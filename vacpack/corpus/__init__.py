@@ -1,4 +1,4 @@
-"""Corpus jobs: documents packed into padding-free bins, produced ahead, staged to the device."""
+"""Corpus jobs: documents packed into padding-free bins, produced ahead of the device."""
 
 from vacpack.corpus.packing import (
     PADDING_DOC_INDEX,
@@ -9,16 +9,13 @@ from vacpack.corpus.packing import (
     PackerOutput,
 )
 from vacpack.corpus.pipeline import BackgroundBins
-from vacpack.corpus.staging import BinStager, StagedBin
 
 __all__ = [
     "PADDING_DOC_INDEX",
     "BackgroundBins",
-    "BinStager",
     "Document",
     "DocumentError",
     "FirstFitDecreasingPacker",
     "PackedBin",
     "PackerOutput",
-    "StagedBin",
 ]

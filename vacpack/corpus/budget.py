@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vacpack.corpus.host_memory import PeakAllocation, can_measure
-from vacpack.device import available_host_memory_bytes
+from vacpack.host_memory import PeakAllocation, available_host_memory_bytes, can_measure
 
 logger = logging.getLogger(__name__)
 

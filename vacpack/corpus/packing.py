@@ -27,7 +27,7 @@ TokenIdArray = npt.NDArray[np.int64]
 PADDING_DOC_INDEX = -1
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class Document:
     """One whole document of a corpus job.
 
@@ -42,8 +42,15 @@ class Document:
     token_ids: TokenIdArray
     payload: Any = None  # opaque to the packer; whatever the job needs back with the result
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", _as_token_id_array(self.token_ids, self.index))
+    def __init__(
+        self,
+        index: int,
+        token_ids: TokenIdArray | Sequence[int] | torch.Tensor,
+        payload: Any = None,
+    ) -> None:
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "token_ids", _as_token_id_array(token_ids, index))
+        object.__setattr__(self, "payload", payload)
 
     @property
     def num_tokens(self) -> int:
@@ -215,9 +222,9 @@ class FirstFitDecreasingPacker:
 
         # Prefilled with the pad id, so only the documents' spans need writing.
         token_ids = np.full(num_tokens, self.pad_token_id, dtype=np.int64)
-        for start, document in zip(cu_seqlens[:-1].tolist(), segment_documents, strict=True):
-            if document is not None:
-                token_ids[start : start + document.num_tokens] = document.token_ids
+        for start, segment in zip(cu_seqlens[:-1].tolist(), segment_documents, strict=True):
+            if segment is not None:
+                token_ids[start : start + segment.num_tokens] = segment.token_ids
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
             cu_seqlens[:-1], seq_lens_array
         )

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vacpack.device import host_peak_memory_bytes
+from vacpack.host_memory import host_peak_memory_bytes
+from vacpack.tuning import MeasuredChoice
 
 
 @dataclass
@@ -26,6 +27,8 @@ class JobReport:
     peak_memory_bytes: int = 0
     bin_budget_tokens: int = 0
     budget_source: str = ""
+    # What the model's load chose by measurement (e.g. the dtype), with the timings.
+    measured_choices: tuple[MeasuredChoice, ...] = ()
 
     def finish(self, device: torch.device) -> None:
         self.end_s = time.perf_counter()
@@ -66,6 +69,7 @@ class JobReport:
             f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB, "
             f"device busy {self.device_busy_fraction:.1%}",
         ]
+        lines += [f"  chosen by measurement: {c.summary()}" for c in self.measured_choices]
         # Failures are recorded as their bins finish; listed in input order.
         failures = sorted(self.failures)
         lines += [f"  failed: document {index}: {message}" for index, message in failures]

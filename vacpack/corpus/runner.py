@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vacpack.attention import select_backend
+from vacpack.attention import Phase, select_backend
 from vacpack.corpus.budget import FIRST_PROBE_TOKENS, BinBudget, measure_bin_budget
 from vacpack.corpus.forward import PackedForward
 from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPacker, PackedBin
 from vacpack.corpus.pipeline import BackgroundBins
 from vacpack.corpus.report import JobReport
-from vacpack.corpus.staging import BinStager
 from vacpack.corpus.tasks import CorpusTask
+from vacpack.pinned_staging import PinnedStager
 from vacpack.runtime import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class CorpusRunner:
                 loaded.device,
                 loaded.dtype,
                 loaded.config.head_dim,
+                Phase.PACKED,
             ),
         )
         self.align_to = align_to
@@ -98,12 +99,18 @@ class CorpusRunner:
     ) -> Iterator[tuple[int, Any]]:
         """Yields (input index, result or DocumentError) in input order."""
         budget = self.budget
-        report = JobReport(task.name, bin_budget_tokens=budget.tokens, budget_source=budget.source)
+        report = JobReport(
+            task.name,
+            bin_budget_tokens=budget.tokens,
+            budget_source=budget.source,
+            measured_choices=self.loaded.measured_choices,
+        )
         self.last_report = report
         packer = FirstFitDecreasingPacker(
             budget.tokens, WINDOW_DOCS, self.align_to, _pad_token_id(self.loaded)
         )
-        stager = BinStager(self.loaded.device, budget.tokens)
+        # Bin N+1 is copied on a stream of its own while bin N runs.
+        stager = PinnedStager(self.loaded.device, 2 * budget.tokens, copy_stream=True)
         progress = tqdm(total=total, desc=task.name, unit="doc", disable=not use_tqdm)
         finished: dict[int, Any] = {}
         next_index = 0
@@ -135,7 +142,7 @@ class CorpusRunner:
         self,
         task: CorpusTask,
         item: PackedBin | DocumentError,
-        stager: BinStager,
+        stager: PinnedStager,
         report: JobReport,
     ) -> list[tuple[int, Any]]:
         if isinstance(item, DocumentError):
@@ -144,11 +151,12 @@ class CorpusRunner:
         try:
             if item.oversize:
                 (document,) = item.documents
+                assert document is not None, "an oversize bin holds one document, no padding"
                 token_ids = torch.as_tensor(document.token_ids, device=self.loaded.device)
                 hidden = self.forward.long_document(token_ids, self.budget.max_forward_tokens)
                 results = task.process([document], [token_ids.numel()], hidden)
             else:
-                token_ids, positions = stager.stage(item)
+                token_ids, positions = stager.stage([item.token_ids, item.positions])
                 hidden = self.forward.packed(token_ids, positions, item.seq_lens)
                 documents, seq_lens, hidden = _real_segments(item, hidden)
                 results = task.process(documents, seq_lens, hidden)
@@ -188,8 +196,10 @@ def _real_segments(
 ) -> tuple[list[Document], list[int], torch.Tensor]:
     """Drops alignment-padding segments (and their rows) from a bin's hidden states."""
     if not packed.num_padding_tokens:
-        return list(packed.documents), list(packed.seq_lens), hidden
-    keep_rows, documents, seq_lens = [], [], []
+        return [doc for doc in packed.documents if doc is not None], list(packed.seq_lens), hidden
+    keep_rows: list[int] = []
+    documents: list[Document] = []
+    seq_lens: list[int] = []
     starts = packed.cu_seqlens.tolist()
     for segment, document in enumerate(packed.documents):
         if document is not None:

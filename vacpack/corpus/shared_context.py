@@ -75,8 +75,11 @@ def _result(
     index: int, output: RequestOutput, first_scored: int, with_token_logprobs: bool
 ) -> LoglikelihoodOutput:
     token_logprobs, is_greedy = [], True
+    assert output.prompt_logprobs is not None, "scored requests ask for prompt logprobs"
     for position in range(first_scored, len(output.prompt_token_ids)):
-        entry = output.prompt_logprobs[position][output.prompt_token_ids[position]]
+        scored = output.prompt_logprobs[position]
+        assert scored is not None, "every position from first_scored on is scored"
+        entry = scored[output.prompt_token_ids[position]]
         token_logprobs.append(entry.logprob)
         is_greedy = is_greedy and entry.rank == 1
     return LoglikelihoodOutput(

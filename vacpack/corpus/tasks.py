@@ -16,6 +16,7 @@ import torch
 
 from vacpack.corpus.packing import Document, DocumentError
 from vacpack.corpus.token_logprobs import score_tokens
+from vacpack.models.base import SequenceClassifier
 from vacpack.models.pooling import (
     PoolingConfig,
     pool,
@@ -170,8 +171,7 @@ class ClassifyTask(WholeTextTask):
 
     def __init__(self, loaded: LoadedModel, truncate: bool = False) -> None:
         super().__init__(loaded, truncate)
-        model = loaded.model
-        if not hasattr(model, "classify"):
+        if not isinstance(loaded.model, SequenceClassifier):
             raise ValueError(
                 f"model {loaded.engine_config.model!r} ({loaded.config.architecture}) has no "
                 "classification head; classify needs a *ForSequenceClassification checkpoint"
@@ -183,7 +183,9 @@ class ClassifyTask(WholeTextTask):
     def process(
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
     ) -> list[ClassificationRequestOutput]:
-        probs = torch.softmax(self.loaded.model.classify(hidden, seq_lens).float(), dim=-1)
+        model = self.loaded.model
+        assert isinstance(model, SequenceClassifier), "checked when the task was made"
+        probs = torch.softmax(model.classify(hidden, seq_lens).float(), dim=-1)
         results = []
         for doc, row in zip(documents, probs.cpu().tolist(), strict=True):
             best = max(range(len(row)), key=row.__getitem__)
@@ -256,7 +258,9 @@ class LoglikelihoodTask(CorpusTask):
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
     ) -> list[LoglikelihoodOutput]:
         # Row r predicts token r + 1 of its document: score tokens first_scored .. len - 1.
-        rows, targets, counts = [], [], []
+        rows: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
         offset = 0
         for doc, seq_len in zip(documents, seq_lens, strict=True):
             first_scored, _ = doc.payload

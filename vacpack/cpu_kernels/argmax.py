@@ -7,12 +7,12 @@ import ctypes
 
 import torch
 
-from vacpack.cpu_kernels.build import load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
 
 _LIBRARY_NAME = "argmax"
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
+def _kernel() -> KernelFunction | None:
     library = load_kernel_library(_LIBRARY_NAME)
     if library is None:
         return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vacpack.cpu_kernels.build import load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
 
 _LIBRARY_NAME = "varlen_attention"
 # The value product works on 32 dims at a time.
@@ -26,7 +26,7 @@ MAX_HEAD_DIM = 256
 PROFILER_NAME = "vacpack::varlen_attention"
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
+def _kernel() -> KernelFunction | None:
     library = load_kernel_library(_LIBRARY_NAME)
     if library is None:
         return None

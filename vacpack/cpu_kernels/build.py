@@ -17,7 +17,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,9 @@ COMPILE_FLAGS = (
     "-mavx512bf16",
     "-mfma",
 )
+# A C function of a loaded library, its argtypes set: called with ints, floats and pointers.
+KernelFunction = Callable[..., Any]
+
 DISABLE_ENV = "VACPACK_CPU_KERNELS"  # "0" turns the C kernels off
 CACHE_ENV = "VACPACK_KERNEL_CACHE"  # where built libraries are kept
 
@@ -49,11 +54,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def user_cache_root() -> Path:
+    """vacpack's folder in the user's cache: built kernels and measured choices live here."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vacpack"
+
+
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vacpack" / "kernels"
+    return user_cache_root() / "kernels"
 
 
 def _compile(compiler: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:

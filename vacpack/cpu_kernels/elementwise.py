@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from vacpack.cpu_kernels.build import load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
 
 _LIBRARY_NAME = "elementwise"
 _POINTER, _INT, _FLOAT, _THREADS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -32,7 +32,7 @@ _SIGNATURES: dict[str, list[type]] = {
 }
 
 
-def _function(name: str) -> ctypes._CFuncPtr | None:
+def _function(name: str) -> KernelFunction | None:
     library = load_kernel_library(_LIBRARY_NAME)
     if library is None:
         return None
@@ -43,7 +43,7 @@ def _function(name: str) -> ctypes._CFuncPtr | None:
     return function
 
 
-def _kernel(name: str) -> ctypes._CFuncPtr:
+def _kernel(name: str) -> KernelFunction:
     function = _function(name)
     if function is None:
         raise RuntimeError(f"the {name} CPU kernel cannot run here (see the log for why)")

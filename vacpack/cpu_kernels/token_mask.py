@@ -6,14 +6,14 @@ import ctypes
 
 import torch
 
-from vacpack.cpu_kernels.build import load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
 
 _LIBRARY_NAME = "token_mask"
 # The bit pattern of -inf in each dtype the kernel writes.
 _MINUS_INF_BITS = {torch.bfloat16: 0xFF80, torch.float16: 0xFC00, torch.float32: 0xFF800000}
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
+def _kernel() -> KernelFunction | None:
     library = load_kernel_library(_LIBRARY_NAME, portable=True)
     if library is None:
         return None

@@ -18,13 +18,16 @@ padding, scratch page and static metadata are then exercised on any device.
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
-from torch import nn
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout, DecodeGraphBuffers
 from vacpack.kvcache.paged_cache import PagedKVCache
+from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
+
+logger = logging.getLogger(__name__)
 
 # Buckets: every power of two up to SMALL_BUCKET_LIMIT, then every multiple of BUCKET_STEP, so
 # a batch carries at most BUCKET_STEP - 1 dummy rows once it is past the small sizes.
@@ -42,7 +45,7 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: PackedModel,
         kv_cache: PagedKVCache,
         backend: AttentionBackend,
         max_num_seqs: int,
@@ -95,7 +98,7 @@ class DecodeGraphRunner:
             return None
         num_seqs = len(layout.query_lens)
         bucket = self.bucket_for(num_seqs)
-        assert bucket is not None
+        assert bucket is not None and self.buffers is not None  # can_run checked both
         # Dummy rows keep whatever token ids and positions they held: any valid value will do,
         # since their results are dropped and their keys land on the scratch page.
         self.token_ids[:num_seqs].copy_(token_ids, non_blocking=True)
@@ -137,3 +140,33 @@ class DecodeGraphRunner:
                 self.graph_outputs[bucket] = self._forward(bucket)
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
+
+
+def capture_decode_graphs(
+    model: PackedModel,
+    kv_cache: PagedKVCache,
+    backend: AttentionBackend,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: torch.device,
+) -> tuple[DecodeGraphRunner | None, int]:
+    """Decode graphs captured now, after the KV cache exists (the graphs hold its addresses),
+    and the device memory they took; None when the backend's metadata cannot be captured."""
+    free_before_bytes, _ = torch.cuda.mem_get_info(device)
+    max_pages_per_seq = -(-max_model_len // kv_cache.page_size)
+    runner = DecodeGraphRunner(
+        model, kv_cache, backend, max_num_seqs, max_pages_per_seq, device, capture=True
+    )
+    if not runner.enabled:
+        logger.info("attention backend %s cannot replay graphs: eager decode", backend.name)
+        return None, 0
+    # The graphs' pool holds one decode batch's activations, a small share of the profile
+    # forward's peak that sized the KV cache; measured here so the report shows it.
+    free_after_bytes, _ = torch.cuda.mem_get_info(device)
+    graph_memory_bytes = free_before_bytes - free_after_bytes
+    logger.info(
+        "captured CUDA graphs for decode batch sizes %s (%.0f MiB measured)",
+        runner.buckets,
+        graph_memory_bytes / 2**20,
+    )
+    return runner, graph_memory_bytes

@@ -13,17 +13,15 @@ has read them: its input ids name them by placeholder (see PreparedStep.token_id
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.engine.cuda_graphs import DecodeGraphRunner
-from vacpack.engine.input_staging import InputStager
-from vacpack.engine.request import Request
+from vacpack.engine.request import Sequence
 from vacpack.engine.sampler import (
     Sampler,
     SamplerOutput,
@@ -31,9 +29,11 @@ from vacpack.engine.sampler import (
     TokenLogprobs,
     gather_logprobs,
 )
-from vacpack.engine.scheduler import ScheduledRequest
+from vacpack.engine.step import PromptLogprobResult, ScheduledChunk, StepResult
 from vacpack.kvcache.paged_cache import PagedKVCache
+from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
+from vacpack.pinned_staging import PinnedStager
 from vacpack.structured.token_masks import StepTokenMasks
 
 # Prompt-logprob rows go through the LM head and log-softmax this many at a time, so a long
@@ -45,24 +45,17 @@ PROMPT_LOGPROB_ROWS_PER_PASS = 512
 class PromptLogprobSpan:
     """Rows [row_start, row_start + num_rows) score prompt tokens first_position + 1 ..."""
 
-    request: Request
+    sequence: Sequence
     row_start: int
     first_position: int
     num_rows: int
 
 
 @dataclass(frozen=True)
-class PromptLogprobResult:
-    request: Request
-    first_position: int  # the logprobs are of prompt tokens first_position + 1, ...
-    logprobs: TokenLogprobs  # on the host
-
-
-@dataclass(frozen=True)
 class PreparedStep:
     """A step's inputs, built on the host before it is launched."""
 
-    scheduled: list[ScheduledRequest]
+    chunks: list[ScheduledChunk]
     # Token ids; a negative id -(slot + 1) is a token sampled by an earlier step that the host
     # has not read yet: the device takes it from slot `slot` of the runner's future buffer.
     token_ids: list[int]
@@ -71,7 +64,7 @@ class PreparedStep:
     metadata: Any  # the attention backend's, already on the device; None for a graph replay
     use_graph: bool  # a decode-only step that replays a captured CUDA graph
     sample_rows: list[int]  # stream rows whose logits are sampled
-    sampled_requests: list[Request]
+    sampled_sequences: list[Sequence]
     sampling_rows: list[SamplingRow]
     future_slots: list[int]  # where each sampled token goes in the future buffer
     prompt_spans: list[PromptLogprobSpan]
@@ -80,22 +73,10 @@ class PreparedStep:
     def has_placeholders(self) -> bool:
         return any(t < 0 for t in self.token_ids[: self.layout.num_decodes])
 
-    def placeholder(self, row: int) -> int:
-        """The id by which the next step refers to the token sampled for `row`."""
-        return -(self.future_slots[row] + 1)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """A step's results on the host."""
-
-    sampled_requests: list[Request]
-    sampled_token_ids: list[int]
-    sampler_output: SamplerOutput | None  # host copies, for logprobs
-    prompt_logprobs: list[PromptLogprobResult]
-    num_tokens: int
-    num_decode_tokens: int
-    num_padded_slots: int = 0
+    @property
+    def placeholders(self) -> list[int]:
+        """The ids by which later steps refer to the tokens this step samples, row by row."""
+        return [-(slot + 1) for slot in self.future_slots]
 
 
 @dataclass(frozen=True)
@@ -111,7 +92,7 @@ class _DeviceOutput:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: PackedModel,
         kv_cache: PagedKVCache,
         attention: AttentionBackend,
         sampler: Sampler,
@@ -125,7 +106,7 @@ class ModelRunner:
         self.attention = attention
         self.sampler = sampler
         self.device = device
-        self.stager = InputStager(device)
+        self.stager = PinnedStager(device)
         # Sampled token ids stay on the device here so that the next step can read them
         # before the host has. A placeholder lives at most two steps (launched with one step,
         # read back after the next is launched), and a step samples at most max_num_seqs rows,
@@ -133,7 +114,7 @@ class ModelRunner:
         self.future_tokens = torch.zeros(3 * max_num_seqs, dtype=torch.int64, device=device)
         self._next_future_slot = 0
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> PreparedStep:
+    def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
         """Host work: the step's inputs as lists, and the attention metadata."""
         token_ids: list[int] = []
         positions: list[int] = []
@@ -141,29 +122,28 @@ class ModelRunner:
         context_lens: list[int] = []
         page_tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sampled_requests: list[Request] = []
+        sampled_sequences: list[Sequence] = []
         prompt_spans: list[PromptLogprobSpan] = []
-        for item in scheduled:
-            request, num_new = item.request, item.num_new_tokens
-            start = request.num_computed_tokens
-            end = start + num_new
+        for chunk in chunks:
+            sequence, start, end = chunk.sequence, chunk.start, chunk.end
             row_start = len(token_ids)
-            token_ids.extend(request.token_ids[start:end])
+            token_ids.extend(sequence.token_ids[start:end])
             positions.extend(range(start, end))
-            query_lens.append(num_new)
+            query_lens.append(chunk.num_new_tokens)
             context_lens.append(end)
-            page_tables.append(list(request.page_table))
-            if request.wants_prompt_logprobs:
+            page_tables.append(list(sequence.page_table))
+            if sequence.wants_prompt_logprobs:
+                assert sequence.prompt_logprobs is not None
                 # Row j predicts token j + 1; score only prompt tokens not scored before.
-                first = max(start, len(request.prompt_logprobs) - 1)
-                last = min(end, request.num_prompt_tokens - 1)
+                first = max(start, len(sequence.prompt_logprobs) - 1)
+                last = min(end, sequence.num_prompt_tokens - 1)
                 if last > first:
                     prompt_spans.append(
-                        PromptLogprobSpan(request, row_start + first - start, first, last - first)
+                        PromptLogprobSpan(sequence, row_start + first - start, first, last - first)
                     )
-            if item.samples and request.params.max_tokens != 0:
-                sample_rows.append(row_start + num_new - 1)
-                sampled_requests.append(request)
+            if chunk.samples and sequence.params.max_tokens != 0:
+                sample_rows.append(row_start + chunk.num_new_tokens - 1)
+                sampled_sequences.append(sequence)
 
         layout = BatchLayout(query_lens, context_lens, page_tables, self.kv_cache.page_size)
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(layout)
@@ -171,15 +151,15 @@ class ModelRunner:
         future_slots = [(self._next_future_slot + i) % num_slots for i in range(len(sample_rows))]
         self._next_future_slot = (self._next_future_slot + len(sample_rows)) % num_slots
         return PreparedStep(
-            scheduled=list(scheduled),
+            chunks=chunks,
             token_ids=token_ids,
             positions=positions,
             layout=layout,
             metadata=None if use_graph else self.attention.build_metadata(layout, self.device),
             use_graph=use_graph,
             sample_rows=sample_rows,
-            sampled_requests=sampled_requests,
-            sampling_rows=[_sampling_row(r) for r in sampled_requests],
+            sampled_sequences=sampled_sequences,
+            sampling_rows=[_sampling_row(sequence) for sequence in sampled_sequences],
             future_slots=future_slots,
             prompt_spans=prompt_spans,
         )
@@ -206,7 +186,7 @@ class ModelRunner:
             hidden = self.model(token_ids, positions, ctx)
 
         sampler_output = None
-        if step.sampled_requests:
+        if step.sampled_sequences:
             # In the model's dtype: the sampler widens them to float32 only where it needs to
             # (greedy rows without penalties or logprobs take the argmax as they are).
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows), dtype=None)
@@ -223,13 +203,13 @@ class ModelRunner:
         """The step's results as host values; call once the device work is done."""
         sampler_output = output.sampler_output
         return StepResult(
-            sampled_requests=step.sampled_requests,
+            sampled_sequences=step.sampled_sequences,
             sampled_token_ids=(
                 [] if sampler_output is None else sampler_output.sampled_token_ids.tolist()
             ),
             sampler_output=sampler_output,
             prompt_logprobs=[
-                PromptLogprobResult(span.request, span.first_position, logprobs)
+                PromptLogprobResult(span.sequence, span.first_position, logprobs)
                 for span, logprobs in output.prompt_logprobs
             ],
             num_tokens=len(step.token_ids),
@@ -238,9 +218,9 @@ class ModelRunner:
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> TokenLogprobs:
-        request = span.request
-        num_topk = request.params.prompt_logprobs
-        next_tokens = request.prompt_token_ids[
+        sequence = span.sequence
+        num_topk = sequence.params.prompt_logprobs or 0
+        next_tokens = sequence.prompt_token_ids[
             span.first_position + 1 : span.first_position + 1 + span.num_rows
         ]
         parts = []
@@ -255,19 +235,19 @@ class ModelRunner:
         )
 
 
-def _sampling_row(request: Request) -> SamplingRow:
-    params = request.params
+def _sampling_row(sequence: Sequence) -> SamplingRow:
+    params = sequence.params
     # Counted with the tokens still being sampled: this row samples the token after them.
     # A grammar decides itself where its output may end.
-    too_short = request.num_scheduled_output_tokens < params.min_tokens and not (
+    too_short = sequence.num_scheduled_output_tokens < params.min_tokens and not (
         params.structured_outputs is not None
     )
-    suppress = request.stop_token_ids if too_short else frozenset()
+    suppress = sequence.stop_token_ids if too_short else frozenset()
     return SamplingRow(
         params=params,
-        prompt_token_ids=request.prompt_token_ids,
-        output_token_ids=request.output_token_ids,
-        generator=request.generator,
+        prompt_token_ids=sequence.prompt_token_ids,
+        output_token_ids=sequence.output_token_ids,
+        generator=sequence.generator,
         stop_token_ids_to_suppress=suppress,
     )
 
@@ -278,9 +258,8 @@ _Output = TypeVar("_Output", SamplerOutput, TokenLogprobs)
 def _to_host(output: _Output) -> _Output:
     """Host copies of a result's tensors. On CUDA the copies go to pinned memory without
     waiting; they are complete once the step's end event has passed."""
-    return type(output)(
-        *(
-            None if t is None else t.to("cpu", non_blocking=True)
-            for t in (getattr(output, f) for f in output.__dataclass_fields__)
-        )
-    )
+    on_host: dict[str, Any] = {}
+    for field in dataclasses.fields(output):
+        value = getattr(output, field.name)
+        on_host[field.name] = None if value is None else value.to("cpu", non_blocking=True)
+    return dataclasses.replace(output, **on_host)

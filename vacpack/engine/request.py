@@ -1,40 +1,49 @@
-"""One sequence being generated: its tokens, its progress through the model, its KV pages."""
+"""A user request and its sequences.
+
+A `Request` is what a user asked for: a prompt and sampling parameters. It runs as `n`
+`Sequence`s (one per sample, `SamplingParams.n`), each with its own tokens, progress through the
+model and KV pages; the scheduler schedules sequences and gathers them back per request.
+"""
 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from vacpack.detokenizer import RequestDetokenizer
+from vacpack.engine.sampler import make_request_generator
 from vacpack.kvcache.page_pool import page_hashes
 from vacpack.outputs import PositionLogprobs, RequestMetrics
 from vacpack.sampling import SamplingParams
 from vacpack.structured.constraints import SequenceConstraints
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclass(eq=False)
-class Request:
-    """A single sequence. A user request with n > 1 becomes n of these, one per sample."""
+class Sequence:
+    """One sample of a request: its tokens, its progress through the model, its KV pages."""
 
-    request_id: str
+    request: Request = field(repr=False)  # the request this is sample `index` of
+    index: int
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_token_ids: frozenset[int]  # EOS ids (unless ignore_eos) and params.stop_token_ids
     max_total_tokens: int  # prompt + output may not exceed this (max_model_len)
     generator: torch.Generator | None
-    detokenizer: Any
+    detokenizer: RequestDetokenizer
     metrics: RequestMetrics
     # Prompt then output, the model's whole input. The last `num_pending_tokens` entries are
     # placeholders (negative ids) for tokens sampled by a step still running on the device:
-    # with async scheduling a request's length advances when its step is launched, and the
+    # a sequence's length advances when its step is scheduled, and with async scheduling the
     # next step reads the real id on the device before the host knows it.
     token_ids: list[int] = field(init=False)
     num_pending_tokens: int = 0
@@ -48,10 +57,10 @@ class Request:
     prompt_logprobs_start: int = 1
     # A grammar, allowed / banned tokens, biases (vacpack.structured); None when unconstrained.
     constraints: SequenceConstraints | None = None
-    # Page hashes this request has announced as being computed and not yet indexed.
+    # Page hashes this sequence has announced as being computed and not yet indexed.
     in_flight_hashes: set[int] = field(default_factory=set, repr=False)
     _token_page_hashes: list[int] = field(default_factory=list, repr=False)
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
@@ -107,16 +116,15 @@ class Request:
             or self.num_tokens >= self.max_total_tokens
         )
 
-    def add_pending_token(self, placeholder: int) -> int:
-        """Appends a placeholder for a token being sampled; returns its index in token_ids."""
+    def add_pending_token(self, placeholder: int) -> None:
+        """Appends a placeholder for a token being sampled by a launched step."""
         self.token_ids.append(placeholder)
         self.num_pending_tokens += 1
-        return len(self.token_ids) - 1
 
-    def resolve_pending_token(self, index: int, token_id: int) -> None:
-        """The oldest pending token, at `index`, turns out to be `token_id`."""
-        assert index == self.num_known_tokens, "pending tokens resolve oldest first"
-        self.token_ids[index] = token_id
+    def resolve_pending_token(self, token_id: int) -> None:
+        """The oldest pending token turns out to be `token_id` (steps are read in order)."""
+        assert self.num_pending_tokens > 0, "no token is being sampled"
+        self.token_ids[self.num_known_tokens] = token_id
         self.num_pending_tokens -= 1
 
     def drop_pending_tokens(self) -> None:
@@ -127,7 +135,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     def full_page_hashes(self, page_size: int) -> list[int]:
         """Chained hashes of every full page of known tokens, extended as the tokens grow."""
@@ -149,7 +157,7 @@ class Request:
         """How much of the sequence may come from the prefix cache: never the last token (its
         logits are needed), nor a prompt position whose logprob is wanted."""
         limit = self.num_tokens - 1
-        if self.wants_prompt_logprobs:
+        if self.prompt_logprobs is not None and self.wants_prompt_logprobs:
             limit = min(limit, len(self.prompt_logprobs) - 1)
         return limit
 
@@ -159,3 +167,70 @@ class Request:
         return (
             self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
         )
+
+
+@dataclass(eq=False)
+class Request:
+    """A user request: one prompt, `n` sequences sampled from it."""
+
+    request_id: str
+    prompt: str | None
+    metrics: RequestMetrics
+    sequences: list[Sequence] = field(default_factory=list, repr=False)
+    num_unfinished: int = 0  # sequences not finished yet
+
+    def add_sequence(self, sequence: Sequence) -> None:
+        self.sequences.append(sequence)
+        self.num_unfinished += 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    @property
+    def params(self) -> SamplingParams:
+        """The first sample's parameters (samples differ only in their seeds)."""
+        return self.sequences[0].params
+
+
+def build_request(
+    request_id: str,
+    prompt: str | None,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_token_ids: frozenset[int],
+    max_total_tokens: int,
+    device: torch.device,
+    prompt_logprobs_start: int = 1,
+) -> Request:
+    """A request and its `params.n` sequences, each with its own detokenizer and seed."""
+    request = Request(request_id, prompt, RequestMetrics(arrival_time=time.perf_counter()))
+    for index in range(params.n):
+        # Each of the n samples gets its own seed, so that they differ, reproducibly.
+        sample_params = params.child_params(index)
+        generator = None
+        if sample_params.seed is not None:
+            generator = make_request_generator(sample_params.seed, device)
+        request.add_sequence(
+            Sequence(
+                request=request,
+                index=index,
+                prompt_token_ids=list(prompt_token_ids),
+                params=sample_params,
+                stop_token_ids=stop_token_ids,
+                max_total_tokens=max_total_tokens,
+                generator=generator,
+                detokenizer=RequestDetokenizer(
+                    tokenizer,
+                    stop_strings=params.stop or (),
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                ),
+                metrics=RequestMetrics(arrival_time=request.metrics.arrival_time),
+                prompt_logprobs_start=prompt_logprobs_start,
+            )
+        )
+    return request

@@ -1,62 +1,47 @@
-"""A user request's RequestOutput, assembled from its sequences per its output kind."""
+"""A request's RequestOutput, assembled from its sequences per its output kind."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from vacpack.engine.request import Request
-from vacpack.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-
-
-@dataclass
-class UserRequest:
-    """The n sequences of one user request."""
-
-    request_id: str
-    prompt: str | None
-    sequences: list[Request]
-    metrics: RequestMetrics
-    num_unfinished: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_unfinished = len(self.sequences)
+from vacpack.engine.request import Request, Sequence
+from vacpack.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 
 
-def make_output(user_request: UserRequest) -> RequestOutput | None:
+def make_output(request: Request) -> RequestOutput | None:
     """The output for a request that progressed this step, per its output kind."""
-    first = user_request.sequences[0]
-    finished = user_request.num_unfinished == 0
+    first = request.sequences[0]
+    finished = request.is_finished
     kind = first.params.output_kind
     if kind is RequestOutputKind.FINAL_ONLY and not finished:
         return None
     if kind is RequestOutputKind.DELTA:
         completions = [
             c
-            for index, sequence in enumerate(user_request.sequences)
+            for index, sequence in enumerate(request.sequences)
             if (c := _delta_completion(index, sequence)) is not None
         ]
-        first_output = not any(s.num_reported_tokens for s in user_request.sequences)
+        first_output = not any(s.num_reported_tokens for s in request.sequences)
         prompt_logprobs = _copy(first.prompt_logprobs) if first_output else None
-        for sequence in user_request.sequences:
+        for sequence in request.sequences:
             sequence.num_reported_tokens = sequence.num_output_tokens
     else:
         completions = [
             _cumulative_completion(index, sequence)
-            for index, sequence in enumerate(user_request.sequences)
+            for index, sequence in enumerate(request.sequences)
         ]
         prompt_logprobs = _copy(first.prompt_logprobs)
-    metrics = user_request.metrics
+    metrics = request.metrics
     metrics.first_token_time = min(
-        (s.metrics.first_token_time for s in user_request.sequences if s.metrics.first_token_time),
+        (s.metrics.first_token_time for s in request.sequences if s.metrics.first_token_time),
         default=None,
     )
-    metrics.num_preemptions = sum(s.metrics.num_preemptions for s in user_request.sequences)
+    metrics.num_preemptions = sum(s.metrics.num_preemptions for s in request.sequences)
     if finished:
         metrics.finished_time = time.perf_counter()
     return RequestOutput(
-        request_id=user_request.request_id,
-        prompt=user_request.prompt,
+        request_id=request.request_id,
+        prompt=request.prompt,
         prompt_token_ids=first.prompt_token_ids,
         prompt_logprobs=prompt_logprobs,
         outputs=completions,
@@ -65,7 +50,7 @@ def make_output(user_request: UserRequest) -> RequestOutput | None:
     )
 
 
-def _cumulative_completion(index: int, sequence: Request) -> CompletionOutput:
+def _cumulative_completion(index: int, sequence: Sequence) -> CompletionOutput:
     return CompletionOutput(
         index=index,
         text=sequence.detokenizer.output_text,
@@ -77,7 +62,7 @@ def _cumulative_completion(index: int, sequence: Request) -> CompletionOutput:
     )
 
 
-def _delta_completion(index: int, sequence: Request) -> CompletionOutput | None:
+def _delta_completion(index: int, sequence: Sequence) -> CompletionOutput | None:
     """What is new since the last output; text only where no stop string can still cut it."""
     start = sequence.num_reported_tokens
     newly_finished = sequence.is_finished and not sequence.finish_reported

@@ -109,9 +109,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
     return (
         p.is_greedy
         and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0
+        and not p.has_penalties
         and not row.stop_token_ids_to_suppress
     )
 

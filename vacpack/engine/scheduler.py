@@ -1,32 +1,38 @@
-"""Continuous batching: which requests run in the next step, and how many tokens each.
+"""Continuous batching, and the life of every request from arrival to its last token.
 
-Every step has a token budget. Running requests go first, in the order they were admitted, each
-taking what it still needs (one token for a decode, the rest of its prompt for a prefill, cut to
-the budget: chunked prefill). Waiting requests are then admitted first-come first-served while
-budget, sequence slots and KV pages last. When a running request needs a page and none is free,
-the most recently admitted request is preempted: its pages are freed, and it goes back to the
-front of the queue to be recomputed later. Earlier requests are never preempted for later ones, so
-no request starves, and as the cache holds at least one whole sequence there is no deadlock.
+Every step has a token budget. Running sequences go first, in the order they were admitted,
+each taking what it still needs (one token for a decode, the rest of its prompt for a prefill,
+cut to the budget: chunked prefill). Waiting sequences are then admitted first-come first-served
+while budget, sequence slots and KV pages last. When a running sequence needs a page and none is
+free, the most recently admitted sequence is preempted: its pages are freed, and it goes back to
+the front of the queue to be recomputed later. Earlier sequences are never preempted for later
+ones, so none starves, and as the cache holds at least one whole sequence there is no deadlock.
 
-With prefix caching, a request admitted (or re-admitted after preemption) first takes the
-cached pages of its longest cached prefix and computes only the rest; after each step the
-pages it has filled are indexed for others. A waiting request whose next uncached page is being
-computed right now by a running request waits for it (an exception to first come, first
-served), so requests that share a prefix and arrive together (n > 1 samples, a common system
-prompt, few-shot contexts) compute it once. The other exception: a request whose grammar is
-still being compiled (structured outputs) waits, and the requests behind it go first.
+A waiting sequence whose next uncached page is being computed right now by a running one waits
+for it (an exception to first come, first served; see PageManager), so sequences that share
+a prefix and arrive together (n > 1 samples, a common system prompt, few-shot contexts) compute
+it once. The other exception: a sequence whose grammar is still being compiled (structured
+outputs) waits, and the sequences behind it go first.
 
-With async scheduling, the next step is scheduled while the previous one still runs: request
-lengths already count the tokens being sampled (see Request.num_pending_tokens), and a request
-whose launched steps produce its last token (max_tokens, context limit) is not scheduled again.
+Lengths advance when a step is launched, before its tokens are known (`on_launch`): with async
+scheduling the next step is scheduled while this one still runs, its sampled tokens stand in the
+sequences as placeholders (Sequence.num_pending_tokens), and a sequence whose launched steps
+produce its last token (max_tokens, context limit) is not scheduled again. `update_from_output`
+then applies a finished step: it resolves the placeholders, indexes the filled pages, records
+logprobs, runs the stop checks and finishes what has stopped.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from vacpack.engine.request import Request, RequestStatus
+from vacpack.engine.logprobs import position_logprobs
+from vacpack.engine.page_manager import PageManager
+from vacpack.engine.request import Request, Sequence, SequenceStatus
+from vacpack.engine.step import ScheduledChunk, StepResult
+from vacpack.engine.stop_checks import check_stop
 from vacpack.kvcache.page_pool import PagePool
 
 
@@ -38,63 +44,82 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new one is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # decodes (one new token) first, then prefill chunks
-    preempted: list[Request]
+    chunks: list[ScheduledChunk]  # decodes (one new token) first, then prefill chunks
+    preempted: list[Sequence]
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+    def without_finished(self) -> SchedulerOutput:
+        """The chunks of sequences still unfinished (a step read since may have ended some)."""
+        chunks = [chunk for chunk in self.chunks if not chunk.sequence.is_finished]
+        return SchedulerOutput(chunks, self.preempted)
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What applying a step's results changed."""
+
+    requests: list[Request]  # requests that progressed, finished ones included
+    num_generated_tokens: int
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
         self.config = config
         self.pool = pool
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        # Hashes of the full pages running requests are computing and have not indexed yet.
-        self._pages_in_flight: dict[int, int] = {}
+        self.pages = PageManager(pool, config.page_size)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
 
     @property
-    def num_unfinished(self) -> int:
+    def num_unfinished_sequences(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
+    # ------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.extend(request.sequences)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends a request's unfinished sequences and frees their pages; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for sequence in request.sequences:
+            if not sequence.is_finished:
+                sequence.drop_pending_tokens()
+                self._remove(sequence)
+
+    # ------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if request.all_tokens_scheduled:
+            sequence = self.running[index]
+            if sequence.all_tokens_scheduled:
                 index += 1  # finishes by length once its launched steps are read
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._reserve_pages(request, request.num_computed_tokens + num_new):
+            num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
+            while not self.pages.reserve(sequence, sequence.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
-                if victim is request:
+                if victim is sequence:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, num_new))
+                chunks.append(self._chunk(sequence, num_new))
                 budget -= num_new
                 index += 1
 
@@ -106,111 +131,152 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[position]
-            if request.num_pending_tokens:
+            sequence = self.waiting[position]
+            if sequence.num_pending_tokens:
                 break  # preempted with a token still being sampled: readmitted once it is read
-            if request.constraints is not None and not request.constraints.is_ready:
-                position += 1  # its grammar is being compiled: the requests behind it go first
+            if sequence.constraints is not None and not sequence.constraints.is_ready:
+                position += 1  # its grammar is being compiled: the sequences behind it go first
                 continue
-            if self._next_page_in_flight(request):
+            if self.pages.next_page_in_flight(sequence):
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
-            self._take_cached_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_pages(request, request.num_computed_tokens + num_new):
-                self._release(request)
+            self.pages.take_cached_prefix(sequence)
+            num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
+            if not self.pages.reserve(sequence, sequence.num_computed_tokens + num_new):
+                self.pages.release(sequence)
                 break  # first come, first served: nobody overtakes the head of the queue
             del self.waiting[position]
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._announce_in_flight(request)
-            scheduled.append(ScheduledRequest(request, num_new))
+            sequence.status = SequenceStatus.RUNNING
+            self.running.append(sequence)
+            self.pages.announce_in_flight(sequence)
+            chunks.append(self._chunk(sequence, num_new))
             budget -= num_new
 
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
-        return SchedulerOutput(scheduled, preempted)
+        chunks.sort(key=lambda chunk: chunk.num_new_tokens != 1)  # stable: decodes first
+        return SchedulerOutput(chunks, preempted)
 
-    def finish(self, request: Request) -> None:
-        """Removes a finished or aborted request and frees its pages."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self._release(request)
-        request.status = RequestStatus.FINISHED
+    def on_launch(
+        self, chunks: list[ScheduledChunk], sampled: list[Sequence], placeholders: list[int]
+    ) -> None:
+        """The step is on the device: lengths advance now, before its tokens are known, so the
+        next step can be scheduled as if this one had finished. Each sampled sequence holds a
+        placeholder for its token until the step is read; later steps' inputs resolve it on
+        the device."""
+        for chunk in chunks:
+            chunk.sequence.num_computed_tokens += chunk.num_new_tokens
+        for sequence, placeholder in zip(sampled, placeholders, strict=True):
+            sequence.add_pending_token(placeholder)
 
-    def register_computed_pages(self, request: Request) -> None:
-        """Indexes the pages the request has filled completely, for others to reuse."""
-        if not self.pool.enable_prefix_caching:
-            return
-        num_full_pages = request.num_computed_tokens // self.config.page_size
-        num_hashed = len(request.page_hashes)
-        if num_full_pages <= num_hashed:
-            return
-        new_hashes = request.full_page_hashes(self.config.page_size)[num_hashed:num_full_pages]
-        for offset, page_hash in enumerate(new_hashes):
-            self.pool.register(request.page_table[num_hashed + offset], page_hash)
-            request.page_hashes.append(page_hash)
-            self._landed(request, page_hash)
+    def update_from_output(self, chunks: list[ScheduledChunk], result: StepResult) -> StepUpdate:
+        """Applies a finished step's results to its sequences and their requests."""
+        now = time.perf_counter()
+        # Sequences finished (stopped, aborted) after this step was launched: their rows are
+        # computed but mean nothing now.
+        live = [chunk for chunk in chunks if not chunk.sequence.is_finished]
+        for prompt_result in result.prompt_logprobs:
+            sequence = prompt_result.sequence
+            if sequence.is_finished:
+                continue
+            lp = prompt_result.logprobs
+            num_topk = sequence.params.prompt_logprobs or 0
+            for i in range(lp.token_logprobs.shape[0]):
+                token_id = sequence.prompt_token_ids[prompt_result.first_position + 1 + i]
+                sequence.prompt_logprobs.append(  # type: ignore[union-attr]
+                    position_logprobs(
+                        sequence.detokenizer.token_text,
+                        token_id,
+                        float(lp.token_logprobs[i]),
+                        int(lp.token_ranks[i]),
+                        lp.topk_token_ids[i, :num_topk].tolist(),
+                        lp.topk_logprobs[i, :num_topk].tolist(),
+                    )
+                )
+        sampled = [
+            (row, sequence, token_id)
+            for row, (sequence, token_id) in enumerate(
+                zip(result.sampled_sequences, result.sampled_token_ids, strict=True)
+            )
+            if not sequence.is_finished
+        ]
+        for _, sequence, token_id in sampled:
+            sequence.resolve_pending_token(token_id)
+        # Index the pages filled so far before stop checks free a finishing sequence's pages.
+        for chunk in live:
+            self.pages.register_computed_pages(chunk.sequence)
+        for row, sequence, token_id in sampled:
+            if sequence.metrics.first_token_time is None:
+                sequence.metrics.first_token_time = now
+            if sequence.logprobs is not None:
+                _record_logprobs(sequence, token_id, row, result)
+            constraints = sequence.constraints
+            advance = "continue" if constraints is None else constraints.advance(token_id)
+            stop = check_stop(sequence, token_id, output_complete=advance == "complete")
+            if stop is None and advance == "refused":
+                stop = ("abort", None)
+            if stop is not None:
+                self._finish(sequence, *stop)
+        requests: dict[str, Request] = {}
+        for chunk in live:
+            sequence = chunk.sequence
+            if sequence.params.max_tokens == 0 and chunk.samples:
+                self._finish(sequence, "length", None)  # prompt logprobs only: done
+            if sequence.is_finished:
+                sequence.metrics.finished_time = now
+            requests[sequence.request.request_id] = sequence.request
+        return StepUpdate(list(requests.values()), len(sampled))
 
-    def _take_cached_prefix(self, request: Request) -> None:
-        if request.page_table:
-            return
-        max_pages = request.max_cached_tokens // self.config.page_size
-        hashes = request.full_page_hashes(self.config.page_size)[:max_pages]
-        pages = self.pool.match_prefix(hashes, request.num_tokens)
-        request.page_table = pages
-        request.page_hashes = hashes[: len(pages)]
-        request.num_computed_tokens = len(pages) * self.config.page_size
-        if request.num_output_tokens == 0:
-            request.num_cached_prompt_tokens = request.num_computed_tokens
+    # ------------------------------------------------------------ internals
+    def _chunk(self, sequence: Sequence, num_new: int) -> ScheduledChunk:
+        if sequence.metrics.first_scheduled_time is None:
+            sequence.metrics.first_scheduled_time = time.perf_counter()
+        start = sequence.num_computed_tokens
+        samples = start + num_new == sequence.num_tokens
+        return ScheduledChunk(sequence, start, num_new, samples)
 
-    def _next_page_in_flight(self, request: Request) -> bool:
-        """True when the first page the request would compute is being computed by another."""
-        if not self.pool.enable_prefix_caching or not self._pages_in_flight:
-            return False
-        max_pages = request.max_cached_tokens // self.config.page_size
-        hashes = request.full_page_hashes(self.config.page_size)[:max_pages]
-        num_cached = self.pool.num_cached_prefix_pages(hashes)
-        return num_cached < len(hashes) and hashes[num_cached] in self._pages_in_flight
+    def _finish(self, sequence: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        sequence.finish_reason = reason
+        sequence.stop_reason = stop_reason
+        sequence.detokenizer.finish()
+        # Its pages may still be written by a launched step; a later step that reuses them
+        # runs after it on the device (see step_executor).
+        sequence.drop_pending_tokens()
+        self._remove(sequence)
+        request = sequence.request
+        request.num_unfinished -= 1
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
 
-    def _announce_in_flight(self, request: Request) -> None:
-        """Marks the full pages the request is about to compute, so others wait for them."""
-        if not self.pool.enable_prefix_caching:
-            return
-        hashes = request.full_page_hashes(self.config.page_size)[len(request.page_hashes) :]
-        request.in_flight_hashes = set(hashes)
-        for page_hash in request.in_flight_hashes:
-            self._pages_in_flight[page_hash] = self._pages_in_flight.get(page_hash, 0) + 1
+    def _remove(self, sequence: Sequence) -> None:
+        """Takes a finished or aborted sequence out of the queues and frees its pages."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self.pages.release(sequence)
+        sequence.status = SequenceStatus.FINISHED
 
-    def _landed(self, request: Request, page_hash: int) -> None:
-        """The request has indexed (or given up) a page it announced."""
-        if page_hash not in request.in_flight_hashes:
-            return
-        request.in_flight_hashes.discard(page_hash)
-        count = self._pages_in_flight.pop(page_hash)
-        if count > 1:
-            self._pages_in_flight[page_hash] = count - 1
+    def _preempt(self, sequence: Sequence) -> None:
+        self.pages.release(sequence)
+        sequence.status = SequenceStatus.WAITING
+        sequence.metrics.num_preemptions += 1
+        self.waiting.appendleft(sequence)
 
-    def _release(self, request: Request) -> None:
-        for page_hash in list(request.in_flight_hashes):
-            self._landed(request, page_hash)
-        self.pool.free(request.page_table)
-        request.page_table = []
-        request.page_hashes = []
-        request.num_computed_tokens = 0
 
-    def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
-        num_needed = -(-num_tokens // self.config.page_size) - len(request.page_table)
-        if num_needed <= 0:
-            return True
-        if num_needed > self.pool.num_free_pages:
-            return False
-        request.page_table.extend(self.pool.allocate(num_needed))
-        return True
-
-    def _preempt(self, request: Request) -> None:
-        self._release(request)
-        request.status = RequestStatus.WAITING
-        request.metrics.num_preemptions += 1
-        self.waiting.appendleft(request)
+def _record_logprobs(sequence: Sequence, token_id: int, row: int, result: StepResult) -> None:
+    out = result.sampler_output
+    assert out is not None and sequence.logprobs is not None
+    assert out.sampled_logprobs is not None and out.sampled_ranks is not None
+    assert out.topk_token_ids is not None and out.topk_logprobs is not None
+    num_topk = sequence.params.logprobs or 0
+    logprob = float(out.sampled_logprobs[row])
+    sequence.cumulative_logprob += logprob
+    sequence.logprobs.append(
+        position_logprobs(
+            sequence.detokenizer.token_text,
+            token_id,
+            logprob,
+            int(out.sampled_ranks[row]),
+            out.topk_token_ids[row, :num_topk].tolist(),
+            out.topk_logprobs[row, :num_topk].tolist(),
+        )
+    )

@@ -30,6 +30,7 @@ class StepTiming:
     num_padded_slots: int  # dummy slots a CUDA graph bucket added; counted, never hidden
     kv_pages_used: int
     kv_pages_total: int
+    num_preempted: int = 0  # sequences preempted when the step was scheduled
     # When the host filled the step's token masks (structured outputs); both 0 when it had none.
     # With async scheduling this runs after launch, while the device computes the forward.
     mask_fill_start_s: float = 0.0

@@ -11,13 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display is needed, and none may exist
-
-import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from vacpack.engine.timeline import (
@@ -73,7 +69,6 @@ def plot_timeline(
     lanes.set_title(_subtitle(shown, whole_run), fontsize=10, loc="left")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
-    plt.close(fig)
 
 
 def _steps_and_summary(
@@ -95,13 +90,14 @@ def _window(steps: list[StepTiming], max_steps: int | None, window: Window) -> l
     return steps[first[window] : first[window] + max_steps]
 
 
-def _figure(show_tokens: bool) -> tuple[plt.Figure, list[Axes]]:
+def _figure(show_tokens: bool) -> tuple[Figure, list[Axes]]:
+    # A bare Figure, never pyplot: no global figure registry, and the user's backend (an
+    # interactive one in a notebook) is left as it was; savefig renders with Agg by itself.
     if not show_tokens:
-        fig, lanes = plt.subplots(figsize=(14, 3.4), layout="constrained")
-        return fig, [lanes]
-    fig, (lanes, tokens) = plt.subplots(
-        2, 1, figsize=(14, 6), sharex=True, height_ratios=[1.1, 1], layout="constrained"
-    )
+        fig = Figure(figsize=(14, 3.4), layout="constrained")
+        return fig, [fig.subplots()]
+    fig = Figure(figsize=(14, 6), layout="constrained")
+    lanes, tokens = fig.subplots(2, 1, sharex=True, height_ratios=[1.1, 1])
     return fig, [lanes, tokens]
 
 
@@ -179,13 +175,16 @@ def _draw_tokens(ax: Axes, steps: list[StepTiming], origin_s: float) -> None:
     decode = [s.num_decode_tokens for s in steps]
     prefill = [s.num_prefill_tokens for s in steps]
     padded = [s.num_padded_slots for s in steps]
-    bar = {"align": "edge", "linewidth": 0}
-    ax.bar(lefts, decode, widths, color=DECODE_COLOR, label="decode tokens", **bar)
-    ax.bar(
-        lefts, prefill, widths, bottom=decode, color=PREFILL_COLOR, label="prefill tokens", **bar
-    )
     stacked = [d + p for d, p in zip(decode, prefill, strict=True)]
-    ax.bar(lefts, padded, widths, bottom=stacked, color=PADDED_COLOR, label="padded slots", **bar)
+    for heights, bottoms, color, label in (
+        (decode, None, DECODE_COLOR, "decode tokens"),
+        (prefill, decode, PREFILL_COLOR, "prefill tokens"),
+        (padded, stacked, PADDED_COLOR, "padded slots"),
+    ):
+        ax.bar(
+            lefts, heights, widths, bottom=bottoms, align="edge", linewidth=0, color=color,
+            label=label,
+        )  # fmt: skip
     ax.set_ylabel("tokens per step")
     ax.grid(axis="both", color="#DDDDDD", linewidth=0.6)
     ax.set_axisbelow(True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vacpack.device import available_host_memory_bytes
+from vacpack.host_memory import available_host_memory_bytes
 
 logger = logging.getLogger(__name__)
 

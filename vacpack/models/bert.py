@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.labels import id2label_from_hf, num_labels_from_hf
 from vacpack.models.parallel import (
@@ -193,7 +194,7 @@ _EMBEDDING_WEIGHTS = frozenset(
 _LAYER_NORM_RENAMES: Mapping[str, str] = MappingProxyType({"gamma": "weight", "beta": "bias"})
 
 
-class BertModel(nn.Module):
+class BertModel(PackedModel):
     """The bare encoder: final hidden states, for embeddings pooled outside the model."""
 
     config_class = EncoderConfig

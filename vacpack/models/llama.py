@@ -7,19 +7,15 @@ whose logits are needed.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vacpack.cpu_kernels.elementwise import (
-    elementwise_kernels_available,
-    rotary_qk,
-    silu_and_mul,
-)
-from vacpack.models.config import ModelConfig
+from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
+from vacpack.models.layer_ops import current_layer_ops
+from vacpack.models.model_config import ModelConfig
 from vacpack.models.norm import RMSNorm
 from vacpack.models.parallel import (
     SINGLE_RANK,
@@ -30,15 +26,13 @@ from vacpack.models.parallel import (
     TensorParallel,
     VocabEmbedding,
 )
-from vacpack.models.rotary import RotaryEmbedding, apply_rotary
+from vacpack.models.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    # Set once loaded on a bf16 CPU: rotary embeddings of q and k in one fused C pass.
-    use_cpu_kernels: bool = False
-
     def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
+        self.ops = current_layer_ops()
         self.layer_index = layer_index
         self.num_heads = tp.split(config.num_heads, "attention heads")
         self.num_kv_heads = tp.split(config.num_kv_heads, "key/value heads")
@@ -70,29 +64,17 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_cpu_kernels:
-            q, k = rotary_qk(q, k, *cos_sin)
-        else:
-            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        q, k = self.ops.rotary_qk(q, k, cos_sin)
         out = ctx.attention.forward(q, k, v, ctx.kv_layer(self.layer_index), ctx.metadata)
         return self.o_proj(out.view(num_tokens, q_size))
 
 
-# Rows of the packed stream per MLP pass on a CPU. A 2048-token step's [tokens, 2 * intermediate]
-# activation is tens of MB; in slices of 512 rows it stays in the CPU's caches, and the matmuls
-# measured 15-25% faster on a 2-core bf16 CPU. On a GPU one pass covers the whole step.
-CPU_MLP_ROWS_PER_PASS = 512
-
-
 class LlamaMLP(nn.Module):
-    rows_per_pass: int | None = None
-    # Set once loaded on a bf16 CPU: SiLU(gate) * up in one fused C pass.
-    use_cpu_kernels: bool = False
-
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.ops = current_layer_ops()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
         size = config.intermediate_size
@@ -100,17 +82,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = self.rows_per_pass
+        rows = self.ops.mlp_rows_per_pass  # a CPU's caches hold a slice of rows, not all
         if rows is None or hidden.shape[0] <= rows:
             return self._mlp(hidden)
         return torch.cat([self._mlp(part) for part in hidden.split(rows)])
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(hidden)
-        if self.use_cpu_kernels:
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -138,8 +116,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    config_class = ModelConfig
+class LlamaForCausalLM(PackedModel):
+    config_class: ClassVar[Any] = ModelConfig
     is_decoder = True
     # Checkpoint names that feed one of our merged layers: (our name, shard index).
     MERGED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {
@@ -180,15 +158,7 @@ class LlamaForCausalLM(nn.Module):
         return name, 0
 
     def finish_loading(self) -> None:
-        device = self.embed_tokens.weight.device
-        self.rotary.build_cache(device, self.embed_tokens.weight.dtype)
-        if device.type == "cpu":
-            for layer in self.layers:
-                layer.mlp.rows_per_pass = CPU_MLP_ROWS_PER_PASS
-        if elementwise_kernels_available(device, self.embed_tokens.weight.dtype):
-            for module in self.modules():
-                if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
-                    module.use_cpu_kernels = True
+        self.rotary.build_cache(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -199,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(cos_sin, hidden, residual, ctx)
+        assert residual is not None, "a model has at least one layer"
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 

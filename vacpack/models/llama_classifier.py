@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vacpack.models.config import ModelConfig
 from vacpack.models.labels import id2label_from_hf, num_labels_from_hf
 from vacpack.models.llama import LlamaForCausalLM
+from vacpack.models.model_config import ModelConfig
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel
 from vacpack.models.pooling import PoolingConfig, pool
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 from transformers import AutoConfig
 
+from vacpack.models.base import PackedModel, ShardedParameters
+from vacpack.models.layer_ops import select_layer_ops, use_layer_ops
 from vacpack.models.parallel import prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
@@ -70,7 +71,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> PackedModel:
     """Builds the model on the meta device, then streams each checkpoint tensor into place.
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
@@ -81,7 +82,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         raise ValueError(f"{str(model_dir)!r}: config.json names no architectures")
     model_class = model_class_for(architectures[0])
     config = model_class.config_class.from_hf(hf_config)
-    with torch.device("meta"):
+    with torch.device("meta"), use_layer_ops(select_layer_ops(device, dtype)):
         model = model_class(config).to(dtype)
     model = model.to_empty(device=device)
     expected = {name for name, _ in model.named_parameters()}
@@ -100,7 +101,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
                     logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
                     continue
                 tensor = checkpoint.get_tensor(hf_name).to(device=device, dtype=dtype)
-                if hasattr(module, "load_shard"):
+                if isinstance(module, ShardedParameters):
                     module.load_shard(attr, tensor, shard_index)
                 else:  # a plain torch layer, never sharded
                     getattr(module, attr).data.copy_(tensor)

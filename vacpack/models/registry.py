@@ -1,30 +1,30 @@
-"""Hugging Face architecture names -> our model classes."""
+"""Hugging Face architecture names -> our model classes, imported when a checkpoint needs one."""
 
 from __future__ import annotations
 
-from torch import nn
+from vacpack.models.base import PackedModel
+from vacpack.registry import LazyRegistry
 
-from vacpack.models.bert import BertForSequenceClassification, BertModel
-from vacpack.models.llama import LlamaForCausalLM
-from vacpack.models.llama_classifier import LlamaForSequenceClassification
+_LLAMA = "vacpack.models.llama:LlamaForCausalLM"
+_LLAMA_CLASSIFIER = "vacpack.models.llama_classifier:LlamaForSequenceClassification"
 
-_ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "LlamaForSequenceClassification": LlamaForSequenceClassification,
-    "MistralForSequenceClassification": LlamaForSequenceClassification,
-    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
-    "Qwen3ForSequenceClassification": LlamaForSequenceClassification,
-    "BertModel": BertModel,
-    "BertForSequenceClassification": BertForSequenceClassification,
-}
+ARCHITECTURES: LazyRegistry[type[PackedModel]] = LazyRegistry(
+    "architecture",
+    {
+        "LlamaForCausalLM": _LLAMA,
+        "MistralForCausalLM": _LLAMA,
+        "Qwen2ForCausalLM": _LLAMA,
+        "Qwen3ForCausalLM": _LLAMA,
+        "LlamaForSequenceClassification": _LLAMA_CLASSIFIER,
+        "MistralForSequenceClassification": _LLAMA_CLASSIFIER,
+        "Qwen2ForSequenceClassification": _LLAMA_CLASSIFIER,
+        "Qwen3ForSequenceClassification": _LLAMA_CLASSIFIER,
+        "BertModel": "vacpack.models.bert:BertModel",
+        "BertForSequenceClassification": "vacpack.models.bert:BertForSequenceClassification",
+    },
+)
 
 
-def model_class_for(architecture: str) -> type[nn.Module]:
-    if architecture not in _ARCHITECTURES:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {sorted(_ARCHITECTURES)}"
-        )
-    return _ARCHITECTURES[architecture]
+def model_class_for(architecture: str) -> type[PackedModel]:
+    """The class for a checkpoint's architecture; a ValueError lists the supported ones."""
+    return ARCHITECTURES.get(architecture)

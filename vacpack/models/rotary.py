@@ -19,7 +19,9 @@ def rope_inverse_frequencies(
     # float32 throughout, as the reference does, so that positions rotate bit-identically.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":

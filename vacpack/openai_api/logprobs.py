@@ -11,12 +11,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from vacpack.outputs import Logprob, PositionLogprobs
+from vacpack.tokenizer import decode_text
 
 # What a token id reads as, for positions whose Logprob carries no decoded text.
 DecodeToken = Callable[[int], str]
 
 _JSON_SAFE_MIN_LOGPROB = -9999.0
+
+
+def token_decoder(tokenizer: PreTrainedTokenizerBase) -> DecodeToken:
+    """A token id's own text, decoded alone."""
+    return lambda token_id: decode_text(tokenizer, [token_id])
 
 
 def json_safe(logprob: float) -> float:

@@ -10,7 +10,7 @@ keep working.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -114,6 +114,16 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = None
 
 
+def split_prompt_input(given: PromptInput) -> list[str | list[int]]:
+    """One entry per prompt: a text, or a list of token ids (a flat id list is one prompt)."""
+    if isinstance(given, str):
+        return [given]
+    items = cast(list[str | int | list[int]], given)
+    if items and all(isinstance(item, int) for item in items):
+        return [cast(list[int], list(items))]
+    return [item if isinstance(item, str) else list(cast(list[int], item)) for item in items]
+
+
 class EmbeddingRequest(_Body):
     model: str | None = None
     input: PromptInput
@@ -155,5 +165,5 @@ def _describe(error: ValidationError) -> tuple[str, str | None]:
             # A union field: the rest of the location names union branches, noise to a client.
             param = ".".join(path)
             return f"{param} must be {_FIELD_SHAPES[str(part)]}", param
-    param = ".".join(path) or None
-    return f"{param}: {first['msg']}", param
+    location = ".".join(path)
+    return f"{location}: {first['msg']}", location or None

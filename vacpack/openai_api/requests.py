@@ -25,13 +25,25 @@ from vacpack.openai_api.protocol import (
     CompletionRequest,
     EmbeddingRequest,
     PromptInput,
+    parse_body,
+    split_prompt_input,
 )
 from vacpack.openai_api.tool_parsers import ToolParser, tool_parser
 from vacpack.outputs import RequestOutputKind
 from vacpack.sampling import SamplingParams
-from vacpack.tokenizer import apply_chat_template
+from vacpack.tokenizer import apply_chat_template, decode_text
 
 _SAMPLING_FIELD_NAMES = {f.name for f in fields(SamplingParams)}
+
+
+GenerationKind = Literal["completion", "chat"]
+
+# The endpoints that generate, by URL path (batch files name them so).
+GENERATION_URLS: dict[str, GenerationKind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+}
+RESPONSE_ID_PREFIXES: dict[GenerationKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,7 @@ class EnginePrompt:
 class PreparedGeneration:
     """A completions or chat request, ready for the engine: one engine request per prompt."""
 
-    kind: Literal["completion", "chat"]
+    kind: GenerationKind
     prompts: list[EnginePrompt]
     params: SamplingParams
     echo: bool  # completions only: the prompt's text (and logprobs) lead each choice
@@ -62,6 +74,31 @@ class PreparedGeneration:
         return self.params.n
 
 
+def parse_generation(
+    kind: GenerationKind, body: bytes | str | dict[str, Any]
+) -> CompletionRequest | ChatCompletionRequest:
+    """A completions or chat request body, parsed and checked field by field."""
+    if kind == "chat":
+        return parse_body(ChatCompletionRequest, body)
+    return parse_body(CompletionRequest, body)
+
+
+def prepare_generation(
+    request: CompletionRequest | ChatCompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    max_model_len: int,
+    output_kind: RequestOutputKind,
+    tool_call_parser: str = "auto",
+) -> PreparedGeneration:
+    """What the engine runs for a parsed completions or chat request (tool_call_parser: see
+    prepare_chat)."""
+    if isinstance(request, ChatCompletionRequest):
+        return prepare_chat(
+            request, tokenizer, max_model_len, output_kind, tool_call_parser=tool_call_parser
+        )
+    return prepare_completion(request, tokenizer, max_model_len, output_kind)
+
+
 def prepare_completion(
     request: CompletionRequest,
     tokenizer: PreTrainedTokenizerBase,
@@ -75,7 +112,7 @@ def prepare_completion(
     echo = bool(request.echo)
     prompts = [
         EnginePrompt(
-            token_ids, text if text is not None or not echo else tokenizer.decode(token_ids)
+            token_ids, text if text is not None or not echo else decode_text(tokenizer, token_ids)
         )
         for text, token_ids in _tokenize_prompts(request.prompt, tokenizer, "prompt")
     ]
@@ -129,8 +166,8 @@ def prepare_chat(
             **template_kwargs,
         )
     except (TemplateError, ValueError, TypeError) as error:
-        message = f"the chat template could not render messages: {error}"
-        raise bad_request(message, "messages") from None
+        problem = f"the chat template could not render messages: {error}"
+        raise bad_request(problem, "messages") from None
     max_tokens_field = "max_tokens"
     max_tokens = request.max_tokens
     if request.max_completion_tokens is not None:
@@ -194,14 +231,7 @@ def prepare_embedding(request: EmbeddingRequest) -> list[str | list[int]]:
     """The inputs to embed, as texts or token-id lists (the embedding job tokenizes text)."""
     if request.dimensions is not None:
         raise bad_request("dimensions is not supported", "dimensions")
-    given = request.input
-    inputs: list[str | list[int]]
-    if isinstance(given, str):
-        inputs = [given]
-    elif given and isinstance(given[0], int):
-        inputs = [list(given)]  # type: ignore[arg-type]
-    else:
-        inputs = [item if isinstance(item, str) else list(item) for item in given]  # type: ignore[union-attr]
+    inputs = split_prompt_input(request.input)
     if not inputs:
         raise bad_request("input must not be an empty list", "input")
     for index, item in enumerate(inputs):
@@ -242,15 +272,13 @@ def _tokenize_prompts(
     prompt: PromptInput, tokenizer: PreTrainedTokenizerBase, param: str
 ) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) for each prompt in a prompt input."""
-    if isinstance(prompt, str):
-        return [(prompt, tokenizer.encode(prompt))]
-    if not prompt:
+    prompts = split_prompt_input(prompt)
+    if not prompts:
         raise bad_request(f"{param} must not be an empty list", param)
-    if isinstance(prompt[0], int):
-        return [(None, list(prompt))]  # type: ignore[arg-type]
-    if isinstance(prompt[0], str):
-        return [(text, tokenizer.encode(text)) for text in prompt]  # type: ignore[union-attr]
-    return [(None, list(token_ids)) for token_ids in prompt]  # type: ignore[union-attr]
+    return [
+        (item, tokenizer.encode(item)) if isinstance(item, str) else (None, item)
+        for item in prompts
+    ]
 
 
 def _sampling_params(

@@ -215,6 +215,20 @@ def chat_body(
     }
 
 
+def generation_body(
+    response_id: str,
+    created: int,
+    model_name: str,
+    prepared: PreparedGeneration,
+    results: Sequence[PromptResult],
+    decode_token: DecodeToken,
+) -> dict[str, Any]:
+    """The response body of a finished completions or chat request."""
+    if prepared.kind == "chat":
+        return chat_body(response_id, created, model_name, prepared, results[0], decode_token)
+    return completion_body(response_id, created, model_name, prepared, results, decode_token)
+
+
 def embedding_body(
     model_name: str, outputs: Sequence[EmbeddingRequestOutput], encoding_format: str
 ) -> dict[str, Any]:

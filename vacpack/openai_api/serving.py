@@ -7,8 +7,10 @@ BERT); a decoder serves completions and chat. Requests of the other kind get a 4
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from vacpack.engine.engine import LLMEngine
+from vacpack.llm import LLM
+from vacpack.models.base import SequenceClassifier
 from vacpack.outputs import EmbeddingRequestOutput
 
 EmbedInput = str | list[int]
@@ -16,15 +18,15 @@ EmbedInput = str | list[int]
 EmbedFunction = Callable[[list[EmbedInput]], list[EmbeddingRequestOutput]]
 
 
-def generation_engine(llm: Any) -> Any | None:
+def generation_engine(llm: LLM) -> LLMEngine | None:
     """The LLM's generation engine, or None for a model that cannot generate."""
     return llm.engine if llm.loaded.is_decoder else None
 
 
-def embed_function(llm: Any) -> EmbedFunction | None:
+def embed_function(llm: LLM) -> EmbedFunction | None:
     """What answers /v1/embeddings: LLM.embed for an embedding model, else None."""
     loaded = llm.loaded
-    if loaded.is_decoder or hasattr(loaded.model, "classify"):
+    if loaded.is_decoder or isinstance(loaded.model, SequenceClassifier):
         return None
 
     def embed(inputs: list[EmbedInput]) -> list[EmbeddingRequestOutput]:

@@ -27,7 +27,7 @@ from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.serving import EmbedFunction, EmbedInput, embed_groups
 from vacpack.outputs import EmbeddingRequestOutput, RequestOutput
 from vacpack.sampling import SamplingParams
-from vacpack.server.metrics import EngineState, ServerMetrics
+from vacpack.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class AsyncEngine:
         if engine is None:
             self._deliver(command.stream, bad_request("this model does not generate text", "model"))
             return
-        num_waiting = len(engine.scheduler.waiting)
+        num_waiting = engine.state().num_waiting_sequences
         if self._max_waiting is not None and num_waiting >= self._max_waiting:
             self._metrics.requests_rejected.inc()
             error = APIError(
@@ -343,22 +343,8 @@ class AsyncEngine:
             self._deliver(stream, output)
 
     def _publish_state(self) -> None:
-        engine = self._engine
-        if engine is None:
-            return
-        cache = engine.page_pool.stats
-        self._metrics.set_engine_state(
-            EngineState(
-                num_running=len(engine.scheduler.running),
-                num_waiting=len(engine.scheduler.waiting),
-                used_pages=engine.page_pool.num_used_pages,
-                total_pages=engine.page_pool.num_pages,
-                num_prefix_queried_tokens=cache.num_queried_tokens,
-                num_prefix_hit_tokens=cache.num_hit_tokens,
-                num_evictions=cache.num_evictions,
-                num_preemptions=engine.stats.num_preemptions,
-            )
-        )
+        if self._engine is not None:
+            self._metrics.set_engine_state(self._engine.state())
 
     def _deliver(self, stream: RequestStream, item: Any) -> None:
         self._deliveries.append((stream, item))

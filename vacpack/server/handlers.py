@@ -8,6 +8,7 @@ work against a disconnect watcher.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -19,30 +20,27 @@ from fastapi.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.openai_api.errors import APIError, bad_request
-from vacpack.openai_api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    parse_body,
-)
+from vacpack.openai_api.logprobs import DecodeToken, token_decoder
+from vacpack.openai_api.protocol import EmbeddingRequest, parse_body
 from vacpack.openai_api.requests import (
+    RESPONSE_ID_PREFIXES,
+    GenerationKind,
     PreparedGeneration,
-    prepare_chat,
-    prepare_completion,
+    parse_generation,
     prepare_embedding,
+    prepare_generation,
 )
 from vacpack.openai_api.responses import (
     PromptResult,
-    chat_body,
-    completion_body,
     embedding_body,
+    generation_body,
     new_response_id,
     now_s,
 )
 from vacpack.openai_api.streaming import StreamState
 from vacpack.outputs import RequestOutputKind
 from vacpack.server.async_engine import AsyncEngine, EngineRequest, RequestStream
-from vacpack.server.config import ServerConfig
+from vacpack.server.options import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,37 +96,33 @@ class OpenAIHandlers:
         if not self.engine.serves_generation:
             raise bad_request("this model does not generate text; it serves embeddings", "model")
 
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    @functools.cached_property
+    def _decode_token(self) -> DecodeToken:
+        return token_decoder(self.tokenizer)
 
     # ------------------------------------------------------------ generation
     # Parsing, the chat template and tokenizing run on a worker thread: a huge prompt must not
     # hold up the event loop, and with it every other client.
     async def completions(self, raw: Request) -> Response:
-        prepared = await asyncio.to_thread(self._prepare_completion, await raw.body())
-        return await self._generate(raw, prepared, new_response_id("cmpl"))
+        return await self._generation(raw, "completion")
 
     async def chat_completions(self, raw: Request) -> Response:
-        prepared = await asyncio.to_thread(self._prepare_chat, await raw.body())
-        return await self._generate(raw, prepared, new_response_id("chatcmpl"))
+        return await self._generation(raw, "chat")
 
-    def _prepare_completion(self, body: bytes) -> PreparedGeneration:
-        request = parse_body(CompletionRequest, body)
+    async def _generation(self, raw: Request, kind: GenerationKind) -> Response:
+        prepared = await asyncio.to_thread(self._prepare, kind, await raw.body())
+        return await self._generate(raw, prepared, new_response_id(RESPONSE_ID_PREFIXES[kind]))
+
+    def _prepare(self, kind: GenerationKind, body: bytes) -> PreparedGeneration:
+        request = parse_generation(kind, body)
         self._check_model(request.model)
         self._require_generation()
-        return prepare_completion(
-            request, self.tokenizer, self.max_model_len, RequestOutputKind.DELTA
-        )
-
-    def _prepare_chat(self, body: bytes) -> PreparedGeneration:
-        request = parse_body(ChatCompletionRequest, body)
-        self._check_model(request.model)
-        self._require_generation()
-        return prepare_chat(
+        output_kind = RequestOutputKind.DELTA
+        return prepare_generation(
             request,
             self.tokenizer,
             self.max_model_len,
-            RequestOutputKind.DELTA,
+            output_kind,
             tool_call_parser=self.config.tool_call_parser,
         )
 
@@ -160,24 +154,14 @@ class OpenAIHandlers:
         finally:
             if not stream.finished:
                 self.engine.abort(stream.request_ids)
-        if prepared.kind == "chat":
-            body = chat_body(
-                response_id,
-                state.created,
-                state.model_name,
-                prepared,
-                state.results[0],
-                self._decode_token,
-            )
-        else:
-            body = completion_body(
-                response_id,
-                state.created,
-                state.model_name,
-                prepared,
-                state.results,
-                self._decode_token,
-            )
+        body = generation_body(
+            response_id,
+            state.created,
+            state.model_name,
+            prepared,
+            state.results,
+            self._decode_token,
+        )
         return json_response(body)
 
     @staticmethod

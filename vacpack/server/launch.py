@@ -15,20 +15,21 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from vacpack.llm import LLM
 from vacpack.openai_api.serving import embed_function, generation_engine
 from vacpack.server.app import build_app
 from vacpack.server.async_engine import AsyncEngine
-from vacpack.server.config import ServerConfig
 from vacpack.server.handlers import OpenAIHandlers
 from vacpack.server.metrics import ServerMetrics
+from vacpack.server.options import ServerConfig
 from vacpack.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def build_server_app(llm: LLM, config: ServerConfig) -> Any:
+def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `llm`; the engine thread starts with the app's lifespan."""
     metrics = ServerMetrics(config.served_model_name)
     async_engine = AsyncEngine(

@@ -8,10 +8,12 @@ the event loop's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from vacpack.engine.state import EngineState
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -24,21 +26,6 @@ _ITL_BUCKETS_S = (
     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 _E2E_BUCKETS_S = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """What the engine thread reads off the engine after a step: levels now, totals so far."""
-
-    num_running: int
-    num_waiting: int
-    used_pages: int
-    total_pages: int
-    # Totals since the engine started; the counters advance by the change since the last state.
-    num_prefix_queried_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-    num_evictions: int = 0
-    num_preemptions: int = 0
 
 
 class ServerMetrics:
@@ -88,7 +75,7 @@ class ServerMetrics:
             "vacpack:num_preemptions",
             "Running sequences that gave their KV pages back to be recomputed later.",
         )
-        self._last_state = EngineState(0, 0, 0, 0)
+        self._last_state: EngineState | None = None
         self.prompt_tokens = counter("vacpack:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("vacpack:generation_tokens", "Tokens generated.")
         self.time_to_first_token = histogram(
@@ -124,20 +111,29 @@ class ServerMetrics:
         self._finished.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
 
     def set_engine_state(self, state: EngineState) -> None:
-        self.num_requests_running.set(state.num_running)
-        self.num_requests_waiting.set(state.num_waiting)
-        self.kv_cache_used_pages.set(state.used_pages)
-        self.kv_cache_total_pages.set(state.total_pages)
-        self.kv_cache_usage.set(state.used_pages / state.total_pages if state.total_pages else 0.0)
+        self.num_requests_running.set(state.num_running_sequences)
+        self.num_requests_waiting.set(state.num_waiting_sequences)
+        self.kv_cache_used_pages.set(state.kv_pages_used)
+        self.kv_cache_total_pages.set(state.kv_pages_total)
+        total_pages = state.kv_pages_total
+        self.kv_cache_usage.set(state.kv_pages_used / total_pages if total_pages else 0.0)
+        # The engine's totals only grow: each counter advances by the change since last time.
         last, self._last_state = self._last_state, state
+        if last is None:
+            last = dataclasses.replace(
+                state,
+                num_prefix_queried_tokens=0,
+                num_prefix_hit_tokens=0,
+                num_prefix_evictions=0,
+                num_preemptions=0,
+            )
         self.prefix_cache_queries.inc(
             state.num_prefix_queried_tokens - last.num_prefix_queried_tokens
         )
         self.prefix_cache_hits.inc(state.num_prefix_hit_tokens - last.num_prefix_hit_tokens)
-        self.prefix_cache_evictions.inc(state.num_evictions - last.num_evictions)
+        self.prefix_cache_evictions.inc(state.num_prefix_evictions - last.num_prefix_evictions)
         self.num_preemptions.inc(state.num_preemptions - last.num_preemptions)
-        queried = state.num_prefix_queried_tokens
-        self.prefix_cache_hit_rate.set(state.num_prefix_hit_tokens / queried if queried else 0.0)
+        self.prefix_cache_hit_rate.set(state.prefix_cache_hit_rate)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

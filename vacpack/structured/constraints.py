@@ -8,13 +8,20 @@ output tokens (its KV cache is recomputed; its matcher state stays right).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from typing import Literal
 
 import llguidance
 import numpy as np
 
 from vacpack.structured.token_masks import bitmask_num_words
+
+logger = logging.getLogger(__name__)
+
+# What a token read by the host does to a constrained output.
+Advance = Literal["continue", "complete", "refused"]
 
 
 class SequenceConstraints:
@@ -23,7 +30,7 @@ class SequenceConstraints:
         grammar: Future[llguidance.LLMatcher] | None,
         static_mask: np.ndarray | None,
         bad_word_sequences: Sequence[tuple[tuple[int, ...], int]],
-        logit_bias: dict[int, float] | None,
+        logit_bias: Mapping[int, float] | None,
     ) -> None:
         self._grammar = grammar
         self.matcher: llguidance.LLMatcher | None = None
@@ -94,6 +101,16 @@ class SequenceConstraints:
             return f"the grammar could not be compiled: {self.error}"
         assert self.matcher is not None
         return f"the grammar refused token {token_id}: {self.matcher.get_error()}"
+
+    def advance(self, token_id: int) -> Advance:
+        """Takes a token the host has read: "complete" when the grammar allows nothing more
+        after it, "refused" when the grammar refuses it (or could not be compiled)."""
+        if not self.has_grammar:
+            return "continue"
+        if not self.accept(token_id):
+            logger.error("constrained output stopped: %s", self.problem(token_id))
+            return "refused"
+        return "complete" if self.is_complete else "continue"
 
     @property
     def is_complete(self) -> bool:

@@ -7,8 +7,9 @@
    every token it depends on is known, else left for
 3. ``fill`` right after the host has read the previous step's tokens (async scheduling: the
    device runs the step's forward meanwhile and waits for the masks only to sample);
-4. ``accept`` for every token the host reads: the matcher advances, and says whether the
-   output is complete (finish "stop") or the token was refused;
+4. ``SequenceConstraints.advance`` for every token the host reads (in the scheduler's
+   update_from_output): the matcher advances, and says whether the output is complete
+   (finish "stop") or the token was refused (finish "abort");
 5. ``wait_for_grammars`` when nothing can run until a grammar is compiled.
 
 Step N+1's masks need step N's tokens. Where the device work runs on a worker thread (CPU,
@@ -27,7 +28,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import llguidance
 import llguidance.numpy
@@ -41,8 +42,6 @@ from vacpack.structured.grammars import GrammarSpec, grammar_spec
 from vacpack.structured.token_masks import LogitBias, StepTokenMasks
 
 logger = logging.getLogger(__name__)
-
-AcceptResult = Literal["continue", "complete", "refused"]
 
 
 class ConstrainedSequence(Protocol):
@@ -213,13 +212,3 @@ class StructuredOutputManager:
             if constraints.matcher is not None:
                 llguidance.numpy.fill_next_token_bitmask(constraints.matcher, rows, row)
             constraints.finish_row(rows[row], sequence.output_token_ids)
-
-    def accept(self, sequence: ConstrainedSequence, token_id: int) -> AcceptResult:
-        """Advances the sequence's grammar past a token the host has read."""
-        constraints = sequence.constraints
-        if constraints is None or not constraints.has_grammar:
-            return "continue"
-        if not constraints.accept(token_id):
-            logger.error("constrained output stopped: %s", constraints.problem(token_id))
-            return "refused"
-        return "complete" if constraints.is_complete else "continue"

@@ -6,22 +6,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from vacpack.attention import BatchLayout, create_backend
+from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.loader import load_hf_config, load_model
 
 CPU = torch.device("cpu")
 
 
-def load_for_test(model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_for_test(model_dir: Path, dtype: torch.dtype = torch.float32) -> PackedModel:
     """Our model for a checkpoint directory, on the CPU, as the engine would load it."""
     return load_model(Path(model_dir), load_hf_config(Path(model_dir)), dtype, CPU)
 
 
 @torch.inference_mode()
-def packed_forward(model: nn.Module, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+def packed_forward(model: PackedModel, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
     """Final hidden states [total tokens, hidden] of all sequences packed into one stream.
 
     Attention is bidirectional within each sequence for encoders (model.is_causal False) and

@@ -221,7 +221,7 @@ def _build_random_model(
     dtype: torch.dtype,
     init: RandomWeightInit,
     seed: int,
-    auto_class: type = AutoModelForCausalLM,
+    auto_class: Any = AutoModelForCausalLM,  # an Auto* class: from_config builds the model
 ) -> PreTrainedModel:
     # Built on the meta device and then given real storage once, so a large model is never held
     # twice (no throwaway default init, no float32 copy before a cast to bfloat16).
@@ -248,7 +248,7 @@ def _save_checkpoint(
     seed: int,
     init: RandomWeightInit,
     max_shard_bytes: int | None,
-    auto_class: type = AutoModelForCausalLM,
+    auto_class: Any = AutoModelForCausalLM,  # an Auto* class: from_config builds the model
 ) -> Path:
     out_dir = Path(out_dir)
     spec = _family_spec(family)

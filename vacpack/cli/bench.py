@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from vacpack.cli.demo import demo_model_dir
+from vacpack.cli.engine_args import add_engine_args, engine_kwargs
+from vacpack.engine.timeline import StepTimeline
+from vacpack.llm import LLM
+from vacpack.sampling import SamplingParams
 
 # A few short requests before the timed run: first-call costs (allocator growth, kernel
 # selection, lazy initialisation) would otherwise land in the first steps of the timeline.
@@ -36,9 +40,7 @@ def parse_length_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def add_bench_command(
-    commands: argparse._SubParsersAction, add_engine_args: Callable[..., None]
-) -> None:
+def add_bench_command(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench", help="generation throughput on random prompts, with the step timeline"
     )
@@ -90,14 +92,10 @@ def random_prompts(
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from vacpack.cli import _engine_kwargs
-    from vacpack.llm import LLM
-    from vacpack.sampling import SamplingParams
-
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be at least 1")
-    model = args.model or str(_demo_model_dir())
-    llm = LLM(model, **_engine_kwargs(args))
+    model = args.model or str(demo_model_dir())
+    llm = LLM(model, **engine_kwargs(args))
     max_total_tokens = args.input_len[1] + args.output_len
     if max_total_tokens > llm.loaded.max_model_len:
         raise ValueError(
@@ -109,15 +107,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
-    engine = llm.engine
-    timeline = getattr(engine, "timeline", None)
+    timeline = llm.engine.timeline
     if args.warmup:
         # Its own prompts (another seed), so the prefix cache gives the timed run nothing.
         warmup = random_prompts(WARMUP_NUM_PROMPTS, args.input_len, vocab_size, args.seed + 1)
         warmup_params = SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in warmup], warmup_params, use_tqdm=False)
-    if timeline is not None:
-        timeline.reset()
+    timeline.reset()
 
     print(
         f"vacpack bench: {len(prompts)} prompts of {args.input_len[0]}-{args.input_len[1]} "
@@ -136,7 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "model": model,
         "device": str(llm.loaded.device),
         "dtype": str(llm.loaded.dtype).removeprefix("torch."),
-        "engine_args": _engine_kwargs(args),
+        "engine_args": engine_kwargs(args),
         "num_prompts": len(prompts),
         "input_len": list(args.input_len),
         "output_len": args.output_len,
@@ -145,19 +141,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "num_output_tokens": num_output_tokens,
         "output_tokens_per_s": num_output_tokens / elapsed_s,
         "total_tokens_per_s": (num_prompt_tokens + num_output_tokens) / elapsed_s,
+        "measured_choices": [c.to_dict() for c in llm.loaded.measured_choices],
     }
     print(
         f"throughput: {results['output_tokens_per_s']:.1f} output tok/s, "
         f"{results['total_tokens_per_s']:.1f} total tok/s ({num_prompt_tokens} prompt + "
         f"{num_output_tokens} output tokens in {elapsed_s:.2f} s)"
     )
-    if timeline is None:
-        print("timeline: this engine records no step timeline", file=sys.stderr)
-    else:
-        print(f"timeline: {timeline.summary().describe()}")
-        results["timeline"] = timeline.to_dict()
-        if args.timeline:
-            _plot(timeline, args)
+    for choice in llm.loaded.measured_choices:
+        print(f"chosen by measurement: {choice.summary()}")
+    print(f"timeline: {timeline.summary().describe()}")
+    results["timeline"] = timeline.to_dict()
+    if args.timeline:
+        _plot(timeline, args)
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(timeline: Any, args: argparse.Namespace) -> None:
+def _plot(timeline: StepTimeline, args: argparse.Namespace) -> None:
     # Imported only when asked for: matplotlib takes a while to load.
     from vacpack.engine.timeline_plot import plot_timeline
 
@@ -179,9 +175,3 @@ def _plot(timeline: Any, args: argparse.Namespace) -> None:
         window=args.timeline_window,
     )
     print(f"timeline plot -> {args.timeline}")
-
-
-def _demo_model_dir() -> Path:
-    from vacpack.demo import demo_model_dir
-
-    return demo_model_dir()

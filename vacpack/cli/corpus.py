@@ -14,7 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from vacpack.cli.engine_args import add_engine_args, engine_kwargs
 from vacpack.corpus.packing import DocumentError
+from vacpack.corpus.tasks import (
+    ClassifyTask,
+    CorpusTask,
+    EmbedTask,
+    LoglikelihoodTask,
+    resolve_pooling,
+)
+from vacpack.llm import LLM
 
 TEXT_KEYS = ("text", "input", "prompt")
 
@@ -64,12 +73,10 @@ def result_record(index: int, result: Any) -> dict[str, Any]:
     return record
 
 
-def run_corpus_command(args: argparse.Namespace, llm_kwargs: dict[str, Any]) -> int:
-    from vacpack.corpus.tasks import ClassifyTask, EmbedTask, LoglikelihoodTask, resolve_pooling
-    from vacpack.llm import LLM
-
-    llm = LLM(args.model, **llm_kwargs)
+def run_corpus_command(args: argparse.Namespace) -> int:
+    llm = LLM(args.model, **engine_kwargs(args))
     loaded = llm.loaded
+    task: CorpusTask
     if args.command == "embed":
         pooling = resolve_pooling(loaded, args.pooling, args.normalize)
         task = EmbedTask(loaded, pooling, truncate=args.truncate)
@@ -86,11 +93,13 @@ def run_corpus_command(args: argparse.Namespace, llm_kwargs: dict[str, Any]) -> 
     finally:
         if sink is not sys.stdout:
             sink.close()
-    print(llm.corpus_runner.last_report.summary(), file=sys.stderr)
+    report = llm.corpus_runner.last_report
+    assert report is not None, "a job that ran left its report"
+    print(report.summary(), file=sys.stderr)
     return 0
 
 
-def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: Any) -> None:
+def add_corpus_commands(commands: argparse._SubParsersAction) -> None:
     for name, help_text in [
         ("embed", "embed every document of a corpus"),
         ("loglikelihood", "log-likelihood of documents, or of continuations after contexts"),
@@ -106,4 +115,4 @@ def add_corpus_commands(commands: argparse._SubParsersAction, add_engine_args: A
             parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
         if name == "loglikelihood":
             parser.add_argument("--token-logprobs", action="store_true")
-        parser.set_defaults(corpus_command=True)
+        parser.set_defaults(handler=run_corpus_command)

@@ -1,0 +1,198 @@
+"""Measured choices (vacpack.tuning): timings are injected through a fake clock that each
+candidate advances by its own cost, so nothing sleeps and every outcome is exact."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+from fake_clock import FakeClock
+
+from vacpack.tuning import ChoiceCache, ChoiceSource, choose, force_env_var
+from vacpack.tuning import cache as cache_module
+from vacpack.tuning.cache import choice_key
+from vacpack.tuning.timing import time_candidates
+
+PHASE = "test_phase"
+
+
+def failing() -> None:
+    raise RuntimeError("no kernel for this shape")
+
+
+def make(candidates: dict[str, Callable[[], object]]) -> tuple[list[str], Callable]:
+    return list(candidates), lambda: candidates
+
+
+def choose_with(
+    clock: FakeClock, cache_dir: Path, candidates: dict[str, Callable[[], object]], **kwargs
+):
+    return choose(PHASE, kwargs.pop("shape_key", "n=8"), *make(candidates), cache_dir=cache_dir,
+                  clock=clock, **kwargs)  # fmt: skip
+
+
+def total_calls(candidates: Iterable[Callable[[], object]]) -> int:
+    return sum(len(getattr(c, "calls", [])) for c in candidates)
+
+
+def test_picks_the_faster_candidate(tmp_path: Path) -> None:
+    clock = FakeClock()
+    candidates = {"slow": clock.costing(0.003), "fast": clock.costing(0.001)}
+    choice = choose_with(clock, tmp_path, candidates)
+    assert choice.chosen == "fast" and choice.source is ChoiceSource.MEASURED
+    assert choice.best_time_s == pytest.approx({"slow": 0.003, "fast": 0.001})
+    assert choice.num_rounds >= 1 and choice.measure_s == pytest.approx(clock.now_s)
+
+
+def test_best_of_interleaved_rounds_ignores_a_slowed_call(tmp_path: Path) -> None:
+    clock = FakeClock()
+    # The faster candidate's first timed call ran while the machine was busy.
+    candidates = {"a": clock.costing(0.002), "b": clock.costing(0.001, 0.009, 0.001)}
+    choice = choose_with(clock, tmp_path, candidates)
+    assert choice.chosen == "b" and choice.best_time_s["b"] == pytest.approx(0.001)
+
+
+def test_rounds_stop_within_the_time_budget() -> None:
+    clock = FakeClock()
+    timings = time_candidates(
+        {"a": clock.costing(0.01), "b": clock.costing(0.02)},
+        budget_s=0.1,
+        max_rounds=100,
+        clock=clock,
+    )
+    assert timings.elapsed_s <= 0.1 and timings.num_rounds == 2  # warm-up 0.03 + 2 x 0.03
+
+
+def test_warm_up_times_stand_when_it_spent_the_budget() -> None:
+    clock = FakeClock()
+    timings = time_candidates(
+        {"a": clock.costing(0.6), "b": clock.costing(0.5)}, budget_s=1.0, clock=clock
+    )
+    assert timings.num_rounds == 0 and timings.best_time_s == pytest.approx({"a": 0.6, "b": 0.5})
+
+
+def test_a_forced_argument_wins_without_timing(tmp_path: Path) -> None:
+    clock = FakeClock()
+    candidates = {"slow": clock.costing(0.003), "fast": clock.costing(0.001)}
+    choice = choose_with(clock, tmp_path, candidates, forced="slow")
+    assert choice.chosen == "slow" and choice.source is ChoiceSource.FORCED_ARGUMENT
+    assert total_calls(candidates.values()) == 0 and not list(tmp_path.iterdir())
+
+
+def test_the_environment_variable_forces_a_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    candidates = {"slow": clock.costing(0.003), "fast": clock.costing(0.001)}
+    monkeypatch.setenv(force_env_var(PHASE), "slow")
+    choice = choose_with(clock, tmp_path, candidates)
+    assert choice.chosen == "slow" and choice.source is ChoiceSource.FORCED_ENV
+    assert total_calls(candidates.values()) == 0
+    # The argument outranks the environment.
+    assert choose_with(clock, tmp_path, candidates, forced="fast").chosen == "fast"
+
+
+def test_forcing_an_unknown_candidate_names_the_known_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    candidates = {"a": clock.costing(0.001), "b": clock.costing(0.001)}
+    with pytest.raises(ValueError, match=r"'c' \(asked for\).*\['a', 'b'\]"):
+        choose_with(clock, tmp_path, candidates, forced="c")
+    monkeypatch.setenv(force_env_var(PHASE), "typo")
+    with pytest.raises(ValueError, match=force_env_var(PHASE)):
+        choose_with(clock, tmp_path, candidates)
+
+
+def test_a_cached_choice_runs_nothing(tmp_path: Path) -> None:
+    clock = FakeClock()
+    first = choose_with(clock, tmp_path, {"a": clock.costing(0.003), "b": clock.costing(0.001)})
+    rerun = {"a": clock.costing(0.001), "b": clock.costing(0.003)}  # would now pick a
+    again = choose_with(clock, tmp_path, rerun)
+    assert again.source is ChoiceSource.CACHED and again.chosen == first.chosen == "b"
+    assert again.best_time_s == first.best_time_s and total_calls(rerun.values()) == 0
+
+
+def test_a_new_key_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    assert (
+        choose_with(clock, tmp_path, {"a": clock.costing(3), "b": clock.costing(1)}).chosen == "b"
+    )
+    # Other shapes.
+    other_shape = choose_with(
+        clock, tmp_path, {"a": clock.costing(1), "b": clock.costing(3)}, shape_key="n=16"
+    )
+    assert other_shape.source is ChoiceSource.MEASURED and other_shape.chosen == "a"
+    # Another torch (or CPU, or vacpack) for the same shapes.
+    real_machine_key = cache_module.machine_key
+    monkeypatch.setattr(
+        cache_module, "machine_key", lambda: {**real_machine_key(), "torch": "9.9.9"}
+    )
+    new_torch = choose_with(clock, tmp_path, {"a": clock.costing(1), "b": clock.costing(3)})
+    assert new_torch.source is ChoiceSource.MEASURED and new_torch.chosen == "a"
+    # Another set of candidates.
+    more = {"a": clock.costing(3), "b": clock.costing(3), "c": clock.costing(1)}
+    assert choose_with(clock, tmp_path, more).chosen == "c"
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "", json.dumps(["a list"]), json.dumps({"key": "wrong", "chosen": "a"})],
+    ids=["truncated", "empty", "not-a-dict", "other-key"],
+)
+def test_a_corrupt_cache_file_is_measured_again_and_rewritten(tmp_path: Path, content: str) -> None:
+    clock = FakeClock()
+    key = choice_key(PHASE, "n=8", ["a", "b"])
+    path = ChoiceCache(tmp_path).path_for(key)
+    path.write_text(content)
+    choice = choose_with(clock, tmp_path, {"a": clock.costing(0.003), "b": clock.costing(0.001)})
+    assert choice.source is ChoiceSource.MEASURED and choice.chosen == "b"
+    stored = json.loads(path.read_text())
+    assert stored["key"] == key and stored["chosen"] == "b"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_a_cached_choice_of_a_vanished_candidate_is_measured_again(tmp_path: Path) -> None:
+    clock = FakeClock()
+    key = choice_key(PHASE, "n=8", ["a", "b"])
+    ChoiceCache(tmp_path).store(key, {"chosen": "gone", "best_time_s": {}})
+    choice = choose_with(clock, tmp_path, {"a": clock.costing(0.001), "b": clock.costing(0.003)})
+    assert choice.source is ChoiceSource.MEASURED and choice.chosen == "a"
+
+
+def test_a_candidate_that_raises_is_skipped(tmp_path: Path) -> None:
+    clock = FakeClock()
+    choice = choose_with(
+        clock, tmp_path, {"broken": failing, "slow": clock.costing(0.003), "ok": clock.costing(2)}
+    )
+    assert choice.chosen == "slow" and set(choice.best_time_s) == {"slow", "ok"}
+    assert choice.failed == {"broken": "RuntimeError: no kernel for this shape"}
+
+
+def test_every_candidate_failing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"every candidate failed.*no kernel"):
+        choose_with(FakeClock(), tmp_path, {"a": failing, "b": failing})
+
+
+def test_a_preferred_candidate_wins_within_its_tolerance(tmp_path: Path) -> None:
+    clock = FakeClock()
+    close = {"preferred": clock.costing(0.0012), "other": clock.costing(0.001)}
+    assert (
+        choose_with(clock, tmp_path, close, preferred="preferred", preferred_tolerance=1.25).chosen
+        == "preferred"
+    )
+    far = {"preferred": clock.costing(0.002), "other": clock.costing(0.001)}
+    choice = choose_with(
+        clock, tmp_path, far, preferred="preferred", preferred_tolerance=1.25, shape_key="n=2"
+    )
+    assert choice.chosen == "other"
+
+
+def test_an_unwritable_cache_only_costs_a_later_measurement(tmp_path: Path) -> None:
+    clock = FakeClock()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # the cache directory cannot be created under a file
+    choice = choose_with(clock, blocked / "cache", {"a": clock.costing(1), "b": clock.costing(2)})
+    assert choice.chosen == "a" and choice.source is ChoiceSource.MEASURED

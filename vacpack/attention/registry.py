@@ -1,0 +1,167 @@
+"""The attention backends, what each one supports, and which one "auto" means.
+
+Each backend declares where it can run: devices, dtypes, head sizes, and the phases it
+implements (PACKED: whole sequences in one stream without a KV cache, as corpus bins and
+encoders run; PAGED: engine steps over the paged KV cache, decodes and prefill chunks mixed).
+What only the machine can tell (a package installed, a C kernel that builds and has the
+instructions it needs) is checked last and lazily. "auto" takes the first eligible backend in
+the order below, fastest first where they were measured; the portable torch_sdpa backend runs
+everywhere and is the reference the others are tested against.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vacpack.attention.backend import AttentionBackend
+from vacpack.registry import LazyRegistry
+
+
+class Phase(enum.Enum):
+    PACKED = "packed"  # whole sequences in one stream, no KV cache: corpus bins, encoders
+    PAGED = "paged"  # engine steps over the paged KV cache
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    target: str  # "package.module:Class", imported on first use
+    devices: frozenset[str]
+    phases: frozenset[Phase]
+    dtypes: frozenset[torch.dtype] | None = None  # None: any
+    head_dim_multiple: int = 1
+    max_head_dim: int | None = None
+    # Checked last, once the static constraints hold: what only this machine can tell.
+    available: Callable[[torch.device, torch.dtype | None, int | None], bool] | None = None
+    # Where "auto" may pick it (default: everywhere it runs); it runs elsewhere only if forced.
+    auto_devices: frozenset[str] | None = None
+
+    def supports(
+        self, device: torch.device, dtype: torch.dtype | None, head_dim: int | None, phase: Phase
+    ) -> bool:
+        if device.type not in self.devices or phase not in self.phases:
+            return False
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return False
+        if self.head_dim_multiple > 1 or self.max_head_dim is not None:
+            if head_dim is None or head_dim % self.head_dim_multiple:
+                return False
+            if self.max_head_dim is not None and head_dim > self.max_head_dim:
+                return False
+        return self.available is None or self.available(device, dtype, head_dim)
+
+
+def _triton_runs(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> bool:
+    # On a CPU only in Triton's interpreter, which the kernels' tests use.
+    on_device = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return on_device and importlib.util.find_spec("triton") is not None
+
+
+def _cpu_kernels_build(
+    device: torch.device, dtype: torch.dtype | None, head_dim: int | None
+) -> bool:
+    # Imported here: asking builds (or loads) the C library, which only this check needs.
+    from vacpack.cpu_kernels import varlen_attention_supported
+
+    if dtype is None or head_dim is None:
+        return False
+    return varlen_attention_supported(device, dtype, head_dim)
+
+
+BOTH_PHASES = frozenset(Phase)
+
+# Preferred first, where eligible: each is faster than the ones after it where it runs.
+BACKEND_SPECS: tuple[BackendSpec, ...] = (
+    BackendSpec(
+        name="triton",
+        target="vacpack.attention.triton_backend:TritonBackend",
+        devices=frozenset({"cuda", "cpu"}),
+        phases=BOTH_PHASES,
+        available=_triton_runs,
+        auto_devices=frozenset({"cuda"}),
+    ),
+    BackendSpec(
+        name="cpu_kernels",
+        target="vacpack.attention.cpu_kernel_backend:CpuKernelBackend",
+        devices=frozenset({"cpu"}),
+        phases=BOTH_PHASES,
+        dtypes=frozenset({torch.bfloat16}),
+        head_dim_multiple=32,
+        max_head_dim=256,
+        available=_cpu_kernels_build,
+    ),
+    BackendSpec(
+        name="torch_sdpa",
+        target="vacpack.attention.torch_sdpa:TorchSdpaBackend",
+        devices=frozenset({"cpu", "cuda"}),
+        phases=BOTH_PHASES,
+    ),
+)
+
+BACKENDS: LazyRegistry[type[AttentionBackend]] = LazyRegistry(
+    "attention backend", {spec.name: spec.target for spec in BACKEND_SPECS}
+)
+
+
+def eligible_backends(
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    phase: Phase = Phase.PAGED,
+) -> list[str]:
+    """The backends that can run this phase for this model here, preferred first."""
+    return [spec.name for spec in BACKEND_SPECS if spec.supports(device, dtype, head_dim, phase)]
+
+
+def _auto_candidates(
+    device: torch.device, dtype: torch.dtype | None, head_dim: int | None, phase: Phase
+) -> list[str]:
+    return [
+        spec.name
+        for spec in BACKEND_SPECS
+        if device.type in (spec.auto_devices or spec.devices)
+        and spec.supports(device, dtype, head_dim, phase)
+    ]
+
+
+def resolve_backend_name(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    phase: Phase = Phase.PAGED,
+) -> str:
+    """The backend that `name` means here: "auto" is the first eligible one; another name
+    must be eligible, else a ValueError says what it does not support."""
+    if name == "auto":
+        return _auto_candidates(device, dtype, head_dim, phase)[0]
+    eligible = eligible_backends(device, dtype, head_dim, phase)
+    if name not in BACKENDS:
+        BACKENDS.get(name)  # raises, listing the known backends
+    if name not in eligible:
+        raise ValueError(
+            f"attention backend {name!r} cannot run {phase.value} attention for a "
+            f"{str(dtype).removeprefix('torch.')} model with head size {head_dim} on {device} "
+            f"here; eligible: {', '.join(eligible)}"
+        )
+    return name
+
+
+def create_backend(name: str) -> AttentionBackend:
+    return BACKENDS.get(name)()
+
+
+def select_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    phase: Phase = Phase.PAGED,
+) -> AttentionBackend:
+    return create_backend(resolve_backend_name(name, device, dtype, head_dim, phase))

@@ -1,0 +1,64 @@
+"""The `vacpack` command line: one subcommand per job, each in its own module here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vacpack import __version__
+from vacpack.cli.bench import add_bench_command
+from vacpack.cli.corpus import add_corpus_commands
+from vacpack.cli.demo import add_demo_command
+from vacpack.cli.engine_args import add_engine_args, engine_kwargs
+from vacpack.cli.generate import add_generate_command
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from vacpack.server.launch import serve
+    from vacpack.server.options import server_config_from_args
+
+    return serve(args.model, engine_kwargs(args), server_config_from_args(args))
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from vacpack.batch.options import batch_options_from_args
+    from vacpack.batch.runner import run_batch_command
+
+    return run_batch_command(args.model, engine_kwargs(args), batch_options_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vacpack.batch.options import add_batch_args
+    from vacpack.server.options import add_server_args
+
+    parser = argparse.ArgumentParser(prog="vacpack", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"vacpack {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_generate_command(commands)
+    add_corpus_commands(commands)
+    add_bench_command(commands)
+    add_demo_command(commands)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+    run_batch = commands.add_parser("run-batch", help="answer an OpenAI batch file, resumably")
+    add_engine_args(run_batch)
+    add_batch_args(run_batch)
+    run_batch.set_defaults(handler=cmd_run_batch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ValueError as error:
+        print(f"vacpack {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""`vacpack generate`: completions for prompts given on the command line or in a file."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from vacpack.cli.engine_args import add_engine_args, engine_kwargs
+from vacpack.llm import LLM
+from vacpack.outputs import RequestOutput
+from vacpack.sampling import SamplingParams
+from vacpack.structured.params import StructuredOutputsParams
+
+
+def add_generate_command(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser("generate", help="generate completions for prompts")
+    add_engine_args(generate)
+    _add_sampling_args(generate)
+    generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    generate.add_argument("--input", help="file of prompts: .jsonl or one per line")
+    generate.add_argument("--output", help="write results as JSONL here")
+    generate.add_argument("--quiet", action="store_true", help="no progress bar or texts")
+    generate.set_defaults(handler=cmd_generate)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--n", type=int, default=1)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--logprobs", type=int, default=None)
+    group.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='constrain every output, e.g. \'{"json": {"type": "object"}}\' or \'{"choice": '
+        '["yes", "no"]}\' (keys: json, json_object, regex, choice, grammar); a JSONL input '
+        'line\'s own "structured_outputs" wins',
+    )
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        structured_outputs=args.structured_outputs,
+    )
+
+
+def read_prompts(path: Path) -> Iterator[tuple[str, StructuredOutputsParams | None]]:
+    """(prompt, structured_outputs or None) from JSONL ({"prompt": ...} or {"text": ...} per
+    line, optionally with "structured_outputs": {...}) or plain text lines."""
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not valid JSON: {error}") from None
+                text = (
+                    record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+                )
+                if not isinstance(text, str):
+                    raise ValueError(f'{path}:{number}: expected {{"prompt": "..."}}')
+                structured = record.get("structured_outputs")
+                if structured is not None:
+                    try:
+                        structured = StructuredOutputsParams.from_dict(structured)
+                    except ValueError as error:
+                        raise ValueError(f"{path}:{number}: {error}") from None
+                yield text, structured
+            else:
+                yield line, None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    records: list[tuple[str, StructuredOutputsParams | None]] = [
+        (prompt, None) for prompt in args.prompt or []
+    ]
+    if args.input:
+        records.extend(read_prompts(Path(args.input)))
+    if not records:
+        print("vacpack generate: give --prompt TEXT or --input FILE", file=sys.stderr)
+        return 2
+    params = _sampling_params(args)
+    prompts = [prompt for prompt, _ in records]
+    params_list = [
+        params if structured is None else dataclasses.replace(params, structured_outputs=structured)
+        for _, structured in records
+    ]
+    llm = LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params_list, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
+    try:
+        for output in outputs:
+            record = {
+                "prompt": output.prompt,
+                "outputs": [
+                    {
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "num_tokens": len(c.token_ids),
+                    }
+                    for c in output.outputs
+                ],
+            }
+            if sink:
+                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            elif not args.quiet or len(outputs) == 1:
+                for completion in output.outputs:
+                    print(f"--- {output.prompt!r}\n{completion.text}")
+    finally:
+        if sink:
+            sink.close()
+    print_report(llm, outputs, elapsed)
+    return 0
+
+
+def print_report(llm: LLM, outputs: list[RequestOutput], elapsed_s: float) -> None:
+    """Throughput, the engine's totals and its step timeline, on stderr."""
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    state = llm.engine.state()
+    print(
+        f"\n{len(outputs)} requests in {elapsed_s:.2f} s: "
+        f"{num_output / elapsed_s:.1f} output tok/s, "
+        f"{(num_prompt + num_output) / elapsed_s:.1f} total tok/s "
+        f"({num_prompt} prompt + {num_output} output tokens; "
+        f"{state.num_steps} steps, {state.num_preemptions} preemptions; "
+        f"{state.describe_prefix_cache()})",
+        file=sys.stderr,
+    )
+    print(f"step timeline: {llm.engine.timeline.summary().describe()}", file=sys.stderr)

@@ -1,0 +1,73 @@
+"""The engine's KV cache: sized from memory measured after the model is loaded, then allocated.
+
+On CUDA the size comes from a profile forward at the largest step shape (its peak activation
+memory stays free); on a CPU from the RAM still available; an explicit budget wins over both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vacpack.attention.backend import AttentionBackend, BatchLayout
+from vacpack.config import EngineConfig
+from vacpack.kvcache import PagedKVCache, PagePool, kv_bytes_per_token
+from vacpack.kvcache.sizing import KVSizing, size_kv_cache
+from vacpack.models.base import PackedModel
+from vacpack.models.forward_context import ForwardContext
+from vacpack.runtime import LoadedModel
+
+
+def allocate_kv_cache(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    attention: AttentionBackend,
+    max_num_batched_tokens: int,
+) -> tuple[KVSizing, PagedKVCache, PagePool]:
+    model_config = loaded.config
+    num_profile_tokens = min(max_num_batched_tokens, loaded.max_model_len)
+    sizing = size_kv_cache(
+        device=loaded.device,
+        bytes_per_token=kv_bytes_per_token(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, loaded.dtype
+        ),
+        page_size=config.block_size,
+        max_model_len=loaded.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        explicit_budget_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        cpu_kv_cache_fraction=config.cpu_kv_cache_fraction,
+        profile_forward=lambda: profile_forward(
+            loaded.model,
+            attention,
+            num_profile_tokens,
+            min(num_profile_tokens, config.max_num_seqs),
+            loaded.device,
+        ),
+    )
+    kv_cache = PagedKVCache(
+        model_config.num_layers,
+        sizing.num_pages,
+        config.block_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        loaded.dtype,
+        loaded.device,
+    )
+    page_pool = PagePool(sizing.num_pages, config.block_size, config.enable_prefix_caching)
+    return sizing, kv_cache, page_pool
+
+
+@torch.inference_mode()
+def profile_forward(
+    model: PackedModel,
+    attention: AttentionBackend,
+    num_tokens: int,
+    num_logit_rows: int,
+    device: torch.device,
+) -> None:
+    """One forward at the largest step shape, without a KV cache."""
+    layout = BatchLayout([num_tokens], [num_tokens])
+    ctx = ForwardContext(attention, attention.build_metadata(layout, device), None)
+    token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = model(token_ids, torch.arange(num_tokens, device=device), ctx)
+    model.compute_logits(hidden[-num_logit_rows:])

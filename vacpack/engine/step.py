@@ -1,0 +1,42 @@
+"""What passes between the scheduler and the model runner: a step's chunks and its results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vacpack.engine.request import Sequence
+from vacpack.engine.sampler import SamplerOutput, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new_tokens` tokens of a sequence from position `start` on, computed in one step."""
+
+    sequence: Sequence
+    start: int
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the end of the known tokens: a new one is sampled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class PromptLogprobResult:
+    sequence: Sequence
+    first_position: int  # the logprobs are of prompt tokens first_position + 1, ...
+    logprobs: TokenLogprobs  # on the host
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A step's results on the host."""
+
+    sampled_sequences: list[Sequence]
+    sampled_token_ids: list[int]
+    sampler_output: SamplerOutput | None  # host copies, for logprobs
+    prompt_logprobs: list[PromptLogprobResult]
+    num_tokens: int
+    num_decode_tokens: int
+    num_padded_slots: int = 0

@@ -1,0 +1,125 @@
+"""Choosing among implementations of one phase by timing them once, on this machine, at the
+model's own shapes, and remembering the answer.
+
+A choice is made in this order:
+1. a candidate named by the caller (`forced`), e.g. from a configuration field;
+2. a candidate named by the environment variable VACPACK_CHOICE_<PHASE> (phase in capitals);
+3. the only candidate, where there is one;
+4. the cached result of an earlier measurement with the same key (see cache.py);
+5. a measurement (timing.py), whose result is then cached.
+
+The fastest candidate wins, unless a `preferred` one is within `preferred_tolerance` of it: a
+preference for reasons the clock does not see (memory, precision), kept while it costs little.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from vacpack.tuning.cache import ChoiceCache, choice_key, default_cache_dir
+from vacpack.tuning.record import ChoiceSource, MeasuredChoice
+from vacpack.tuning.timing import DEFAULT_MAX_ROUNDS, Clock, time_candidates
+
+logger = logging.getLogger(__name__)
+
+# The issue's bound on timing at a first load, for all of a model's phases together.
+DEFAULT_BUDGET_S = 2.0
+
+
+def force_env_var(phase: str) -> str:
+    return f"VACPACK_CHOICE_{phase.upper()}"
+
+
+def choose(
+    phase: str,
+    shape_key: str,
+    candidate_names: Sequence[str],
+    make_candidates: Callable[[], Mapping[str, Callable[[], object]]],
+    *,
+    forced: str | None = None,
+    preferred: str | None = None,
+    preferred_tolerance: float = 1.0,
+    budget_s: float = DEFAULT_BUDGET_S,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+    cache_dir: Path | None = None,
+    clock: Clock = time.perf_counter,
+) -> MeasuredChoice:
+    """The candidate to run for `phase` at `shape_key` (a short text naming the shapes and
+    dtype the candidates are built for). `make_candidates` is called only when a measurement is
+    needed (building inputs costs time and memory a cached choice should not spend): it returns
+    one call per name in `candidate_names`, each running the phase once."""
+    names = list(candidate_names)
+    if not names:
+        raise ValueError(f"{phase}: no candidates to choose from")
+    if preferred is not None and preferred not in names:
+        raise ValueError(f"{phase}: preferred {preferred!r} is not a candidate")
+    forced_choice = _forced(phase, names, forced)
+    if forced_choice is not None:
+        source, name = forced_choice
+        return MeasuredChoice(phase, shape_key, name, source)
+    if len(names) == 1:
+        return MeasuredChoice(phase, shape_key, names[0], ChoiceSource.ONLY_CANDIDATE)
+
+    cache = ChoiceCache(cache_dir or default_cache_dir())
+    key = choice_key(phase, shape_key, names)
+    entry = cache.load(key)
+    if entry is not None:
+        return MeasuredChoice(
+            phase,
+            shape_key,
+            entry["chosen"],
+            ChoiceSource.CACHED,
+            best_time_s=dict(entry["best_time_s"]),
+            failed=dict(entry.get("failed", {})),
+            num_rounds=int(entry.get("num_rounds", 0)),
+        )
+
+    measure_start_s = clock()
+    candidates = make_candidates()
+    if sorted(candidates) != sorted(names):
+        raise ValueError(f"{phase}: built candidates {sorted(candidates)}, named {sorted(names)}")
+    timings = time_candidates(candidates, budget_s=budget_s, max_rounds=max_rounds, clock=clock)
+    if not timings.best_time_s:
+        errors = "; ".join(f"{name}: {error}" for name, error in timings.failed.items())
+        raise RuntimeError(f"{phase}: every candidate failed ({errors})")
+    chosen = _pick(timings.best_time_s, preferred, preferred_tolerance)
+    choice = MeasuredChoice(
+        phase,
+        shape_key,
+        chosen,
+        ChoiceSource.MEASURED,
+        best_time_s=timings.best_time_s,
+        failed=timings.failed,
+        num_rounds=timings.num_rounds,
+        measure_s=clock() - measure_start_s,  # building the candidates' inputs included
+    )
+    cache.store(key, choice.to_dict())
+    logger.info("measured choice: %s", choice.summary())
+    return choice
+
+
+def _forced(phase: str, names: list[str], forced: str | None) -> tuple[ChoiceSource, str] | None:
+    """The argument's choice, else the environment's; a name that is not a candidate is an
+    error rather than silently measured around."""
+    env_var = force_env_var(phase)
+    for source, name, where in (
+        (ChoiceSource.FORCED_ARGUMENT, forced, "asked for"),
+        (ChoiceSource.FORCED_ENV, os.environ.get(env_var) or None, f"set in {env_var}"),
+    ):
+        if name is None:
+            continue
+        if name not in names:
+            raise ValueError(f"{phase}: {name!r} ({where}) is not one of the candidates {names}")
+        return source, name
+    return None
+
+
+def _pick(best_time_s: dict[str, float], preferred: str | None, tolerance: float) -> str:
+    fastest = min(best_time_s, key=best_time_s.__getitem__)
+    if preferred in best_time_s and best_time_s[preferred] <= tolerance * best_time_s[fastest]:
+        return preferred
+    return fastest

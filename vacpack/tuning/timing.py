@@ -1,0 +1,77 @@
+"""Timing candidate implementations of one phase against each other on a noisy, shared machine.
+
+Each candidate first runs once untimed (allocations, oneDNN primitive creation, a kernel's first
+load). Then rounds call every candidate once, interleaved in a rotating order, so that a burst of
+other work on the machine slows all candidates alike rather than whichever ran during it; a
+candidate's time is its best over the rounds, since on a shared machine noise only ever adds
+time. Rounds run while the next one fits in the time budget, up to a cap; if even the warm-up
+spent the budget, the warm-up times stand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+Clock = Callable[[], float]
+
+DEFAULT_MAX_ROUNDS = 7
+
+
+@dataclass(frozen=True)
+class Timings:
+    best_time_s: dict[str, float]  # candidates that ran, fastest call each
+    failed: dict[str, str]  # candidates that raised: the error
+    num_rounds: int  # timed rounds (0: the warm-up times stand)
+    elapsed_s: float
+
+
+def time_candidates(
+    candidates: Mapping[str, Callable[[], object]],
+    *,
+    budget_s: float,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+    clock: Clock = time.perf_counter,
+) -> Timings:
+    start_s = clock()
+    failed: dict[str, str] = {}
+    warmup_s: dict[str, float] = {}
+    for name, candidate in candidates.items():
+        outcome = _timed_call(candidate, clock)
+        if isinstance(outcome, str):
+            failed[name] = outcome
+        else:
+            warmup_s[name] = outcome
+    running = [name for name in candidates if name in warmup_s]
+    samples: dict[str, list[float]] = {name: [] for name in running}
+    num_rounds = 0
+    estimated_round_s = sum(warmup_s.values())
+    while running and num_rounds < max_rounds:
+        if clock() - start_s + estimated_round_s > budget_s:
+            break
+        round_start_s = clock()
+        shift = num_rounds % len(running)
+        for name in running[shift:] + running[:shift]:
+            outcome = _timed_call(candidates[name], clock)
+            if isinstance(outcome, str):
+                failed[name] = outcome
+            else:
+                samples[name].append(outcome)
+        running = [name for name in running if name not in failed]
+        num_rounds += 1
+        estimated_round_s = clock() - round_start_s
+    best_time_s = {
+        name: min(samples[name]) if samples[name] else warmup_s[name] for name in running
+    }
+    return Timings(best_time_s, failed, num_rounds, clock() - start_s)
+
+
+def _timed_call(candidate: Callable[[], object], clock: Clock) -> float | str:
+    """Seconds one call took, or the error it raised (a candidate that raises is dropped)."""
+    start_s = clock()
+    try:
+        candidate()
+    except Exception as error:  # any failure only rules this candidate out
+        return f"{type(error).__name__}: {error}"
+    return clock() - start_s
