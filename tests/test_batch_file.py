@@ -74,7 +74,7 @@ def test_mixed_endpoints_and_bad_lines_each_get_one_record(llm: LLM, tmp_path: P
     options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines))
     summary = run_batch(llm, options)
     assert (summary.num_requests, summary.num_answered, summary.num_duplicates) == (8, 7, 1)
-    assert summary.num_failed == 5
+    assert summary.num_failed == 4
 
     records = _by_custom_id(options.output_path)
     chat = records["chat"]["response"]
@@ -90,9 +90,12 @@ def test_mixed_endpoints_and_bad_lines_each_get_one_record(llm: LLM, tmp_path: P
     )
     assert completion["choices"][2]["text"] == reference
 
+    # A generative model embeds as LLM.embed does: its last token, normalized.
     embed = records["embed"]["response"]
-    assert embed["status_code"] == 400
-    assert "does not serve embeddings" in embed["body"]["error"]["message"]
+    assert embed["status_code"] == 200
+    (vector,) = [item["embedding"] for item in embed["body"]["data"]]
+    assert vector == pytest.approx(llm.embed(["hi"], use_tqdm=False)[0].outputs.embedding)
+    assert sum(x * x for x in vector) == pytest.approx(1.0)
     bad = records["bad-temperature"]["response"]
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
     assert (

@@ -22,7 +22,7 @@ def test_an_entry_is_imported_when_first_asked_for() -> None:
     import json
 
     assert registry.get("dumps") is json.dumps
-    with pytest.raises(ValueError, match="unknown thing 'loads'; supported: dumps"):
+    with pytest.raises(ValueError, match="thing 'loads' is not supported; supported: dumps"):
         registry.get("loads")
     with pytest.raises(ValueError, match="module:attribute"):
         registry.register("bad", "no_colon")
@@ -41,7 +41,9 @@ def test_importing_vacpack_loads_no_backend_or_model_family() -> None:
 
 
 def test_an_unknown_architecture_names_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown architecture 'GPT2LMHeadModel'.*BertModel"):
+    with pytest.raises(
+        ValueError, match=r"architecture 'GPT2LMHeadModel' is not supported; supported: .*BertModel"
+    ):
         model_class_for("GPT2LMHeadModel")
 
 
@@ -58,7 +60,7 @@ def test_each_backend_declares_what_it_runs() -> None:
 def test_a_forced_backend_that_cannot_run_here_says_why() -> None:
     with pytest.raises(ValueError, match="'cpu_kernels' cannot run packed attention for a float32"):
         resolve_backend_name("cpu_kernels", CPU, torch.float32, 64, Phase.PACKED)
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+    with pytest.raises(ValueError, match="attention backend 'flash' is not supported"):
         resolve_backend_name("flash", CPU, torch.float32, 64)
     assert resolve_backend_name("torch_sdpa", CPU, torch.bfloat16, 64) == "torch_sdpa"
 

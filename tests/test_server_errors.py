@@ -91,8 +91,8 @@ BAD_REQUESTS = [
     ),
     ("chat unknown model", "POST", CHAT, _chat(model="nope"), 404, "model", "does not exist"),
     (
-        "embeddings from a decoder",
-        "POST", EMB, {"model": "tiny", "input": "hi"}, 400, "model", "does not serve embeddings",
+        "embedding dimensions above the model's",
+        "POST", EMB, {"input": "hi", "dimensions": 65}, 400, "dimensions", "embedding size 64",
     ),
     ("unknown route", "POST", "/v1/nothing", {}, 404, None, "no route"),
     ("wrong method", "GET", C, None, 405, None, ""),

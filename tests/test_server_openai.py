@@ -11,6 +11,8 @@ import openai
 import pytest
 from server_process import ServerProcess, running_server
 
+from vacpack import LLM
+
 MAX_MODEL_LEN = 256
 
 
@@ -256,6 +258,20 @@ def test_embeddings_from_an_embedding_model(embedding_server: ServerProcess) -> 
         assert item["embedding"] == pytest.approx(vector, abs=1e-6)
     empty = httpx.post(f"{embedding_server.api_url}/embeddings", json={"input": ["ok", " "]})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+
+
+def test_a_generative_model_serves_embeddings_as_llm_embed(
+    client: openai.OpenAI, tiny_checkpoint
+) -> None:
+    """Its last token, normalized, as LLM.embed and vLLM's embed give for a decoder."""
+    texts = ["hello world", "the lazy dog"]
+    response = client.embeddings.create(model="tiny", input=texts, dimensions=32)
+    expected = LLM(str(tiny_checkpoint("qwen2")), dtype="float32").embed(
+        texts, dimensions=32, use_tqdm=False
+    )
+    for item, output in zip(response.data, expected, strict=True):
+        assert item.embedding == pytest.approx(output.outputs.embedding, abs=1e-5)
+        assert sum(x * x for x in item.embedding) == pytest.approx(1.0, abs=1e-5)
 
 
 def test_echo_scores_a_prompt_prefilled_in_chunks(client: openai.OpenAI) -> None:

@@ -18,6 +18,7 @@ from vacpack.outputs import (
     LoglikelihoodOutput,
     RequestOutput,
     RequestOutputKind,
+    ScoringRequestOutput,
 )
 from vacpack.runtime import load
 from vacpack.sampling import SamplingParams
@@ -135,18 +136,51 @@ class LLM:
         normalize: bool | None = None,
         truncate: bool = False,
         use_tqdm: bool = True,
+        dimensions: int | None = None,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per input, in input order (`out.outputs.embedding`).
 
-        Encoders honour their sentence-transformers pooling and normalization; decoders pool
-        the last token by default (`pooling="mean"` for the mean). `pooling` and `normalize`
-        given here override the checkpoint's configuration.
+        A checkpoint with sentence-transformers files pools and normalizes as they say; without
+        them, as vLLM's `embed` does, decoders (generative ones too) pool their last token and
+        encoders their first, normalized. `pooling` and `normalize` override that. `dimensions`
+        keeps each vector's first dimensions, normalized after the cut (Matryoshka).
+        `prompt` (or the checkpoint's prompt named `prompt_name`, such as "query") is put
+        before each text, as sentence-transformers does. Classifiers are refused.
         """
-        from vacpack.corpus.tasks import EmbedTask, resolve_pooling
+        from vacpack.corpus.tasks import EmbedTask, resolve_pooling, resolve_prompt
 
-        config = resolve_pooling(self.loaded, pooling, normalize)
-        task = EmbedTask(self.loaded, config, truncate=truncate)
+        config = resolve_pooling(self.loaded, pooling, normalize, dimensions)
+        instruction = resolve_prompt(self.loaded, prompt, prompt_name)
+        task = EmbedTask(self.loaded, config, truncate=truncate, prompt=instruction)
         return self._run_corpus(task, inputs, use_tqdm)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        truncate: bool = False,
+        use_activation: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """One score per pair (`out.outputs.score`), as vLLM's `score`: one text_1 against every
+        text_2, or text_1[i] against text_2[i].
+
+        A cross-encoder (a *ForSequenceClassification with one label) reads each pair whole and
+        scores it with the sigmoid of its logit, as sentence-transformers' CrossEncoder does
+        (`use_activation=False`: the logit). Any other model embeds both texts and scores their
+        cosine similarity.
+        """
+        from vacpack.corpus.scoring import CrossEncoderTask, cosine_scores, pair_inputs
+
+        pairs = pair_inputs(data_1, data_2)
+        if hasattr(self.loaded.model, "classify"):
+            task = CrossEncoderTask(self.loaded, truncate, use_activation)
+            return self._run_corpus(task, pairs, use_tqdm)
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        embedded = self.embed(texts, truncate=truncate, use_tqdm=use_tqdm)
+        return cosine_scores(pairs, dict(zip(texts, embedded, strict=True)))
 
     def loglikelihood(
         self,

@@ -103,6 +103,21 @@ class ClassificationRequestOutput:
 
 
 @dataclass(frozen=True)
+class ScoringOutput:
+    score: float  # a cross-encoder's relevance (sigmoid of its logit), or a cosine similarity
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput:
+    """One (text_1, text_2) pair's score: `out.outputs.score`, as in vLLM."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the pair's tokens as the model read them (both texts')
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass(frozen=True)
 class LoglikelihoodOutput:
     """The log-likelihood of a document, or of a continuation given its context.
 

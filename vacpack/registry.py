@@ -43,7 +43,7 @@ class LazyRegistry(Generic[T]):
         if name not in self._loaded:
             if name not in self._targets:
                 raise ValueError(
-                    f"unknown {self.kind} {name!r}; supported: {', '.join(self.names())}"
+                    f"{self.kind} {name!r} is not supported; supported: {', '.join(self.names())}"
                 )
             module, _, attribute = self._targets[name].partition(":")
             self._loaded[name] = getattr(importlib.import_module(module), attribute)

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/score",
+    "/v1/rerank",
+    "/rerank",
+)
 
 _COUNT_CHUNK_BYTES = 1 << 20
 

@@ -2,8 +2,8 @@
 
 Input lines are read one at a time and taken in while fewer than `max_in_flight` prompts are
 in the engine; between every two engine steps finished requests are written out and new lines
-taken in, so the engine's queue never runs dry while input remains. Embedding lines (for an
-embedding model) are gathered up to the same bound and embedded as one packed job. Requests are
+taken in, so the engine's queue never runs dry while input remains. Embedding, score and rerank
+lines are gathered up to the same bound (in inputs) and run as packed jobs. Requests are
 translated and answered by vacpack.openai_api, the same code the HTTP server uses.
 """
 
@@ -25,28 +25,33 @@ from vacpack.batch.result_file import AnsweredSet, ResultWriter, recover_answere
 from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.logprobs import token_decoder
-from vacpack.openai_api.protocol import EmbeddingRequest, parse_body
+from vacpack.openai_api.pooling import (
+    PreparedPooling,
+    prepare_embeddings,
+    prepare_rerank,
+    prepare_score,
+    run_pooling,
+)
+from vacpack.openai_api.protocol import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    parse_body,
+)
 from vacpack.openai_api.requests import (
     GENERATION_URLS,
     RESPONSE_ID_PREFIXES,
     PreparedGeneration,
     parse_generation,
-    prepare_embedding,
     prepare_generation,
 )
 from vacpack.openai_api.responses import (
     PromptResult,
-    embedding_body,
     generation_body,
     new_response_id,
     now_s,
 )
-from vacpack.openai_api.serving import (
-    EmbedInput,
-    embed_function,
-    embed_groups,
-    generation_engine,
-)
+from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,10 @@ logger = logging.getLogger(__name__)
 _RESPONSE_ID_PREFIXES = {
     **{url: RESPONSE_ID_PREFIXES[kind] for url, kind in GENERATION_URLS.items()},
     "/v1/embeddings": "embd",
+    "/v1/score": "score",
+    "/score": "score",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
 }
 
 
@@ -71,17 +80,18 @@ class BatchSummary:
 
 @dataclass(frozen=True)
 class _Ready:
-    """A line translated for the engine: a generation, or inputs to embed."""
+    """A line translated for the engine: a generation, or an embedding, score or rerank job."""
 
     line: BatchLine
     response_id: str
     prepared: PreparedGeneration | None = None
-    embed_inputs: list[EmbedInput] | None = None
-    encoding_format: str = "float"
+    pooling: PreparedPooling | None = None
 
     @property
     def size(self) -> int:
-        return len(self.prepared.prompts) if self.prepared else len(self.embed_inputs or ())
+        if self.prepared is not None:
+            return len(self.prepared.prompts)
+        return len(self.pooling.inputs) if self.pooling is not None else 0
 
 
 @dataclass
@@ -97,7 +107,7 @@ class _Pending:
 class BatchRunner:
     def __init__(self, llm: LLM, options: BatchOptions) -> None:
         self._engine = generation_engine(llm)
-        self._embed = embed_function(llm)
+        self._pooling = pooling_functions(llm)
         self._tokenizer = llm.get_tokenizer()
         self._decode_token = token_decoder(self._tokenizer)
         self._max_model_len = llm.loaded.max_model_len
@@ -105,7 +115,7 @@ class BatchRunner:
         self._options = options
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
         self._pending: dict[str, tuple[_Pending, int]] = {}  # engine request id -> (line, prompt)
-        self._embed_buffer: list[_Ready] = []
+        self._pooling_buffer: list[_Ready] = []
         self._seen_custom_ids: set[str] = set()
         self._num_resumed = 0
         self._num_answered = 0
@@ -158,10 +168,13 @@ class BatchRunner:
                     held = self._triage(item, answered)
                     if held is None:
                         continue
-                if held.embed_inputs is not None:
-                    if self._embed_buffer and self._num_buffered + held.size > self._max_in_flight:
-                        self._flush_embeddings()
-                    self._embed_buffer.append(held)
+                if held.pooling is not None:
+                    if (
+                        self._pooling_buffer
+                        and self._num_buffered + held.size > self._max_in_flight
+                    ):
+                        self._flush_pooling()
+                    self._pooling_buffer.append(held)
                     self._note_in_flight(self._num_buffered)
                 elif self._pending and len(self._pending) + held.size > self._max_in_flight:
                     break
@@ -172,7 +185,7 @@ class BatchRunner:
                 for output in self._engine.step():
                     self._on_output(output)
             elif exhausted:
-                self._flush_embeddings()
+                self._flush_pooling()
                 return
 
     # ------------------------------------------------------------ lines in
@@ -201,19 +214,28 @@ class BatchRunner:
             return None
 
     def _translate(self, line: BatchLine, response_id: str) -> _Ready:
-        if line.url == "/v1/embeddings":
-            embedding_request = parse_body(EmbeddingRequest, line.body)
-            if self._embed is None:
-                raise bad_request("this model does not serve embeddings", "model")
-            inputs = prepare_embedding(embedding_request)
-            encoding_format = embedding_request.encoding_format or "float"
-            return _Ready(line, response_id, embed_inputs=inputs, encoding_format=encoding_format)
+        pooling = self._prepare_pooling(line, response_id)
+        if pooling is not None:
+            return _Ready(line, response_id, pooling=pooling)
         if self._engine is None:
-            raise bad_request("this model does not generate text; it serves embeddings", "model")
+            raise bad_request("this model does not generate text: it has no LM head", "model")
         request = parse_generation(GENERATION_URLS[line.url], line.body)
         kind = RequestOutputKind.FINAL_ONLY  # one output per request: nothing built per step
         prepared = prepare_generation(request, self._tokenizer, self._max_model_len, kind)
         return _Ready(line, response_id, prepared=prepared)
+
+    def _prepare_pooling(self, line: BatchLine, response_id: str) -> PreparedPooling | None:
+        """An embedding, score or rerank line, prepared; None for a generation line."""
+        name, functions = self._model_name, self._pooling
+        if line.url == "/v1/embeddings":
+            return prepare_embeddings(parse_body(EmbeddingRequest, line.body), functions, name)
+        if line.url.endswith("/score"):
+            request = parse_body(ScoreRequest, line.body)
+            return prepare_score(request, functions, name, response_id)
+        if line.url.endswith("/rerank"):
+            rerank_request = parse_body(RerankRequest, line.body)
+            return prepare_rerank(rerank_request, functions, name, response_id)
+        return None
 
     def _submit(self, ready: _Ready) -> None:
         assert self._engine is not None and ready.prepared is not None
@@ -240,25 +262,23 @@ class BatchRunner:
 
     @property
     def _num_buffered(self) -> int:
-        return sum(ready.size for ready in self._embed_buffer)
+        return sum(ready.size for ready in self._pooling_buffer)
 
     def _note_in_flight(self, num_in_flight: int) -> None:
         self._peak_in_flight = max(self._peak_in_flight, num_in_flight)
 
     # ------------------------------------------------------------ results out
-    def _flush_embeddings(self) -> None:
-        if not self._embed_buffer:
+    def _flush_pooling(self) -> None:
+        if not self._pooling_buffer:
             return
-        assert self._embed is not None
-        buffer, self._embed_buffer = self._embed_buffer, []
-        groups = [ready.embed_inputs or [] for ready in buffer]
-        for ready, outputs in zip(buffer, embed_groups(self._embed, groups), strict=True):
-            if isinstance(outputs, ValueError):
-                error = bad_request(str(outputs), "input")
-                self._write_response(ready.line.custom_id, ready.response_id, 400, error.to_body())
-                continue
-            body = embedding_body(self._model_name, outputs, ready.encoding_format)
-            self._write_response(ready.line.custom_id, ready.response_id, 200, body)
+        buffer, self._pooling_buffer = self._pooling_buffer, []
+        prepared = [ready.pooling for ready in buffer if ready.pooling is not None]
+        for ready, result in zip(buffer, run_pooling(self._pooling, prepared), strict=True):
+            if isinstance(result, APIError):
+                status, body = result.status_code, result.to_body()
+            else:
+                status, body = 200, result
+            self._write_response(ready.line.custom_id, ready.response_id, status, body)
 
     def _on_output(self, output: RequestOutput) -> None:
         pending, index = self._pending.pop(output.request_id)

@@ -22,6 +22,7 @@ from vacpack.corpus.tasks import (
     EmbedTask,
     LoglikelihoodTask,
     resolve_pooling,
+    resolve_prompt,
 )
 from vacpack.llm import LLM
 
@@ -78,8 +79,9 @@ def run_corpus_command(args: argparse.Namespace) -> int:
     loaded = llm.loaded
     task: CorpusTask
     if args.command == "embed":
-        pooling = resolve_pooling(loaded, args.pooling, args.normalize)
-        task = EmbedTask(loaded, pooling, truncate=args.truncate)
+        pooling = resolve_pooling(loaded, args.pooling, args.normalize, args.dimensions)
+        prompt = resolve_prompt(loaded, args.prompt, args.prompt_name)
+        task = EmbedTask(loaded, pooling, truncate=args.truncate, prompt=prompt)
     elif args.command == "classify":
         task = ClassifyTask(loaded, truncate=args.truncate)
     else:
@@ -113,6 +115,13 @@ def add_corpus_commands(commands: argparse._SubParsersAction) -> None:
         if name == "embed":
             parser.add_argument("--pooling", choices=["cls", "mean", "last", "max"])
             parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(
+                "--dimensions", type=int, help="keep the first N dimensions (Matryoshka)"
+            )
+            parser.add_argument("--prompt", help="instruction put before every text")
+            parser.add_argument(
+                "--prompt-name", help="the checkpoint's named prompt to put before every text"
+            )
         if name == "loglikelihood":
             parser.add_argument("--token-logprobs", action="store_true")
         parser.set_defaults(handler=run_corpus_command)

@@ -32,21 +32,31 @@ class PackedForward:
 
     @torch.inference_mode()
     def packed(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, seq_lens: Sequence[int]
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: Sequence[int],
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a bin of whole sequences."""
         layout = BatchLayout(list(seq_lens), list(seq_lens), causal=self.causal)
         ctx = ForwardContext(
-            self.attention, self.attention.build_metadata(layout, self.device), None
-        )
+            self.attention, self.attention.build_metadata(layout, self.device), None,
+            token_type_ids,
+        )  # fmt: skip
         return self.model(token_ids, positions, ctx)
 
-    def long_document(self, token_ids: torch.Tensor, max_forward_tokens: int) -> torch.Tensor:
+    def long_document(
+        self,
+        token_ids: torch.Tensor,
+        max_forward_tokens: int,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states of one document: in one forward if it fits, else in chunks that do."""
         num_tokens = token_ids.numel()
         if num_tokens <= max_forward_tokens:
             positions = torch.arange(num_tokens, device=token_ids.device)
-            return self.packed(token_ids, positions, [num_tokens])
+            return self.packed(token_ids, positions, [num_tokens], token_type_ids)
         if not self.causal:
             raise ValueError(
                 f"document of {num_tokens} tokens is longer than one forward may hold "

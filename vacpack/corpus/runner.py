@@ -153,11 +153,17 @@ class CorpusRunner:
                 (document,) = item.documents
                 assert document is not None, "an oversize bin holds one document, no padding"
                 token_ids = torch.as_tensor(document.token_ids, device=self.loaded.device)
-                hidden = self.forward.long_document(token_ids, self.budget.max_forward_tokens)
-                results = task.process([document], [token_ids.numel()], hidden)
+                num_tokens = token_ids.numel()
+                positions = torch.arange(num_tokens, device=token_ids.device)
+                token_type_ids = task.token_type_ids([document], [num_tokens], positions)
+                hidden = self.forward.long_document(
+                    token_ids, self.budget.max_forward_tokens, token_type_ids
+                )
+                results = task.process([document], [num_tokens], hidden)
             else:
                 token_ids, positions = stager.stage([item.token_ids, item.positions])
-                hidden = self.forward.packed(token_ids, positions, item.seq_lens)
+                token_type_ids = task.token_type_ids(item.documents, item.seq_lens, positions)
+                hidden = self.forward.packed(token_ids, positions, item.seq_lens, token_type_ids)
                 documents, seq_lens, hidden = _real_segments(item, hidden)
                 results = task.process(documents, seq_lens, hidden)
         except (ValueError, torch.cuda.OutOfMemoryError) as error:

@@ -19,9 +19,11 @@ from vacpack.corpus.token_logprobs import score_tokens
 from vacpack.models.base import SequenceClassifier
 from vacpack.models.pooling import (
     PoolingConfig,
+    check_dimensions,
     pool,
     pooling_config_for,
     sentence_transformers_max_len,
+    sentence_transformers_prompts,
 )
 from vacpack.outputs import (
     ClassificationOutput,
@@ -51,6 +53,15 @@ class CorpusTask(ABC):
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
     ) -> list[Any]:
         """One result per document from its rows of `hidden` (documents back to back)."""
+
+    def token_type_ids(
+        self,
+        documents: Sequence[Document | None],
+        seq_lens: Sequence[int],
+        positions: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Each token's segment for the forward over these segments; None: all of type 0."""
+        return None
 
     def encode_batch(self, items: Sequence[tuple[int, Any]]) -> list[Document | DocumentError]:
         """`encode` over (index, input) pairs; an input it cannot take becomes an error record."""
@@ -100,18 +111,49 @@ class CorpusTask(ABC):
 
 
 def resolve_pooling(
-    loaded: LoadedModel, strategy: str | None = None, normalize: bool | None = None
+    loaded: LoadedModel,
+    strategy: str | None = None,
+    normalize: bool | None = None,
+    dimensions: int | None = None,
 ) -> PoolingConfig:
     """The checkpoint's own pooling (sentence-transformers files), overridden where asked.
 
-    Without a configuration, decoders pool their last token (the one that has seen the whole
-    text) and encoders their first ([CLS]) token.
+    Without sentence-transformers files, as vLLM's `embed` does: decoders (generative ones
+    included) pool their last token, the one that has seen the whole text, encoders their first
+    ([CLS]) token, and both normalize. `dimensions` cuts the vectors (Matryoshka); ValueError
+    if the model's embeddings may not be cut to that size.
     """
     default_strategy = "last" if getattr(loaded.model, "is_causal", True) else "cls"
-    config = pooling_config_for(loaded.model_dir, loaded.hf_config, default_strategy)
-    return PoolingConfig(
-        strategy or config.strategy, config.normalize if normalize is None else normalize
+    config = pooling_config_for(
+        loaded.model_dir, loaded.hf_config, default_strategy, default_normalize=True
     )
+    if dimensions is not None:
+        check_dimensions(dimensions, loaded.config.hidden_size, loaded.hf_config)
+    return PoolingConfig(
+        strategy or config.strategy,
+        config.normalize if normalize is None else normalize,
+        dimensions,
+        config.include_prompt,
+    )
+
+
+def resolve_prompt(
+    loaded: LoadedModel, prompt: str | None = None, prompt_name: str | None = None
+) -> str:
+    """The instruction prefix for texts to embed, as sentence-transformers picks it: `prompt`
+    as given, else the checkpoint's prompt named `prompt_name`, else its default prompt."""
+    if prompt is not None and prompt_name is not None:
+        raise ValueError("give a prompt or a prompt_name, not both")
+    if prompt is not None:
+        return prompt
+    prompts, default_name = sentence_transformers_prompts(loaded.model_dir)
+    name = prompt_name or default_name
+    if name is None:
+        return ""
+    if name not in prompts:
+        known = ", ".join(sorted(prompts)) or "none"
+        raise ValueError(f"the model has no prompt named {name!r} (its prompts: {known})")
+    return prompts[name]
 
 
 class WholeTextTask(CorpusTask):
@@ -144,11 +186,32 @@ class WholeTextTask(CorpusTask):
 
 
 class EmbedTask(WholeTextTask):
+    """One vector per text; an instruction `prompt` (Qwen3-Embedding's "Instruct: ...\nQuery:")
+    is put before each text, as sentence-transformers does, before tokenizing."""
+
     name = "embed"
 
-    def __init__(self, loaded: LoadedModel, pooling: PoolingConfig, truncate: bool = False) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        pooling: PoolingConfig,
+        truncate: bool = False,
+        prompt: str = "",
+    ) -> None:
         super().__init__(loaded, truncate)
+        if hasattr(loaded.model, "classify"):
+            raise ValueError(
+                f"model {loaded.engine_config.model!r} ({loaded.config.architecture}) is a "
+                "classifier; embed needs an embedding model or a decoder (score or classify "
+                "with this one)"
+            )
+        if prompt and not pooling.include_prompt and pooling.strategy in ("mean", "max"):
+            raise ValueError(
+                "the model pools without its prompt's tokens (include_prompt false), which is "
+                "not supported: embed without a prompt"
+            )
         self.pooling = pooling
+        self.prompt = prompt
         # A sentence-transformers checkpoint cuts its inputs at its max_seq_length (256 for
         # all-MiniLM-L6-v2): doing the same is what makes our embeddings equal to its own.
         configured_max_len = sentence_transformers_max_len(loaded.model_dir)
@@ -156,12 +219,26 @@ class EmbedTask(WholeTextTask):
             self.max_len = min(self.max_len, configured_max_len)
             self.truncate = True
 
+    def encode_batch(self, items: Sequence[tuple[int, Any]]) -> list[Document | DocumentError]:
+        if not self.prompt:
+            return super().encode_batch(items)
+        prompted: list[tuple[int, Any]] = []
+        refused: dict[int, DocumentError] = {}
+        for index, item in items:
+            if isinstance(item, str):
+                # An empty text stays empty: the prompt alone embeds nothing the caller wrote.
+                prompted.append((index, self.prompt + item if item.strip() else item))
+            else:
+                refused[index] = DocumentError(index, "a prompt applies to text inputs only")
+        encoded = iter(super().encode_batch(prompted))
+        return [refused[index] if index in refused else next(encoded) for index, _ in items]
+
     def process(
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
     ) -> list[EmbeddingRequestOutput]:
         vectors = pool(hidden, seq_lens, self.pooling).cpu().tolist()
         return [
-            EmbeddingRequestOutput(str(doc.index), list(doc.token_ids), EmbeddingOutput(vector))
+            EmbeddingRequestOutput(str(doc.index), doc.token_ids.tolist(), EmbeddingOutput(vector))
             for doc, vector in zip(documents, vectors, strict=True)
         ]
 

@@ -52,12 +52,14 @@ class EncoderConfig:
     num_layers: int
     num_heads: int
     intermediate_size: int
-    max_position_embeddings: int
+    max_position_embeddings: int  # the longest sequence the model reads
     type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str
     num_labels: int  # 0 for a bare encoder, which has no classification head
     id2label: dict[int, str]
+    # RoBERTa-family position ids start after the padding row (padding_idx + 1); BERT's at 0.
+    position_offset: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -104,15 +106,27 @@ class EncoderEmbeddings(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.word_embeddings = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.position_embeddings = nn.Embedding(
+            config.max_position_embeddings + config.position_offset, config.hidden_size
+        )
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # Every token is of type 0 (single-segment inputs), so its type embedding is one row
-        # broadcast over the stream; added before positions, in the reference's order.
-        hidden = self.word_embeddings(token_ids) + self.token_type_embeddings.weight[0]
-        return self.norm(hidden + self.position_embeddings(positions))
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`position_ids` index the position table (offset included); token types default to 0."""
+        if token_type_ids is None:
+            # Single-segment inputs: one type row broadcast over the stream.
+            type_rows = self.token_type_embeddings.weight[0]
+        else:
+            type_rows = self.token_type_embeddings(token_type_ids)
+        # Types are added before positions, in the reference's order.
+        hidden = self.word_embeddings(token_ids) + type_rows
+        return self.norm(hidden + self.position_embeddings(position_ids))
 
 
 class EncoderAttention(nn.Module):
@@ -201,8 +215,10 @@ class BertModel(PackedModel):
     is_decoder = False
     # Encoders attend in both directions: run them with BatchLayout(..., causal=False).
     is_causal = False
-    # Top-level checkpoint tensors (after any "bert." prefix) this class keeps, by name part.
-    HEAD_WEIGHTS: ClassVar[tuple[str, ...]] = ()
+    # Task checkpoints put the encoder under this prefix; bare ones have none.
+    CHECKPOINT_PREFIX: ClassVar[str] = "bert."
+    # Head tensors this class keeps: checkpoint name prefix -> our module prefix.
+    HEAD_WEIGHTS: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, config: EncoderConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
@@ -214,9 +230,9 @@ class BertModel(PackedModel):
         """Maps a checkpoint tensor name to (our parameter name, shard index); None to skip it.
 
         Bare sentence-transformers checkpoints have no prefix; task checkpoints put the encoder
-        under "bert.". Buffers (position_ids) and heads this class lacks are skipped.
+        under CHECKPOINT_PREFIX. Buffers (position_ids) and heads this class lacks are skipped.
         """
-        name = hf_name.removeprefix("bert.")
+        name = hf_name.removeprefix(self.CHECKPOINT_PREFIX)
         prefix, _, param = name.rpartition(".")
         param = _LAYER_NORM_RENAMES.get(param, param) if prefix.endswith("LayerNorm") else param
         name = f"{prefix}.{param}"
@@ -231,8 +247,9 @@ class BertModel(PackedModel):
                 if rest.startswith(hf_part):
                     return f"layers.{index}.{ours}{rest.removeprefix(hf_part)}", shard_index
             return None
-        if prefix.split(".")[0] in self.HEAD_WEIGHTS:
-            return name.replace("pooler.dense.", "pooler."), 0
+        for hf_prefix, our_prefix in self.HEAD_WEIGHTS:
+            if name.startswith(hf_prefix):
+                return our_prefix + name.removeprefix(hf_prefix), 0
         return None
 
     def finish_loading(self) -> None:
@@ -240,11 +257,16 @@ class BertModel(PackedModel):
         # is trained, and a forward outside inference_mode must not build an autograd graph.
         self.requires_grad_(False)
 
+    def position_ids(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the position table for the packed stream's positions (restarting at 0)."""
+        return positions
+
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """Returns the final hidden states, one row per token of the packed stream."""
-        hidden = self.embeddings(token_ids, positions)
+        position_ids = self.position_ids(token_ids, positions)
+        hidden = self.embeddings(token_ids, position_ids, ctx.token_type_ids)
         for layer in self.layers:
             hidden = layer(hidden, ctx)
         return hidden
@@ -256,7 +278,10 @@ _FIRST_TOKEN = PoolingConfig("cls", normalize=False)
 class BertForSequenceClassification(BertModel):
     """The encoder plus BERT's pooler (dense + tanh on [CLS]) and a linear classifier."""
 
-    HEAD_WEIGHTS: ClassVar[tuple[str, ...]] = ("pooler", "classifier")
+    HEAD_WEIGHTS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("pooler.dense.", "pooler."),
+        ("classifier.", "classifier."),
+    )
 
     def __init__(self, config: EncoderConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__(config, tp)

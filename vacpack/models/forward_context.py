@@ -1,9 +1,12 @@
-"""What every layer of one forward pass shares: the attention backend, its metadata, the cache."""
+"""What every layer of one forward pass shares: the attention backend, its metadata, the cache,
+and, for encoders reading text pairs, each token's segment."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from vacpack.attention.backend import AttentionBackend
 from vacpack.kvcache.paged_cache import KVLayer, PagedKVCache
@@ -14,6 +17,9 @@ class ForwardContext:
     attention: AttentionBackend
     metadata: Any
     kv_cache: PagedKVCache | None  # None for a prefill-only forward that keeps no KV
+    # [num_tokens] int64 segment ids (0: first text, 1: second) for a cross-encoder's pairs;
+    # None where every token is of type 0.
+    token_type_ids: torch.Tensor | None = None
 
     def kv_layer(self, index: int) -> KVLayer | None:
         return None if self.kv_cache is None else self.kv_cache.layer(index)

@@ -48,7 +48,23 @@ def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
 
 
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
-    return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except ValueError:
+        # A model type transformers does not know: when we do not support its architecture
+        # either, that (and what we do support) is the error to give, not a transformers upgrade.
+        for architecture in _declared_architectures(model_dir):
+            model_class_for(architecture)
+        raise
+
+
+def _declared_architectures(model_dir: Path) -> list[str]:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return [str(a) for a in architectures] if isinstance(architectures, list) else []
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:

@@ -3,7 +3,8 @@
 A checkpoint's pooling comes from its sentence-transformers files when it has them
 (`modules.json`, the Pooling module's `config.json`, a Normalize module); otherwise from the
 caller's default. `pool` reduces every sequence of the packed stream at once, with no loop over
-sequences and no padding.
+sequences and no padding. A Matryoshka `dimensions` keeps each vector's first dimensions and
+normalizes after cutting, as vLLM does, so a normalized embedding stays of unit length.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ _ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE = "Transformer", "Pooling", "Normali
 class PoolingConfig:
     strategy: str  # one of POOLING_STRATEGIES
     normalize: bool  # scale each pooled vector to unit L2 norm
+    dimensions: int | None = None  # keep only the first dimensions (Matryoshka); None: all
+    # False: sentence-transformers leaves an instruction prompt's tokens out of a mean or max.
+    include_prompt: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in POOLING_STRATEGIES:
@@ -58,9 +62,36 @@ class PoolingConfig:
                 f"pooling strategy {self.strategy!r} is not supported; "
                 f"expected one of {POOLING_STRATEGIES}"
             )
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")
 
 
-def pooling_config_for(model_dir: Path, hf_config: Any, default_strategy: str) -> PoolingConfig:
+def check_dimensions(dimensions: int, embedding_size: int, hf_config: Any) -> None:
+    """Raises ValueError unless the model's embeddings may be cut to `dimensions`.
+
+    Above the embedding size is refused, and so is a size outside the checkpoint's declared
+    `matryoshka_dimensions`, or any size when its config says `is_matryoshka: false`. A model
+    that declares nothing may be cut (OpenAI's API allows it; the caller knows the model).
+    """
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+        raise ValueError(f"dimensions must be a positive integer, got {dimensions!r}")
+    if dimensions > embedding_size:
+        raise ValueError(
+            f"dimensions {dimensions} is more than the model's embedding size {embedding_size}"
+        )
+    if getattr(hf_config, "is_matryoshka", None) is False:
+        raise ValueError(
+            "the model does not support matryoshka representation (its config says "
+            "is_matryoshka: false); changing output dimensions would give poor results"
+        )
+    declared = getattr(hf_config, "matryoshka_dimensions", None)
+    if declared and dimensions not in declared:
+        raise ValueError(f"the model supports only the matryoshka dimensions {list(declared)}")
+
+
+def pooling_config_for(
+    model_dir: Path, hf_config: Any, default_strategy: str, default_normalize: bool = False
+) -> PoolingConfig:
     """The checkpoint's own pooling when it ships sentence-transformers files, else the default.
 
     Raises ValueError for a sentence-transformers pipeline we cannot reproduce exactly (a Dense
@@ -68,8 +99,8 @@ def pooling_config_for(model_dir: Path, hf_config: Any, default_strategy: str) -
     """
     modules_path = Path(model_dir) / "modules.json"
     if not modules_path.is_file():
-        return PoolingConfig(default_strategy, normalize=False)
-    strategy, normalize = default_strategy, False
+        return PoolingConfig(default_strategy, default_normalize)
+    strategy, normalize, include_prompt = default_strategy, False, True
     for module in json.loads(modules_path.read_text(encoding="utf-8")):
         # Both the legacy ("sentence_transformers.models.Pooling") and the current, longer
         # module paths end in the class name.
@@ -79,6 +110,7 @@ def pooling_config_for(model_dir: Path, hf_config: Any, default_strategy: str) -
             pooling = json.loads(config_path.read_text(encoding="utf-8"))
             strategy = _strategy_from_st_pooling(pooling)
             _check_embedding_size(pooling, hf_config)
+            include_prompt = pooling.get("include_prompt") is not False
         elif kind == _ST_NORMALIZE:
             normalize = True
         elif kind != _ST_TRANSFORMER:
@@ -86,7 +118,7 @@ def pooling_config_for(model_dir: Path, hf_config: Any, default_strategy: str) -
                 f"{str(modules_path)!r}: sentence-transformers module {module.get('type')!r} "
                 "is not supported (only Transformer, Pooling and Normalize)"
             )
-    return PoolingConfig(strategy, normalize)
+    return PoolingConfig(strategy, normalize, include_prompt=include_prompt)
 
 
 def _strategy_from_st_pooling(pooling: Mapping[str, Any]) -> str:
@@ -117,6 +149,16 @@ def _check_embedding_size(pooling: Mapping[str, Any], hf_config: Any) -> None:
         )
 
 
+def sentence_transformers_prompts(model_dir: Path) -> tuple[dict[str, str], str | None]:
+    """The checkpoint's named prompts (instruction prefixes) and the one applied by default."""
+    path = Path(model_dir) / "config_sentence_transformers.json"
+    if not path.is_file():
+        return {}, None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    prompts = {str(name): str(text) for name, text in (config.get("prompts") or {}).items()}
+    return prompts, config.get("default_prompt_name") or None
+
+
 def sentence_transformers_max_len(model_dir: Path) -> int | None:
     """The max_seq_length a sentence-transformers checkpoint cuts its inputs to, if it sets one."""
     path = Path(model_dir) / "sentence_bert_config.json"
@@ -145,4 +187,6 @@ def pool(hidden: torch.Tensor, seq_lens: Sequence[int], config: PoolingConfig) -
         # states this also keeps the sum of a long sequence from losing precision.
         reduction = "mean" if config.strategy == "mean" else "max"
         pooled = torch.segment_reduce(hidden.float(), reduction, lengths=lengths, axis=0)
+    if config.dimensions is not None:
+        pooled = pooled[:, : config.dimensions]
     return F.normalize(pooled, p=2.0, dim=-1) if config.normalize else pooled

@@ -7,6 +7,9 @@ from vacpack.registry import LazyRegistry
 
 _LLAMA = "vacpack.models.llama:LlamaForCausalLM"
 _LLAMA_CLASSIFIER = "vacpack.models.llama_classifier:LlamaForSequenceClassification"
+_DECODER_BODY = "vacpack.models.decoder_embedding:LlamaModel"
+_XLM_ROBERTA = "vacpack.models.xlm_roberta:XLMRobertaModel"
+_XLM_ROBERTA_CLASSIFIER = "vacpack.models.xlm_roberta:XLMRobertaForSequenceClassification"
 
 ARCHITECTURES: LazyRegistry[type[PackedModel]] = LazyRegistry(
     "architecture",
@@ -21,6 +24,15 @@ ARCHITECTURES: LazyRegistry[type[PackedModel]] = LazyRegistry(
         "Qwen3ForSequenceClassification": _LLAMA_CLASSIFIER,
         "BertModel": "vacpack.models.bert:BertModel",
         "BertForSequenceClassification": "vacpack.models.bert:BertForSequenceClassification",
+        "XLMRobertaModel": _XLM_ROBERTA,
+        "XLMRobertaForSequenceClassification": _XLM_ROBERTA_CLASSIFIER,
+        "RobertaModel": _XLM_ROBERTA,
+        "RobertaForSequenceClassification": _XLM_ROBERTA_CLASSIFIER,
+        # Decoder embedding models (Qwen3-Embedding style): the body without an LM head.
+        "LlamaModel": _DECODER_BODY,
+        "MistralModel": _DECODER_BODY,
+        "Qwen2Model": _DECODER_BODY,
+        "Qwen3Model": _DECODER_BODY,
     },
 )
 

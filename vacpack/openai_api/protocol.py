@@ -27,6 +27,13 @@ _FIELD_SHAPES = {
     "content": "a string or a list of content parts",
     "tool_choice": 'one of "none", "auto", "required", or {"type": "function", "function": '
     '{"name": ...}}',
+    "text_1": "a string or a list of strings",
+    "text_2": "a string or a list of strings",
+    "data_1": "a string or a list of strings",
+    "data_2": "a string or a list of strings",
+    "queries": "a string or a list of strings",
+    "documents": "a string or a list of strings",
+    "items": "a string or a list of strings",
 }
 
 
@@ -130,6 +137,55 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: int | None = None
     user: str | None = None
+
+
+# vLLM's /score takes its two sides under any of these pairs of names.
+SCORE_FIELD_PAIRS = (
+    ("text_1", "text_2"),
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+)
+
+
+class ScoreRequest(_Body):
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    use_activation: bool | None = None
+    user: str | None = None
+
+
+class RerankRequest(_Body):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # 0 or None: every document
+    use_activation: bool | None = None
+    return_documents: bool | None = True
+    user: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 Request = TypeVar("Request", bound=_Body)

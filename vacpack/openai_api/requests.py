@@ -229,8 +229,6 @@ def _template_turn(message: ChatMessage) -> dict[str, Any]:
 
 def prepare_embedding(request: EmbeddingRequest) -> list[str | list[int]]:
     """The inputs to embed, as texts or token-id lists (the embedding job tokenizes text)."""
-    if request.dimensions is not None:
-        raise bad_request("dimensions is not supported", "dimensions")
     inputs = split_prompt_input(request.input)
     if not inputs:
         raise bad_request("input must not be an empty list", "input")

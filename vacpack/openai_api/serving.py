@@ -1,21 +1,44 @@
-"""What an LLM answers through the OpenAI API: text generation (decoders) or embeddings.
+"""What an LLM answers through the OpenAI API: text generation, embeddings, scores.
 
-An embedding model is an encoder without a classification head (e.g. a sentence-transformers
-BERT); a decoder serves completions and chat. Requests of the other kind get a 400.
+- Generation: decoders with an LM head.
+- Embeddings: every model that is not a classifier. Encoders and bare decoder bodies are
+  embedding models; a generative decoder embeds too, as vLLM's `embed` does for decoders (its
+  last token, normalized, unless sentence-transformers files say otherwise).
+- Scores (/score, /rerank): a cross-encoder (a classifier with one label) scores each pair
+  whole; any embedding-capable model scores the cosine similarity of the two embeddings.
+Requests of a kind a model does not serve get a 400 naming the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from vacpack.corpus.scoring import TextPair
 from vacpack.engine.engine import LLMEngine
 from vacpack.llm import LLM
 from vacpack.models.base import SequenceClassifier
-from vacpack.outputs import EmbeddingRequestOutput
+from vacpack.models.pooling import check_dimensions
+from vacpack.outputs import EmbeddingRequestOutput, ScoringRequestOutput
 
 EmbedInput = str | list[int]
-# Texts or token-id lists in, one EmbeddingRequestOutput per input out, in order.
-EmbedFunction = Callable[[list[EmbedInput]], list[EmbeddingRequestOutput]]
+# Texts or token-id lists in (and the Matryoshka dimensions, None for all), one output per
+# input out, in order.
+EmbedFunction = Callable[[list[EmbedInput], int | None], list[EmbeddingRequestOutput]]
+# (text_1, text_2) pairs in (and whether a cross-encoder's sigmoid applies), one score each out.
+ScoreFunction = Callable[[list[TextPair], bool], list[ScoringRequestOutput]]
+
+
+@dataclass(frozen=True)
+class PoolingFunctions:
+    """What answers the embedding and scoring endpoints for one model; None where it cannot."""
+
+    embed: EmbedFunction | None
+    score: ScoreFunction | None
+    check_dimensions: Callable[[int], None]  # ValueError if embeddings may not be cut to it
+    no_embed_reason: str
+    no_score_reason: str
 
 
 def generation_engine(llm: LLM) -> LLMEngine | None:
@@ -23,34 +46,55 @@ def generation_engine(llm: LLM) -> LLMEngine | None:
     return llm.engine if llm.loaded.is_decoder else None
 
 
-def embed_function(llm: LLM) -> EmbedFunction | None:
-    """What answers /v1/embeddings: LLM.embed for an embedding model, else None."""
+def pooling_functions(llm: LLM) -> PoolingFunctions:
     loaded = llm.loaded
-    if loaded.is_decoder or isinstance(loaded.model, SequenceClassifier):
-        return None
+    config = loaded.config
+    architecture = config.architecture
+    is_classifier = isinstance(loaded.model, SequenceClassifier)
+    num_labels = int(getattr(config, "num_labels", 0) or 0)
 
-    def embed(inputs: list[EmbedInput]) -> list[EmbeddingRequestOutput]:
-        return llm.embed(inputs, use_tqdm=False)
+    def embed(inputs: list[EmbedInput], dimensions: int | None) -> list[EmbeddingRequestOutput]:
+        return llm.embed(inputs, dimensions=dimensions, use_tqdm=False)
 
-    return embed
+    def score(pairs: list[TextPair], use_activation: bool) -> list[ScoringRequestOutput]:
+        texts_1, texts_2 = [a for a, _ in pairs], [b for _, b in pairs]
+        return llm.score(texts_1, texts_2, use_activation=use_activation, use_tqdm=False)
+
+    def check(dimensions: int) -> None:
+        check_dimensions(dimensions, config.hidden_size, loaded.hf_config)
+
+    serves_score = not is_classifier or num_labels == 1
+    return PoolingFunctions(
+        embed=None if is_classifier else embed,
+        score=score if serves_score else None,
+        check_dimensions=check,
+        no_embed_reason=(
+            f"this model does not serve embeddings: {architecture} is a classifier"
+            + ("; use /v1/score or /v1/rerank" if serves_score else "")
+        ),
+        no_score_reason=(
+            f"this model does not serve scores: {architecture} has {num_labels} labels, and "
+            "scoring needs a cross-encoder with one label or an embedding model"
+        ),
+    )
 
 
-def embed_groups(
-    embed: EmbedFunction, groups: Sequence[list[EmbedInput]]
-) -> list[list[EmbeddingRequestOutput] | ValueError]:
-    """Embeds several requests' inputs in one packed job; each request gets its own outputs.
+def run_grouped(
+    function: Callable[[list[Any]], list[Any]], groups: Sequence[list[Any]]
+) -> list[list[Any] | ValueError]:
+    """Runs several requests' inputs as one packed job; each request gets its own outputs.
 
     When the joint job fails (some input is bad), each request is run alone, so that only the
     request with the bad input gets the error.
     """
     inputs = [item for group in groups for item in group]
     try:
-        outputs = embed(inputs)
+        outputs = function(inputs)
     except ValueError as error:
         if len(groups) == 1:
             return [error]
-        return [_embed_alone(embed, group) for group in groups]
-    results: list[list[EmbeddingRequestOutput] | ValueError] = []
+        return [_run_alone(function, group) for group in groups]
+    results: list[list[Any] | ValueError] = []
     start = 0
     for group in groups:
         results.append(outputs[start : start + len(group)])
@@ -58,10 +102,10 @@ def embed_groups(
     return results
 
 
-def _embed_alone(
-    embed: EmbedFunction, group: list[EmbedInput]
-) -> list[EmbeddingRequestOutput] | ValueError:
+def _run_alone(
+    function: Callable[[list[Any]], list[Any]], group: list[Any]
+) -> list[Any] | ValueError:
     try:
-        return embed(group)
+        return function(group)
     except ValueError as error:
         return error

@@ -36,7 +36,7 @@ class BearerAuth:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and _needs_key(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 error = APIError(
@@ -48,6 +48,14 @@ class BearerAuth:
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+# Paths outside /v1 that answer model requests, and so need the key as /v1 does.
+_KEYED_PATHS = frozenset({"/score", "/rerank", "/tokenize", "/detokenize"})
+
+
+def _needs_key(path: str) -> bool:
+    return path.startswith("/v1") or path in _KEYED_PATHS
 
 
 def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
@@ -115,6 +123,25 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         return await handlers.embeddings(request)
+
+    # vLLM's paths: /score and /rerank with and without /v1, /tokenize and /detokenize without.
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        return await handlers.score(request)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    async def rerank(request: Request) -> Response:
+        return await handlers.rerank(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await handlers.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await handlers.detokenize(request)
 
     if handlers.config.api_key:
         app.add_middleware(BearerAuth, api_key=handlers.config.api_key)

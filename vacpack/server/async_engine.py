@@ -1,7 +1,9 @@
 """The engine on a thread of its own, bridged to asyncio.
 
 The engine is not thread-safe, so exactly one thread touches it: a loop that drains a queue of
-commands (add, abort, embed, stop), then steps while there is work, then blocks on the queue.
+commands (add, abort, pooling jobs, stop), then steps while there is work, then blocks on the
+queue. Embedding, score and rerank requests are pooling jobs: those that arrive together run as
+packed corpus jobs between two steps.
 Outputs go back to the event loop with one `call_soon_threadsafe` per step, into a per-request
 asyncio.Queue, so a slow client never holds up the engine or another request.
 
@@ -24,8 +26,9 @@ from typing import Any
 
 from vacpack.engine.engine import LLMEngine
 from vacpack.openai_api.errors import APIError, bad_request
-from vacpack.openai_api.serving import EmbedFunction, EmbedInput, embed_groups
-from vacpack.outputs import EmbeddingRequestOutput, RequestOutput
+from vacpack.openai_api.pooling import PreparedPooling, run_pooling
+from vacpack.openai_api.serving import PoolingFunctions
+from vacpack.outputs import RequestOutput
 from vacpack.sampling import SamplingParams
 from vacpack.server.metrics import ServerMetrics
 
@@ -100,9 +103,9 @@ class _Abort:
 
 
 @dataclass(frozen=True)
-class _Embed:
-    inputs: list[EmbedInput]
-    future: asyncio.Future[list[EmbeddingRequestOutput]]
+class _Pool:
+    prepared: PreparedPooling
+    future: asyncio.Future[dict[str, Any]]
 
 
 class _Stop:
@@ -121,16 +124,16 @@ class AsyncEngine:
         engine: LLMEngine | None,
         metrics: ServerMetrics,
         *,
-        embed: EmbedFunction | None = None,
+        pooling: PoolingFunctions | None = None,
         max_waiting_requests: int | None = None,
         retry_after_s: int = 1,
     ) -> None:
         self._engine = engine
-        self._embed = embed
+        self._pooling = pooling
         self._metrics = metrics
         self._max_waiting = max_waiting_requests
         self._retry_after_s = retry_after_s
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Embed | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | _Stop] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # Engine-thread state: which stream each engine request reports to, and its timing.
@@ -142,10 +145,6 @@ class AsyncEngine:
     @property
     def serves_generation(self) -> bool:
         return self._engine is not None
-
-    @property
-    def serves_embeddings(self) -> bool:
-        return self._embed is not None
 
     @property
     def is_alive(self) -> bool:
@@ -182,11 +181,12 @@ class AsyncEngine:
         """Frees the requests' KV pages at the engine's next turn; unknown ids are ignored."""
         self._commands.put(_Abort(list(request_ids)))
 
-    async def embed(self, inputs: list[EmbedInput]) -> list[EmbeddingRequestOutput]:
-        """Embeddings, computed on the engine thread; APIError 400 for a bad input."""
+    async def pool(self, prepared: PreparedPooling) -> dict[str, Any]:
+        """An embedding, score or rerank response body, computed on the engine thread;
+        APIError 400 for a bad input."""
         assert self._loop is not None, "start() first"
-        future: asyncio.Future[list[EmbeddingRequestOutput]] = self._loop.create_future()
-        self._commands.put(_Embed(inputs, future))
+        future: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        self._commands.put(_Pool(prepared, future))
         return await future
 
     # ------------------------------------------------------------ the engine thread
@@ -211,21 +211,21 @@ class AsyncEngine:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-        embeds: list[_Embed] = []
+        pool_jobs: list[_Pool] = []
         for command in commands:
             if isinstance(command, _Stop):
                 shutting_down = APIError(503, "the server is shutting down", code="shutdown")
                 self._abort_all(shutting_down)
-                self._settle_embeds(embeds, [shutting_down] * len(embeds))
+                self._settle_pool_jobs(pool_jobs, [shutting_down] * len(pool_jobs))
                 return False
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_ids)
             else:
-                embeds.append(command)
-        if embeds:
-            self._run_embeds(embeds)
+                pool_jobs.append(command)
+        if pool_jobs:
+            self._run_pool_jobs(pool_jobs)
         return True
 
     def _add(self, command: _Add) -> None:
@@ -285,24 +285,18 @@ class AsyncEngine:
         for stream in set(streams.values()):
             self._deliver(stream, error)
 
-    def _run_embeds(self, commands: list[_Embed]) -> None:
-        """All embedding requests that arrived together run as one packed job."""
+    def _run_pool_jobs(self, commands: list[_Pool]) -> None:
+        """Pooling requests that arrived together run as packed jobs, one per kind of job."""
         results: list[Any]
         try:
-            if self._embed is None:
-                raise bad_request("this model does not serve embeddings", "model")
-            results = embed_groups(self._embed, [command.inputs for command in commands])
-            results = [
-                bad_request(str(r), "input") if isinstance(r, ValueError) else r for r in results
-            ]
-        except APIError as error:
-            results = [error] * len(commands)
+            assert self._pooling is not None, "requests are prepared with the model's functions"
+            results = run_pooling(self._pooling, [command.prepared for command in commands])
         except Exception as error:
-            logger.exception("embedding failed")
-            results = [APIError(500, f"embedding failed: {error}")] * len(commands)
-        self._settle_embeds(commands, results)
+            logger.exception("a pooling job failed")
+            results = [APIError(500, f"the job failed: {error}")] * len(commands)
+        self._settle_pool_jobs(commands, results)
 
-    def _settle_embeds(self, commands: list[_Embed], results: list[Any]) -> None:
+    def _settle_pool_jobs(self, commands: list[_Pool], results: list[Any]) -> None:
         assert self._loop is not None
         for command, result in zip(commands, results, strict=True):
             with contextlib.suppress(RuntimeError):  # the event loop has closed

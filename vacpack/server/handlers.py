@@ -11,7 +11,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,23 +21,36 @@ from transformers import PreTrainedTokenizerBase
 
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.logprobs import DecodeToken, token_decoder
-from vacpack.openai_api.protocol import EmbeddingRequest, parse_body
+from vacpack.openai_api.pooling import (
+    PreparedPooling,
+    prepare_embeddings,
+    prepare_rerank,
+    prepare_score,
+)
+from vacpack.openai_api.protocol import (
+    DetokenizeRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    TokenizeRequest,
+    parse_body,
+)
 from vacpack.openai_api.requests import (
     RESPONSE_ID_PREFIXES,
     GenerationKind,
     PreparedGeneration,
     parse_generation,
-    prepare_embedding,
     prepare_generation,
 )
 from vacpack.openai_api.responses import (
     PromptResult,
-    embedding_body,
     generation_body,
     new_response_id,
     now_s,
 )
+from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.openai_api.streaming import StreamState
+from vacpack.openai_api.tokenization import detokenize_body, tokenize_body
 from vacpack.outputs import RequestOutputKind
 from vacpack.server.async_engine import AsyncEngine, EngineRequest, RequestStream
 from vacpack.server.options import ServerConfig
@@ -70,6 +83,7 @@ class OpenAIHandlers:
     engine: AsyncEngine
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
+    pooling: PoolingFunctions
 
     # ------------------------------------------------------------ small endpoints
     def models(self, created: int) -> Response:
@@ -94,7 +108,7 @@ class OpenAIHandlers:
 
     def _require_generation(self) -> None:
         if not self.engine.serves_generation:
-            raise bad_request("this model does not generate text; it serves embeddings", "model")
+            raise bad_request("this model does not generate text: it has no LM head", "model")
 
     @functools.cached_property
     def _decode_token(self) -> DecodeToken:
@@ -195,18 +209,53 @@ class OpenAIHandlers:
             if not stream.finished:
                 self.engine.abort(stream.request_ids)
 
-    # ------------------------------------------------------------ embeddings
+    # ------------------------------------------------------------ embeddings and scores
     async def embeddings(self, raw: Request) -> Response:
-        request = await asyncio.to_thread(parse_body, EmbeddingRequest, await raw.body())
+        return await self._pool(raw, self._prepare_embeddings)
+
+    async def score(self, raw: Request) -> Response:
+        return await self._pool(raw, self._prepare_score)
+
+    async def rerank(self, raw: Request) -> Response:
+        return await self._pool(raw, self._prepare_rerank)
+
+    async def _pool(self, raw: Request, prepare: Callable[[bytes], PreparedPooling]) -> Response:
+        prepared = await asyncio.to_thread(prepare, await raw.body())
+        return json_response(await _unless_disconnected(self.engine.pool(prepared), raw))
+
+    def _prepare_embeddings(self, body: bytes) -> PreparedPooling:
+        request = parse_body(EmbeddingRequest, body)
         self._check_model(request.model)
-        if not self.engine.serves_embeddings:
-            raise bad_request("this model does not serve embeddings", "model")
-        inputs = prepare_embedding(request)
-        outputs = await _unless_disconnected(self.engine.embed(inputs), raw)
-        body = embedding_body(
-            self.config.served_model_name, outputs, request.encoding_format or "float"
-        )
-        return json_response(body)
+        return prepare_embeddings(request, self.pooling, self.config.served_model_name)
+
+    def _prepare_score(self, body: bytes) -> PreparedPooling:
+        request = parse_body(ScoreRequest, body)
+        self._check_model(request.model)
+        name = self.config.served_model_name
+        return prepare_score(request, self.pooling, name, new_response_id("score"))
+
+    def _prepare_rerank(self, body: bytes) -> PreparedPooling:
+        request = parse_body(RerankRequest, body)
+        self._check_model(request.model)
+        name = self.config.served_model_name
+        return prepare_rerank(request, self.pooling, name, new_response_id("rerank"))
+
+    # ------------------------------------------------------------ tokenizer
+    async def tokenize(self, raw: Request) -> Response:
+        return json_response(await asyncio.to_thread(self._tokenize, await raw.body()))
+
+    async def detokenize(self, raw: Request) -> Response:
+        return json_response(await asyncio.to_thread(self._detokenize, await raw.body()))
+
+    def _tokenize(self, body: bytes) -> dict[str, Any]:
+        request = parse_body(TokenizeRequest, body)
+        self._check_model(request.model)
+        return tokenize_body(request, self.tokenizer, self.max_model_len)
+
+    def _detokenize(self, body: bytes) -> dict[str, Any]:
+        request = parse_body(DetokenizeRequest, body)
+        self._check_model(request.model)
+        return detokenize_body(request, self.tokenizer)
 
 
 async def _unless_disconnected(work: Awaitable[T], raw: Request) -> T:

@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from vacpack.llm import LLM
-from vacpack.openai_api.serving import embed_function, generation_engine
+from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.server.app import build_app
 from vacpack.server.async_engine import AsyncEngine
 from vacpack.server.handlers import OpenAIHandlers
@@ -32,10 +32,11 @@ logger = logging.getLogger(__name__)
 def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `llm`; the engine thread starts with the app's lifespan."""
     metrics = ServerMetrics(config.served_model_name)
+    pooling = pooling_functions(llm)
     async_engine = AsyncEngine(
         generation_engine(llm),
         metrics,
-        embed=embed_function(llm),
+        pooling=pooling,
         max_waiting_requests=config.max_waiting_requests,
         retry_after_s=config.retry_after_s,
     )
@@ -46,7 +47,7 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
         trust_remote_code=llm.config.trust_remote_code,
         revision=llm.config.revision,
     )
-    handlers = OpenAIHandlers(config, async_engine, tokenizer, loaded.max_model_len)
+    handlers = OpenAIHandlers(config, async_engine, tokenizer, loaded.max_model_len, pooling)
     return build_app(handlers, metrics)
 
 

@@ -1,0 +1,188 @@
+"""Embedding, score and rerank requests: checked, run in packed jobs, answered in vLLM's shapes.
+
+The server and batch files both prepare a request here (every 400 a request can earn before it
+runs), then run many prepared requests at once with `run_pooling`: requests that can share a
+job (same kind and options) run as one packed corpus job, and each gets its own response body,
+or its own 400 when one of its inputs is bad.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from vacpack.corpus.scoring import TextPair, pair_inputs
+from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.protocol import (
+    SCORE_FIELD_PAIRS,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from vacpack.openai_api.requests import prepare_embedding
+from vacpack.openai_api.responses import embedding_body, now_s
+from vacpack.openai_api.serving import PoolingFunctions, run_grouped
+from vacpack.outputs import ScoringRequestOutput
+
+
+@dataclass(frozen=True)
+class PreparedPooling:
+    """A request ready to run: its inputs, which job it may share, how to answer it."""
+
+    # ("embed", dimensions) or ("score", use_activation): requests with equal keys share a job.
+    job_key: tuple[str, Any]
+    inputs: list[Any]  # texts or token ids to embed, or (text_1, text_2) pairs
+    finish: Callable[[list[Any]], dict[str, Any]]  # the job's outputs -> the response body
+    error_param: str | None  # the request field a failed input is reported under
+
+
+def prepare_embeddings(
+    request: EmbeddingRequest, functions: PoolingFunctions, model_name: str
+) -> PreparedPooling:
+    if functions.embed is None:
+        raise bad_request(functions.no_embed_reason, "model")
+    if request.dimensions is not None:
+        try:
+            functions.check_dimensions(request.dimensions)
+        except ValueError as error:
+            raise bad_request(str(error), "dimensions") from None
+    encoding_format = request.encoding_format or "float"
+    return PreparedPooling(
+        job_key=("embed", request.dimensions),
+        inputs=prepare_embedding(request),
+        finish=partial(_embeddings_finish, model_name, encoding_format),
+        error_param="input",
+    )
+
+
+def prepare_score(
+    request: ScoreRequest, functions: PoolingFunctions, model_name: str, response_id: str
+) -> PreparedPooling:
+    if functions.score is None:
+        raise bad_request(functions.no_score_reason, "model")
+    given = [(a, b) for a, b in SCORE_FIELD_PAIRS if getattr(request, a) is not None]
+    given = [(a, b) for a, b in given if getattr(request, b) is not None]
+    if len(given) != 1:
+        names = " or ".join(f"{a} and {b}" for a, b in SCORE_FIELD_PAIRS)
+        raise bad_request(f"give exactly one pair of inputs: {names}", SCORE_FIELD_PAIRS[0][1])
+    first, second = given[0]
+    pairs = _pairs(getattr(request, first), getattr(request, second), first, second)
+    return PreparedPooling(
+        job_key=("score", request.use_activation is not False),
+        inputs=pairs,
+        finish=partial(score_body, response_id, model_name, now_s()),
+        error_param=second,
+    )
+
+
+def prepare_rerank(
+    request: RerankRequest, functions: PoolingFunctions, model_name: str, response_id: str
+) -> PreparedPooling:
+    if functions.score is None:
+        raise bad_request(functions.no_score_reason, "model")
+    if request.top_n is not None and request.top_n < 0:
+        raise bad_request(f"top_n must be >= 0, got {request.top_n}", "top_n")
+    pairs = _pairs(request.query, request.documents, "query", "documents")
+    return PreparedPooling(
+        job_key=("score", request.use_activation is not False),
+        inputs=pairs,
+        finish=partial(
+            rerank_body,
+            response_id,
+            model_name,
+            request.documents if request.return_documents is not False else None,
+            request.top_n,
+        ),
+        error_param="documents",
+    )
+
+
+def run_pooling(
+    functions: PoolingFunctions, prepared: Sequence[PreparedPooling]
+) -> list[dict[str, Any] | APIError]:
+    """Each request's response body, or its 400; requests sharing a job key run as one job."""
+    by_key: dict[tuple[str, Any], list[int]] = defaultdict(list)
+    for index, request in enumerate(prepared):
+        by_key[request.job_key].append(index)
+    results: dict[int, dict[str, Any] | APIError] = {}
+    for key, indices in by_key.items():
+        job = _job_function(functions, key)
+        outputs = run_grouped(job, [prepared[index].inputs for index in indices])
+        for index, output in zip(indices, outputs, strict=True):
+            request = prepared[index]
+            if isinstance(output, ValueError):
+                results[index] = bad_request(str(output), request.error_param)
+            else:
+                results[index] = request.finish(output)
+    return [results[index] for index in range(len(prepared))]
+
+
+def score_body(
+    response_id: str, model_name: str, created: int, outputs: Sequence[ScoringRequestOutput]
+) -> dict[str, Any]:
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {
+        "id": response_id,
+        "object": "list",
+        "created": created,
+        "model": model_name,
+        "data": [
+            {"index": index, "object": "score", "score": output.outputs.score}
+            for index, output in enumerate(outputs)
+        ],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+    }
+
+
+def rerank_body(
+    response_id: str,
+    model_name: str,
+    documents: Sequence[str] | None,
+    top_n: int | None,
+    outputs: Sequence[ScoringRequestOutput],
+) -> dict[str, Any]:
+    """Documents by relevance, most relevant first; the top_n of them when top_n > 0. Each
+    result carries its document's text, as vLLM's do, unless `documents` is None (the client
+    sent return_documents: false)."""
+    ranked = sorted(range(len(outputs)), key=lambda index: -outputs[index].outputs.score)
+    if top_n:
+        ranked = ranked[:top_n]
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {
+        "id": response_id,
+        "model": model_name,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        "results": [
+            {
+                "index": index,
+                **({"document": {"text": documents[index]}} if documents is not None else {}),
+                "relevance_score": outputs[index].outputs.score,
+            }
+            for index in ranked
+        ],
+    }
+
+
+def _job_function(
+    functions: PoolingFunctions, key: tuple[str, Any]
+) -> Callable[[list[Any]], list[Any]]:
+    kind, option = key
+    function = functions.embed if kind == "embed" else functions.score
+    assert function is not None, "prepare_* refuses requests the model does not serve"
+    return partial(function, **{"dimensions" if kind == "embed" else "use_activation": option})
+
+
+def _pairs(
+    first: str | list[str], second: str | list[str], first_name: str, second_name: str
+) -> list[TextPair]:
+    try:
+        return pair_inputs(first, second, (first_name, second_name))
+    except ValueError as error:
+        raise bad_request(str(error), second_name) from None
+
+
+def _embeddings_finish(model_name: str, encoding_format: str, outputs: list[Any]) -> dict[str, Any]:
+    return embedding_body(model_name, outputs, encoding_format)
