@@ -63,6 +63,10 @@ def load(config: EngineConfig) -> LoadedModel:
         revision=config.revision,
     )
     model = load_model(model_dir, hf_config, dtype, device)
+    # A RoPE scaling may stretch a decoder's context past max_position_embeddings.
+    model_limit = getattr(model.config, "max_context_len", model.config.max_position_embeddings)
+    max_model_len = _max_model_len(config, model_limit)
+    model.limit_context(max_model_len)
     return LoadedModel(
         engine_config=config,
         model_dir=model_dir,
@@ -72,7 +76,7 @@ def load(config: EngineConfig) -> LoadedModel:
         eos_token_ids=eos_token_ids(tokenizer, model_dir),
         device=device,
         dtype=dtype,
-        max_model_len=_max_model_len(config, model.config.max_position_embeddings),
+        max_model_len=max_model_len,
         measured_choices=(dtype_choice,) if dtype_choice is not None else (),
     )
 
@@ -91,6 +95,7 @@ def _max_model_len(config: EngineConfig, model_limit: int) -> int:
     requested = config.max_model_len
     if requested is not None and requested > model_limit:
         raise ValueError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings={model_limit}"
+            f"max_model_len={requested} exceeds the model's context of {model_limit} tokens "
+            "(max_position_embeddings, stretched by its RoPE scaling)"
         )
     return requested or model_limit

@@ -18,6 +18,26 @@ from vacpack.kvcache.paged_cache import KVLayer
 
 
 @dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends, beyond causal softmax(q k^T / sqrt(head_dim)) v.
+
+    sliding_window: a query sees itself and the sliding_window - 1 tokens before it (None: its
+    whole context). scale: the factor on q k^T (None: head_dim ** -0.5). logit_softcap: scores
+    pass through cap * tanh(scores / cap) before the softmax (Gemma 2).
+    """
+
+    sliding_window: int | None = None
+    scale: float | None = None
+    logit_softcap: float | None = None
+
+    def scale_for(self, head_dim: int) -> float:
+        return head_dim**-0.5 if self.scale is None else self.scale
+
+
+FULL_ATTENTION = AttentionSpec()
+
+
+@dataclass(frozen=True)
 class BatchLayout:
     """The sequences of one step, in stream order.
 
@@ -26,7 +46,9 @@ class BatchLayout:
     the pages `page_tables[i]`. Sequences with one query token (decodes) come first.
     `page_tables` is empty when the step runs without a KV cache (a packed prefill-only forward).
     `causal` False makes every token see its whole sequence (encoders such as BERT); it is only
-    meaningful without a KV cache.
+    meaningful without a KV cache. `attention_windows` lists the sliding windows the model's
+    layers use (None: full attention), so that a backend whose metadata depends on the window
+    builds it once per step for each.
     """
 
     query_lens: Sequence[int]
@@ -34,6 +56,7 @@ class BatchLayout:
     page_tables: Sequence[Sequence[int]] = ()
     page_size: int = 0
     causal: bool = True
+    attention_windows: tuple[int | None, ...] = (None,)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +92,13 @@ class DecodeGraphBuffers(ABC):
 class AttentionBackend(ABC):
     name: str
 
+    def unsupported(self, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot run a layer that attends as `spec` says; None when it can.
+        A backend that overrides nothing runs plain causal attention only."""
+        if spec == FULL_ATTENTION:
+            return None
+        return f"{self.name} runs plain causal attention only, not {describe_spec(spec)}"
+
     def make_decode_graph_buffers(
         self, max_num_seqs: int, max_pages_per_seq: int, page_size: int, device: torch.device
     ) -> DecodeGraphBuffers | None:
@@ -88,9 +118,22 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         kv_layer: KVLayer | None,
         metadata: Any,
+        spec: AttentionSpec = FULL_ATTENTION,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
         Writes k and v into `kv_layer` (when there is one) and returns the attention output
-        shaped like q: each token attends to its own sequence's earlier tokens only.
+        shaped like q: each token attends to its own sequence's earlier tokens only, as `spec`
+        says (which `unsupported` has accepted).
         """
+
+
+def describe_spec(spec: AttentionSpec) -> str:
+    parts = []
+    if spec.sliding_window is not None:
+        parts.append(f"a sliding window of {spec.sliding_window} tokens")
+    if spec.scale is not None:
+        parts.append(f"a score scale of {spec.scale:.6g}")
+    if spec.logit_softcap is not None:
+        parts.append(f"score soft-capping at {spec.logit_softcap:g}")
+    return " and ".join(parts) or "plain causal attention"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
 from vacpack.attention.paged_decode import DecodeChunk, attend, chunk_attention, gather_pages
 from vacpack.kvcache.paged_cache import KVLayer
 
@@ -62,7 +63,7 @@ class CascadePlan:
 
 
 def prefix_attention(
-    q: torch.Tensor, kv_layer: KVLayer, group: CascadeGroup
+    q: torch.Tensor, kv_layer: KVLayer, group: CascadeGroup, spec: AttentionSpec = FULL_ATTENTION
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [seqs, heads, head_dim], the group's query rows. Returns their attention over the
     shared prefix alone, shaped like q, and its float32 log-sum-exp, [seqs, heads]."""
@@ -81,7 +82,11 @@ def prefix_attention(
     block_rows = max(1, PREFIX_BLOCK_SCORES // (num_kv_heads * num_keys))
     for start in range(0, num_rows, block_rows):
         block = slice(start, start + block_rows)
-        out[:, block], lse[:, block] = attend(rows[:, block], keys, values, with_lse=True)
+        block_out, block_lse = attend(
+            rows[:, block], keys, values, None, True, spec.scale, spec.logit_softcap
+        )
+        assert block_lse is not None  # asked for
+        out[:, block], lse[:, block] = block_out, block_lse
     out = out.view(num_kv_heads, num_seqs, group_size, head_dim).transpose(0, 1)
     lse = lse.view(num_kv_heads, num_seqs, group_size).transpose(0, 1)
     return out.reshape(num_seqs, num_heads, head_dim), lse.reshape(num_seqs, num_heads)
@@ -98,16 +103,26 @@ def merge_by_lse(
 
 
 def cascade_attention(
-    q: torch.Tensor, kv_layer: KVLayer, plan: CascadePlan, out: torch.Tensor
+    q: torch.Tensor,
+    kv_layer: KVLayer,
+    plan: CascadePlan,
+    out: torch.Tensor,
+    spec: AttentionSpec = FULL_ATTENTION,
 ) -> None:
-    """Writes into `out` ([tokens, heads, head_dim]) the attention of every row in the plan."""
+    """Writes into `out` ([tokens, heads, head_dim]) the attention of every row in the plan
+    (full attention: a sliding-window layer never runs a cascade)."""
     suffix_lse = q.new_empty(q.shape[:2], dtype=torch.float32)
     for chunk in plan.suffix_chunks:
-        attn, lse = chunk_attention(q.index_select(0, chunk.rows), kv_layer, chunk, with_lse=True)
+        attn, lse = chunk_attention(
+            q.index_select(0, chunk.rows), kv_layer, chunk, with_lse=True, spec=spec
+        )
+        assert lse is not None  # asked for
         out.index_copy_(0, chunk.rows, attn)
         suffix_lse.index_copy_(0, chunk.rows, lse)
     for group in plan.groups:
-        prefix_out, prefix_lse = prefix_attention(q.index_select(0, group.rows), kv_layer, group)
+        prefix_out, prefix_lse = prefix_attention(
+            q.index_select(0, group.rows), kv_layer, group, spec
+        )
         merged = merge_by_lse(
             prefix_out,
             prefix_lse,

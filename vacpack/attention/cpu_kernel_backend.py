@@ -20,7 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vacpack.attention.backend import AttentionBackend, BatchLayout
+from vacpack.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionSpec,
+    BatchLayout,
+)
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy, merge_by_lse
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.attention.torch_sdpa import build_slot_mapping
@@ -135,7 +140,13 @@ class CpuKernelBackend(AttentionBackend):
         v: torch.Tensor,
         kv_layer: KVLayer | None,
         metadata: PackedPrefill | PagedStep,
+        spec: AttentionSpec = FULL_ATTENTION,
     ) -> torch.Tensor:
+        # The C kernel runs plain causal attention only: a model with sliding windows, another
+        # score scale or soft-capping gets another backend (selection.py).
+        reason = self.unsupported(spec)
+        if reason is not None:
+            raise ValueError(reason)
         if isinstance(metadata, PackedPrefill):
             return attend(q, k, v, metadata.sequences)
         if kv_layer is None:

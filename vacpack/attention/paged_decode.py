@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
 
 import torch
 
+from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
 from vacpack.kvcache.paged_cache import KVLayer
 
 # Padded key tokens per chunk. A 2-KV-head, 64-dim bf16 token is 256 bytes of keys and as much
@@ -31,11 +31,12 @@ DECODE_CHUNK_KEY_TOKENS = 8192
 
 @dataclass(frozen=True)
 class KeyPadding:
-    """Which of a padded batch's keys are padding. Keys before the shortest member's length are
-    real for every member, so the mask covers only the keys from there on."""
+    """Which of a padded batch's keys no row may see: padding past a member's own keys, and,
+    with a sliding window, the leading keys of its first page that fall before the window. Keys
+    before `first_padded_key` are seen by every member, so the mask covers only those after."""
 
-    first_padded_key: int  # the shortest member's number of keys
-    mask: torch.Tensor  # [seqs, 1, num_keys - first_padded_key] True at padding
+    first_padded_key: int  # the shortest member's number of keys, or 0 with hidden leading keys
+    mask: torch.Tensor  # [seqs, 1, num_keys - first_padded_key] True where hidden
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,10 @@ def build_chunk(
     num_keys: Sequence[int],
     page_size: int,
     device: torch.device,
+    num_hidden_keys: Sequence[int] | None = None,
 ) -> DecodeChunk:
-    """A chunk of decodes: row i attends to the first num_keys[i] tokens of page_runs[i]."""
+    """A chunk of decodes: row i attends to the first num_keys[i] tokens of page_runs[i], less
+    the first num_hidden_keys[i] of them (those before its sliding window)."""
     longest = max(num_keys)
     pages_per_seq = -(-longest // page_size)
     padded_runs = []
@@ -80,10 +83,14 @@ def build_chunk(
         padded_runs += used + [0] * (pages_per_seq - len(used))
     padding = None
     shortest = min(num_keys)
-    if shortest != longest:
-        positions = torch.arange(shortest, longest)
+    hides_leading = num_hidden_keys is not None and max(num_hidden_keys) > 0
+    if shortest != longest or hides_leading:
+        first = 0 if hides_leading else shortest
+        positions = torch.arange(first, longest)
         mask = positions >= torch.tensor(num_keys).unsqueeze(1)
-        padding = KeyPadding(shortest, mask.unsqueeze(1).to(device))
+        if hides_leading:
+            mask |= positions < torch.tensor(num_hidden_keys).unsqueeze(1)
+        padding = KeyPadding(first, mask.unsqueeze(1).to(device))
     return DecodeChunk(
         rows=torch.tensor(rows, dtype=torch.int64).to(device),
         pages=torch.tensor(padded_runs, dtype=torch.int64).to(device),
@@ -105,38 +112,27 @@ def gather_pages(
     return gathered[:, :num_keys].transpose(1, 2).contiguous()
 
 
-@overload
-def attend(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    padding: KeyPadding | None = None,
-    *,
-    with_lse: Literal[True],
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
 def attend(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     padding: KeyPadding | None = None,
     with_lse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-def attend(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    padding: KeyPadding | None = None,
-    with_lse: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention, batch by batch: queries [batch, rows, dim] against keys and values
     [batch, num_keys, dim]. Returns [batch, rows, dim] and, when asked, each row's log-sum-exp
     of its scaled scores in float32, [batch, rows].
 
     padding, when given, marks keys no row may see; its mask broadcasts against the scores
-    viewed as [mask.shape[0], -1, num_keys]. Every row must keep at least one key.
+    viewed as [mask.shape[0], -1, num_keys]. Every row must keep at least one key. scale is
+    the factor on the scores (default head_dim ** -0.5); softcap, when given, squashes them
+    to softcap * tanh(score / softcap) before the softmax.
     """
-    scores = _scores(queries, keys)
+    scores = _scores(queries, keys, scale)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if padding is not None:
         by_seq = scores.view(padding.mask.shape[0], -1, keys.shape[1])
         by_seq[..., padding.first_padded_key :].masked_fill_(padding.mask, float("-inf"))
@@ -150,7 +146,7 @@ def attend(
     return torch.bmm(probs.to(values.dtype), values), lse
 
 
-def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def _scores(queries: torch.Tensor, keys: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Scaled scores [batch, rows, num_keys] in float32.
 
     A bf16 matmul accumulates in float32 but rounds its output to 8 bits, an error of up to
@@ -161,7 +157,7 @@ def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     batch, num_rows, head_dim = queries.shape
     keys_t = keys.transpose(1, 2)
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     scores = torch.baddbmm(
         queries.new_empty(batch, num_rows, keys.shape[1]), queries, keys_t, beta=0.0, alpha=scale
     )
@@ -172,19 +168,16 @@ def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return scores.float().add_(lost.float())
 
 
-@overload
 def chunk_attention(
-    q: torch.Tensor, kv_layer: KVLayer, chunk: DecodeChunk, *, with_lse: Literal[True]
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def chunk_attention(
-    q: torch.Tensor, kv_layer: KVLayer, chunk: DecodeChunk, with_lse: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-def chunk_attention(
-    q: torch.Tensor, kv_layer: KVLayer, chunk: DecodeChunk, with_lse: bool = False
+    q: torch.Tensor,
+    kv_layer: KVLayer,
+    chunk: DecodeChunk,
+    with_lse: bool = False,
+    spec: AttentionSpec = FULL_ATTENTION,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q: [seqs, heads, head_dim], the chunk's query rows. Returns the attention output shaped
-    like q and, when asked, the float32 log-sum-exp of each head's scores, [seqs, heads]."""
+    like q and, when asked, the float32 log-sum-exp of each head's scores, [seqs, heads]. The
+    chunk's keys are already cut to each row's sliding window; spec gives scale and softcap."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
     page_size = kv_layer.page_size
@@ -197,6 +190,8 @@ def chunk_attention(
         values.view(num_seqs * num_kv_heads, chunk.num_keys, head_dim),
         chunk.padding,
         with_lse,
+        spec.scale,
+        spec.logit_softcap,
     )
     if lse is not None:
         lse = lse.view(num_seqs, num_heads)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from vacpack.attention.backend import AttentionBackend
+from vacpack.attention.backend import AttentionBackend, AttentionSpec
 from vacpack.registry import LazyRegistry
 
 
@@ -73,6 +74,8 @@ def _cpu_kernels_build(
         return False
     return varlen_attention_supported(device, dtype, head_dim)
 
+
+logger = logging.getLogger(__name__)
 
 BOTH_PHASES = frozenset(Phase)
 
@@ -163,5 +166,31 @@ def select_backend(
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
     phase: Phase = Phase.PAGED,
+    specs: Sequence[AttentionSpec] = (),
 ) -> AttentionBackend:
-    return create_backend(resolve_backend_name(name, device, dtype, head_dim, phase))
+    """The backend for a model whose layers attend as `specs` say (sliding windows, score
+    scale, softcap): "auto" takes the first candidate that runs every layer; a backend named
+    explicitly that cannot is an error."""
+    if name != "auto":
+        backend = create_backend(resolve_backend_name(name, device, dtype, head_dim, phase))
+        reasons = _unsupported(backend, specs)
+        if reasons:
+            raise ValueError(
+                f"attention backend {name!r} cannot run this model: {'; '.join(reasons)}. "
+                "Use attention_backend='auto' or 'torch_sdpa'"
+            )
+        return backend
+    skipped: list[str] = []
+    for candidate in _auto_candidates(device, dtype, head_dim, phase):
+        backend = create_backend(candidate)
+        reasons = _unsupported(backend, specs)
+        if not reasons:
+            if skipped:
+                logger.info("attention: %s; using %s", "; ".join(skipped), candidate)
+            return backend
+        skipped.extend(reasons)
+    raise ValueError(f"no attention backend runs this model here: {'; '.join(skipped)}")
+
+
+def _unsupported(backend: AttentionBackend, specs: Sequence[AttentionSpec]) -> list[str]:
+    return sorted({reason for spec in set(specs) if (reason := backend.unsupported(spec))})

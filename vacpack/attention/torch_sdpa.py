@@ -7,18 +7,29 @@ are folded into the query rows, so keys and values are never repeated per query 
 segments run one SDPA call each: causal over their own tokens, or over their gathered pages
 with an offset causal mask when earlier chunks of the sequence are already cached; long bf16
 segments on a CPU run as blocked matmuls instead (blocked_prefill.py), measured faster there.
+
+Sliding-window layers get their own view of the step (`attention_windows` in the layout): a
+decode gathers only the pages its window reaches, with the keys before the window masked; a
+prefill segment longer than its window runs as blocked matmuls that skip the keys no query of
+a block sees; decodes never cascade there (a shared prefix is mostly outside the window).
+Soft-capped scores (Gemma 2), which SDPA cannot apply, also run as blocked matmuls.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vacpack.attention.backend import AttentionBackend, BatchLayout
+from vacpack.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionSpec,
+    BatchLayout,
+)
 from vacpack.attention.blocked_prefill import blocked_causal_attention, use_blocked_prefill
 from vacpack.attention.cascade import (
     DEFAULT_CASCADE_POLICY,
@@ -27,6 +38,7 @@ from vacpack.attention.cascade import (
     CascadePolicy,
     cascade_attention,
 )
+from vacpack.attention.packed_groups import PackedGroup, packed_attention, packed_group
 from vacpack.attention.paged_decode import DecodeChunk, build_chunk, chunk_attention, plan_chunks
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.kvcache.paged_cache import KVLayer
@@ -34,18 +46,6 @@ from vacpack.kvcache.paged_cache import KVLayer
 # Whole short sequences of a packed bin (no KV cache) run the same way, padded to the longest
 # of their group: one SDPA call for many embedding-sized documents instead of one each.
 PACKED_GROUP_MIN_FILL = 0.7
-
-
-@dataclass(frozen=True)
-class PackedGroup:
-    """Whole sequences of similar length, run as one padded, masked SDPA call."""
-
-    gather_rows: torch.Tensor  # [seqs * longest] stream row of each padded slot (padding: 0)
-    num_seqs: int
-    longest: int
-    mask: torch.Tensor  # [seqs, 1, longest, longest]: real keys, and causal when causal
-    real_slots: torch.Tensor  # [num_real] which padded slots hold real tokens
-    out_rows: torch.Tensor  # [num_real] the stream rows those slots belong to
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,39 @@ class PrefillSegment:
 
 @dataclass(frozen=True)
 class SdpaMetadata:
+    """What the layers of one kind (one sliding window, or full attention) read in a step."""
+
     slot_mapping: torch.Tensor | None  # [num_tokens] where each token's k and v are written
     decode_chunks: tuple[DecodeChunk, ...]  # decodes without a shared prefix
     prefills: tuple[PrefillSegment, ...]
     causal: bool = True
     packed_groups: tuple[PackedGroup, ...] = ()
     cascade: CascadePlan | None = None  # decodes with one
+    window: int | None = None  # the sliding window this view was built for
+
+    def view(self, window: int | None) -> SdpaMetadata:
+        if window != self.window:
+            raise _missing_view(window, (self.window,))
+        return self
+
+
+@dataclass(frozen=True)
+class SdpaWindowedMetadata:
+    """A step of a model whose layers attend over different windows: one view per window."""
+
+    views: Mapping[int | None, SdpaMetadata]
+
+    def view(self, window: int | None) -> SdpaMetadata:
+        if window not in self.views:
+            raise _missing_view(window, tuple(self.views))
+        return self.views[window]
+
+
+def _missing_view(window: int | None, built: tuple[int | None, ...]) -> ValueError:
+    return ValueError(
+        f"the step's attention metadata was built for windows {built}, not for a layer with "
+        f"window {window}: build its BatchLayout with the model's attention_windows"
+    )
 
 
 def _context_slots(pages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
@@ -110,6 +137,36 @@ def _group_by_length(lengths: Sequence[int], min_fill: float, min_seqs: int) -> 
         else:
             group.append(index)
     return groups
+
+
+def _windowed_decode_chunks(
+    layout: BatchLayout, window: int, device: torch.device
+) -> tuple[DecodeChunk, ...]:
+    """Chunks for the decodes of a sliding-window layer: each gathers its pages from the one
+    holding the first key of its window on, and masks the keys before that key."""
+    page_size = layout.page_size
+    runs, num_keys, num_hidden = [], [], []
+    for context_len, pages in zip(
+        layout.context_lens[: layout.num_decodes],
+        layout.page_tables[: layout.num_decodes],
+        strict=True,
+    ):
+        first_key = max(0, context_len - window)
+        first_page = first_key // page_size
+        runs.append(pages[first_page:])
+        num_keys.append(context_len - first_page * page_size)
+        num_hidden.append(first_key - first_page * page_size)
+    return tuple(
+        build_chunk(
+            members,
+            [runs[i] for i in members],
+            [num_keys[i] for i in members],
+            page_size,
+            device,
+            [num_hidden[i] for i in members],
+        )
+        for members in plan_chunks(num_keys)
+    )
 
 
 def _decode_metadata(
@@ -170,29 +227,63 @@ class TorchSdpaBackend(AttentionBackend):
     def __init__(self, cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY) -> None:
         self.cascade = cascade  # None: every decode reads its whole context itself
 
-    def build_metadata(self, layout: BatchLayout, device: torch.device) -> SdpaMetadata:
+    def unsupported(self, spec: AttentionSpec) -> str | None:
+        return None  # every window, scale and softcap
+
+    def build_metadata(
+        self, layout: BatchLayout, device: torch.device
+    ) -> SdpaMetadata | SdpaWindowedMetadata:
+        windows = layout.attention_windows
+        slot_mapping = None
+        if layout.page_tables:
+            slot_mapping = build_slot_mapping(layout).to(device, non_blocking=True)
+        if windows == (None,):
+            return self._view(layout, None, slot_mapping, device)
+        return SdpaWindowedMetadata(
+            {window: self._view(layout, window, slot_mapping, device) for window in windows}
+        )
+
+    def _view(
+        self,
+        layout: BatchLayout,
+        window: int | None,
+        slot_mapping: torch.Tensor | None,
+        device: torch.device,
+    ) -> SdpaMetadata:
         if not layout.page_tables:
-            return self._prefill_only_metadata(layout, device)
+            return self._prefill_only_metadata(layout, window, device)
         page_size = layout.page_size
         num_decodes = layout.num_decodes
-        slot_mapping = build_slot_mapping(layout).to(device, non_blocking=True)
-        decode_chunks, cascade = _decode_metadata(layout, self.cascade, device)
+        if window is None:
+            decode_chunks, cascade = _decode_metadata(layout, self.cascade, device)
+        else:
+            decode_chunks, cascade = _windowed_decode_chunks(layout, window, device), None
         prefills = []
         token_start = num_decodes  # decodes come first, one token each
         for i in range(num_decodes, len(layout.query_lens)):
             query_len, context_len = layout.query_lens[i], layout.context_lens[i]
+            # Keys from the first one the segment's first query sees.
+            key_start = 0 if window is None else max(0, context_len - query_len - window + 1)
+            num_keys = context_len - key_start
             context_slots = mask = None
-            if context_len > query_len:
+            if num_keys > query_len:
                 pages = torch.tensor(layout.page_tables[i], dtype=torch.int64)
-                context_slots = _context_slots(pages, page_size, context_len).to(device)
-                query_positions = torch.arange(context_len - query_len, context_len)
-                mask = (torch.arange(context_len) <= query_positions.unsqueeze(1)).to(device)
+                slots = _context_slots(pages, page_size, context_len)[key_start:]
+                context_slots = slots.to(device)
+            if num_keys > query_len and (window is None or num_keys <= window):
+                # Past its window a segment runs blocked (see forward), which needs no mask.
+                query_positions = torch.arange(num_keys - query_len, num_keys)
+                mask = (torch.arange(num_keys) <= query_positions.unsqueeze(1)).to(device)
             prefills.append(PrefillSegment(token_start, query_len, context_slots, mask))
             token_start += query_len
-        return SdpaMetadata(slot_mapping, decode_chunks, tuple(prefills), cascade=cascade)
+        return SdpaMetadata(
+            slot_mapping, decode_chunks, tuple(prefills), cascade=cascade, window=window
+        )
 
     @staticmethod
-    def _prefill_only_metadata(layout: BatchLayout, device: torch.device) -> SdpaMetadata:
+    def _prefill_only_metadata(
+        layout: BatchLayout, window: int | None, device: torch.device
+    ) -> SdpaMetadata:
         lengths = list(layout.query_lens)
         starts = [0, *itertools.accumulate(lengths)][:-1]
         singles, packed_groups = [], []
@@ -202,8 +293,12 @@ class TorchSdpaBackend(AttentionBackend):
             else:
                 group_starts = [starts[i] for i in members]
                 group_lens = [lengths[i] for i in members]
-                packed_groups.append(_packed_group(group_starts, group_lens, layout.causal, device))
-        return SdpaMetadata(None, (), tuple(singles), layout.causal, tuple(packed_groups))
+                packed_groups.append(
+                    packed_group(group_starts, group_lens, layout.causal, device, window)
+                )
+        return SdpaMetadata(
+            None, (), tuple(singles), layout.causal, tuple(packed_groups), window=window
+        )
 
     def forward(
         self,
@@ -211,24 +306,26 @@ class TorchSdpaBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_layer: KVLayer | None,
-        metadata: SdpaMetadata,
+        metadata: SdpaMetadata | SdpaWindowedMetadata,
+        spec: AttentionSpec = FULL_ATTENTION,
     ) -> torch.Tensor:
+        view = metadata.view(spec.sliding_window)
         if kv_layer is not None:
-            assert metadata.slot_mapping is not None, "built from a layout with page tables"
-            kv_layer.write(metadata.slot_mapping, k, v)
-        elif metadata.decode_chunks or metadata.cascade is not None:
+            assert view.slot_mapping is not None, "built from a layout with page tables"
+            kv_layer.write(view.slot_mapping, k, v)
+        elif view.decode_chunks or view.cascade is not None:
             raise ValueError("decodes read keys and values from the KV cache: none was given")
         out = torch.empty_like(q)
-        for chunk in metadata.decode_chunks:
+        for chunk in view.decode_chunks:
             assert kv_layer is not None
-            attn, _ = chunk_attention(q.index_select(0, chunk.rows), kv_layer, chunk)
+            attn, _ = chunk_attention(q.index_select(0, chunk.rows), kv_layer, chunk, spec=spec)
             out.index_copy_(0, chunk.rows, attn)
-        if metadata.cascade is not None:
+        if view.cascade is not None:
             assert kv_layer is not None
-            cascade_attention(q, kv_layer, metadata.cascade, out)
-        for group in metadata.packed_groups:
-            out.index_copy_(0, group.out_rows, _packed(q, k, v, group))
-        for seg in metadata.prefills:
+            cascade_attention(q, kv_layer, view.cascade, out, spec)
+        for group in view.packed_groups:
+            out.index_copy_(0, group.out_rows, packed_attention(q, k, v, group, spec))
+        for seg in view.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.query_len)
             if seg.context_slots is None:
                 keys, values = k[rows], v[rows]
@@ -236,65 +333,34 @@ class TorchSdpaBackend(AttentionBackend):
                 assert kv_layer is not None, "cached context is read from the KV cache"
                 keys = kv_layer.keys.index_select(0, seg.context_slots)
                 values = kv_layer.values.index_select(0, seg.context_slots)
-            out[rows] = self._prefill_attention(q[rows], keys, values, seg.mask, metadata.causal)
+            out[rows] = _prefill_attention(q[rows], keys, values, seg.mask, view.causal, spec)
         return out
 
-    def _prefill_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor | None,
-        causal: bool,
-    ) -> torch.Tensor:
-        """One sequence's queries (its last tokens) over its keys; `mask` is the offset causal
-        mask when there are more keys than queries."""
-        if causal and use_blocked_prefill(q, keys.shape[0]):
-            return blocked_causal_attention(q, keys, values)
-        # [tokens, heads, dim] -> [1, heads, tokens, dim]
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None and causal,
-            enable_gqa=True,
-        )
-        return attn.squeeze(0).transpose(0, 1)
 
-
-def _packed_group(
-    starts: list[int], lengths: list[int], causal: bool, device: torch.device
-) -> PackedGroup:
-    longest = max(lengths)
-    slot_positions = torch.arange(longest)
-    real = slot_positions < torch.tensor(lengths).unsqueeze(1)  # [seqs, longest]
-    rows = torch.tensor(starts).unsqueeze(1) + slot_positions
-    gather_rows = torch.where(real, rows, torch.zeros_like(rows)).flatten()
-    mask = real[:, None, None, :].expand(-1, 1, longest, -1)
-    if causal:
-        # Padded query rows still see the real keys before them, so no row is fully masked.
-        mask = mask & (slot_positions.unsqueeze(0) <= slot_positions.unsqueeze(1))
-    real_slots = real.flatten().nonzero().squeeze(1)
-    return PackedGroup(
-        gather_rows=gather_rows.to(device),
-        num_seqs=len(lengths),
-        longest=longest,
-        mask=mask.contiguous().to(device),
-        real_slots=real_slots.to(device),
-        out_rows=rows.flatten()[real_slots].to(device),
-    )
-
-
-def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PackedGroup) -> torch.Tensor:
-    """Attention of a group of whole sequences, padded to [seqs, heads, longest, head_dim]."""
-
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        rows = x.index_select(0, group.gather_rows)
-        return rows.view(group.num_seqs, group.longest, *x.shape[1:]).transpose(1, 2)
-
+def _prefill_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    spec: AttentionSpec,
+) -> torch.Tensor:
+    """One sequence's queries (its last tokens) over its keys; `mask` is the offset causal
+    mask when there are more keys than queries."""
+    window, softcap = spec.sliding_window, spec.logit_softcap
+    if not causal and (window is not None or softcap is not None):
+        raise ValueError("bidirectional attention takes neither a sliding window nor a softcap")
+    windowed = window is not None and keys.shape[0] > window
+    if causal and (windowed or softcap is not None or use_blocked_prefill(q, keys.shape[0])):
+        return blocked_causal_attention(q, keys, values, spec.scale, window, softcap)
+    # [tokens, heads, dim] -> [1, heads, tokens, dim]
     attn = F.scaled_dot_product_attention(
-        padded(q), padded(k), padded(v), attn_mask=group.mask, enable_gqa=True
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None and causal,
+        enable_gqa=True,
+        scale=spec.scale,
     )
-    flat = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
-    return flat.index_select(0, group.real_slots)
+    return attn.squeeze(0).transpose(0, 1)

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from vacpack.attention.backend import AttentionBackend, BatchLayout, DecodeGraphBuffers
+from vacpack.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionSpec,
+    BatchLayout,
+    DecodeGraphBuffers,
+)
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.attention.triton_paged import decode_config, paged_attention, prefill_config
 from vacpack.kvcache.paged_cache import KVLayer
@@ -39,10 +45,19 @@ VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 VARLEN_MAX_HEAD_DIM = 256
 VARLEN_MIN_CAPABILITY = (8, 0)
 
-# (q, k, v, cu_seqlens, max_seq_len, causal) -> attention output shaped like q.
+# (q, k, v, cu_seqlens, max_seq_len, causal, spec) -> attention output shaped like q; the spec
+# has no softcap (those layers run on the portable backend).
 VarlenAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, AttentionSpec],
+    torch.Tensor,
 ]
+
+
+def _flash_window(causal: bool, spec: AttentionSpec) -> tuple[int, int]:
+    """FlashAttention's (left, right) window: keys from i - left to i + right; -1 unbounded."""
+    if not causal:
+        return (-1, -1)
+    return (-1 if spec.sliding_window is None else spec.sliding_window - 1, 0)
 
 
 @dataclass(frozen=True)
@@ -76,7 +91,7 @@ def find_varlen_attention() -> VarlenAttention | None:
     except ImportError:
         varlen_attn = None  # type: ignore[assignment]
     # Earlier torch releases had varlen_attn without grouped-query heads or causal windows.
-    if varlen_attn is not None and {"enable_gqa", "window_size"} <= set(
+    if varlen_attn is not None and {"enable_gqa", "window_size", "scale"} <= set(
         inspect.signature(varlen_attn).parameters
     ):
 
@@ -87,11 +102,11 @@ def find_varlen_attention() -> VarlenAttention | None:
             cu_seqlens: torch.Tensor,
             max_seq_len: int,
             causal: bool,
+            spec: AttentionSpec,
         ) -> torch.Tensor:
-            window = (-1, 0) if causal else (-1, -1)
             out = varlen_attn(
                 q, k, v, cu_seqlens, cu_seqlens, max_seq_len, max_seq_len,
-                window_size=window, enable_gqa=True,
+                window_size=_flash_window(causal, spec), enable_gqa=True, scale=spec.scale,
             )  # fmt: skip
             assert isinstance(out, torch.Tensor)  # no return_aux asked for: the output alone
             return out
@@ -109,10 +124,12 @@ def find_varlen_attention() -> VarlenAttention | None:
         cu_seqlens: torch.Tensor,
         max_seq_len: int,
         causal: bool,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         return flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_seqlens, max_seq_len, max_seq_len, causal=causal
-        )
+            q, k, v, cu_seqlens, cu_seqlens, max_seq_len, max_seq_len, causal=causal,
+            softmax_scale=spec.scale, window_size=_flash_window(causal, spec),
+        )  # fmt: skip
 
     return flash_attn_varlen
 
@@ -157,6 +174,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         self._portable = TorchSdpaBackend()
         self._varlen = find_varlen_attention()
+
+    def unsupported(self, spec: AttentionSpec) -> str | None:
+        return None  # the paged kernel takes every window, scale and softcap
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
         if layout.page_tables:
@@ -223,25 +243,38 @@ class TritonBackend(AttentionBackend):
         v: torch.Tensor,
         kv_layer: KVLayer | None,
         metadata: Any,
+        spec: AttentionSpec = FULL_ATTENTION,
     ) -> torch.Tensor:
         if isinstance(metadata, TritonPagedMetadata):
             assert kv_layer is not None, "a paged step needs its KV layer"
-            return _paged_forward(q, k, v, kv_layer, metadata)
+            return _paged_forward(q, k, v, kv_layer, metadata, spec)
         if isinstance(metadata, VarlenMetadata):
-            return self._varlen_forward(q, k, v, metadata)
-        return self._portable.forward(q, k, v, kv_layer, metadata)
+            return self._varlen_forward(q, k, v, metadata, spec)
+        return self._portable.forward(q, k, v, kv_layer, metadata, spec)
 
     def _varlen_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: VarlenMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: VarlenMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         head_dim = q.shape[-1]
-        if q.dtype in VARLEN_DTYPES and head_dim % 8 == 0 and head_dim <= VARLEN_MAX_HEAD_DIM:
+        if (
+            q.dtype in VARLEN_DTYPES
+            and head_dim % 8 == 0
+            and head_dim <= VARLEN_MAX_HEAD_DIM
+            and spec.logit_softcap is None
+        ):
             assert self._varlen is not None
-            return self._varlen(q, k, v, metadata.cu_seqlens, metadata.max_seq_len, metadata.causal)
-        # Rare (a float32 model on CUDA): the portable metadata is built per layer here rather
-        # than for every packed step that never needs it.
+            return self._varlen(
+                q, k, v, metadata.cu_seqlens, metadata.max_seq_len, metadata.causal, spec
+            )
+        # Rare (a float32 model on CUDA, soft-capped scores): the portable metadata is built per
+        # layer here rather than for every packed step that never needs it.
         portable = self._portable.build_metadata(metadata.layout, q.device)
-        return self._portable.forward(q, k, v, None, portable)
+        return self._portable.forward(q, k, v, None, portable, spec)
 
 
 def _paged_forward(
@@ -250,6 +283,7 @@ def _paged_forward(
     v: torch.Tensor,
     kv_layer: KVLayer,
     metadata: TritonPagedMetadata,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     kv_layer.write(metadata.slot_mapping, k, v)
     out = torch.empty_like(q)
@@ -264,7 +298,9 @@ def _paged_forward(
         "context_lens": metadata.context_lens,
         "page_table": metadata.page_table,
         "page_size": kv_layer.page_size,
-        "scale": head_dim**-0.5,
+        "scale": spec.scale_for(head_dim),
+        "window": spec.sliding_window,
+        "softcap": spec.logit_softcap,
     }
     if metadata.num_decodes:
         paged_attention(

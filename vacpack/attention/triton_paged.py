@@ -8,7 +8,11 @@ positions; each position's slot comes from the sequence's page table, so pages a
 gathered into a contiguous copy. Softmax is online (running max and sum) in float32.
 
 Query token i of a sequence with query_len tokens and context_len cached tokens (this step's
-included) sits at position context_len - query_len + i and sees keys at positions <= its own.
+included) sits at position context_len - query_len + i and sees keys at positions <= its own;
+with a sliding window of W tokens only those > its position - W, and the program's walk over
+the keys starts at the first key its first query sees, so pages before every window (which the
+scheduler may have given back) are never read. Scores may be soft-capped (Gemma 2):
+cap * tanh(score / cap), before the softmax.
 
 Decodes with few sequences leave most of the device idle, so a decode launch may split each
 sequence's keys into `num_kv_splits` ranges (flash-decoding): each range writes a partial
@@ -17,7 +21,6 @@ result and its log-sum-exp, and a second kernel merges them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +83,9 @@ def _paged_attention_kernel(
     partial_out_ptr,  # [tokens, heads, splits, HEAD_DIM_PADDED] float32; only with NUM_SPLITS > 1
     partial_lse_ptr,  # [tokens, heads, splits] float32, log2 domain; only with NUM_SPLITS > 1
     first_seq,
-    scale_log2,  # softmax scale times log2(e): the kernel works in powers of two
+    scale,  # the factor on q . k
+    softcap,  # scores -> softcap * tanh(scores / softcap); read only with SOFTCAP
+    window,  # a query sees this many positions up to its own; read only with WINDOWED
     q_stride_token,
     q_stride_head,
     out_stride_token,
@@ -98,7 +103,10 @@ def _paged_attention_kernel(
     BLOCK_KV: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
+    LOG2_E: tl.constexpr = 1.4426950408889634
     seq = first_seq + tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
@@ -123,11 +131,15 @@ def _paged_attention_kernel(
     q_offsets = (q_start + token)[:, None] * q_stride_token + head[:, None] * q_stride_head
     q = tl.load(q_ptr + q_offsets + dims[None, :], row_valid[:, None] & dim_valid[None, :], 0.0)
 
-    # Causality: the block's last query token sees keys up to its own position, none after.
+    # Causality: the block's last query token sees keys up to its own position, none after;
+    # with a window its first query token sees none before its window.
     last_token = tl.minimum(first_token + TOKENS_PER_BLOCK, query_len) - 1
     kv_end = cached_len + last_token + 1
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_KV) * BLOCK_KV
-    kv_start = split * split_len
+    kv_first = 0
+    if WINDOWED:
+        kv_first = tl.maximum(cached_len + first_token - window + 1, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_end - kv_first, NUM_SPLITS), BLOCK_KV) * BLOCK_KV
+    kv_start = kv_first + split * split_len
     kv_stop = tl.minimum(kv_end, kv_start + split_len)
 
     row_max = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
@@ -149,8 +161,14 @@ def _paged_attention_kernel(
             scores = tl.dot(q.to(tl.float32), keys_t.to(tl.float32), input_precision="ieee")
         else:
             scores = tl.dot(q, keys_t)
+        scores = scores * scale
+        if SOFTCAP:
+            # tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         visible = (kv_pos[None, :] <= position[:, None]) & kv_valid[None, :]
-        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        if WINDOWED:
+            visible = visible & (kv_pos[None, :] > position[:, None] - window)
+        scores = tl.where(visible, scores * LOG2_E, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         # A row that has seen no visible key yet keeps a -inf max; exp2(-inf - -inf) would be
@@ -212,7 +230,8 @@ def _merge_splits_kernel(
     dims = tl.arange(0, HEAD_DIM_PADDED)
     part_row = (token * num_heads + head) * NUM_SPLITS + splits
     lse = tl.load(partial_lse_ptr + part_row, splits < NUM_SPLITS, float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))  # the first split is never empty: max is finite
+    # The first split is never empty (nor, with a window, the last): the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))
     parts = tl.load(
         partial_out_ptr + part_row[:, None] * HEAD_DIM_PADDED + dims[None, :],
         (splits < NUM_SPLITS)[:, None],
@@ -242,6 +261,8 @@ def paged_attention(
     scale: float,
     config: PagedKernelConfig,
     num_kv_splits: int = 1,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Writes the attention of sequences [first_seq, first_seq + num_seqs) into their rows of out.
 
@@ -249,7 +270,8 @@ def paged_attention(
     cu_seqlens_q: int32 [num_seqs_total + 1], the query tokens' row boundaries; context_lens:
     int32 [num_seqs_total], cached tokens after this step; page_table: int32
     [num_seqs_total, max_pages]. The keys and values of this step must already be in the cache.
-    Split-KV (num_kv_splits > 1) needs one query token per sequence and first_seq 0.
+    Split-KV (num_kv_splits > 1) needs one query token per sequence and first_seq 0. window: a
+    sliding window in tokens (None: the whole context); softcap: see the module docstring.
 
     Float32 inputs multiply in exact float32 (not TF32) so that they match the portable backend.
     Off CUDA the kernel runs in Triton's interpreter, whose dot multiplies bfloat16 tiles as
@@ -282,7 +304,9 @@ def paged_attention(
         partial_out,
         partial_lse,
         first_seq,
-        scale * math.log2(math.e),
+        scale,
+        1.0 if softcap is None else softcap,
+        0 if window is None else window,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -300,6 +324,8 @@ def paged_attention(
         BLOCK_KV=config.block_kv_tokens,
         NUM_SPLITS=num_kv_splits,
         DOT_IN_FP32=q.dtype == torch.float32 or not q.is_cuda,
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -15,7 +15,7 @@ import torch
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.kvcache.paged_cache import PagedKVCache
-from vacpack.models.forward_context import ForwardContext
+from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.runtime import LoadedModel
 
 CHUNK_PAGE_SIZE = 16
@@ -29,6 +29,7 @@ class PackedForward:
         self.device = loaded.device
         # Decoders (and their classifiers) are causal; encoders such as BERT say otherwise.
         self.causal = bool(getattr(self.model, "is_causal", True))
+        self.attention_windows = attention_windows(self.model)
 
     @torch.inference_mode()
     def packed(
@@ -39,7 +40,12 @@ class PackedForward:
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a bin of whole sequences."""
-        layout = BatchLayout(list(seq_lens), list(seq_lens), causal=self.causal)
+        layout = BatchLayout(
+            list(seq_lens),
+            list(seq_lens),
+            causal=self.causal,
+            attention_windows=self.attention_windows,
+        )
         ctx = ForwardContext(
             self.attention, self.attention.build_metadata(layout, self.device), None,
             token_type_ids,
@@ -79,7 +85,13 @@ class PackedForward:
         parts = []
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
-            layout = BatchLayout([end - start], [end], [page_table], CHUNK_PAGE_SIZE)
+            layout = BatchLayout(
+                [end - start],
+                [end],
+                [page_table],
+                CHUNK_PAGE_SIZE,
+                attention_windows=self.attention_windows,
+            )
             metadata = self.attention.build_metadata(layout, self.device)
             positions = torch.arange(start, end, device=self.device)
             parts.append(

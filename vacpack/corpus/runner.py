@@ -25,6 +25,7 @@ from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPa
 from vacpack.corpus.pipeline import BackgroundBins
 from vacpack.corpus.report import JobReport
 from vacpack.corpus.tasks import CorpusTask
+from vacpack.models.forward_context import attention_specs
 from vacpack.pinned_staging import PinnedStager
 from vacpack.runtime import LoadedModel
 
@@ -61,6 +62,7 @@ class CorpusRunner:
                 loaded.dtype,
                 loaded.config.head_dim,
                 Phase.PACKED,
+                attention_specs(loaded.model),
             ),
         )
         self.align_to = align_to

@@ -29,6 +29,7 @@ from vacpack.engine.state import EngineSetup, EngineState
 from vacpack.engine.stats import EngineStats
 from vacpack.engine.step_executor import StepHandle, create_executor
 from vacpack.engine.timeline import StepTimeline, StepTiming
+from vacpack.models.forward_context import attention_specs
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
@@ -73,13 +74,22 @@ class LLMEngine:
         )
         model_config = loaded.config
         self.attention = select_backend(
-            config.attention_backend, device, loaded.dtype, model_config.head_dim
+            config.attention_backend,
+            device,
+            loaded.dtype,
+            model_config.head_dim,
+            specs=attention_specs(loaded.model),
         )
         self.kv_sizing, self.kv_cache, self.page_pool = allocate_kv_cache(
             config, loaded, self.attention, self.max_num_batched_tokens
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, config.block_size),
+            SchedulerConfig(
+                config.max_num_seqs,
+                self.max_num_batched_tokens,
+                config.block_size,
+                model_config.kv_window,
+            ),
             self.page_pool,
         )
         graph_runner: DecodeGraphRunner | None = None

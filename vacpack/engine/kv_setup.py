@@ -13,7 +13,7 @@ from vacpack.config import EngineConfig
 from vacpack.kvcache import PagedKVCache, PagePool, kv_bytes_per_token
 from vacpack.kvcache.sizing import KVSizing, size_kv_cache
 from vacpack.models.base import PackedModel
-from vacpack.models.forward_context import ForwardContext
+from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.runtime import LoadedModel
 
 
@@ -66,7 +66,7 @@ def profile_forward(
     device: torch.device,
 ) -> None:
     """One forward at the largest step shape, without a KV cache."""
-    layout = BatchLayout([num_tokens], [num_tokens])
+    layout = BatchLayout([num_tokens], [num_tokens], attention_windows=attention_windows(model))
     ctx = ForwardContext(attention, attention.build_metadata(layout, device), None)
     token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     hidden = model(token_ids, torch.arange(num_tokens, device=device), ctx)

@@ -32,7 +32,7 @@ from vacpack.engine.sampler import (
 from vacpack.engine.step import PromptLogprobResult, ScheduledChunk, StepResult
 from vacpack.kvcache.paged_cache import PagedKVCache
 from vacpack.models.base import PackedModel
-from vacpack.models.forward_context import ForwardContext
+from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.pinned_staging import PinnedStager
 from vacpack.structured.token_masks import StepTokenMasks
 
@@ -101,6 +101,7 @@ class ModelRunner:
         graph_runner: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
+        self.attention_windows = attention_windows(model)
         self.graph_runner = graph_runner
         self.kv_cache = kv_cache
         self.attention = attention
@@ -145,7 +146,13 @@ class ModelRunner:
                 sample_rows.append(row_start + chunk.num_new_tokens - 1)
                 sampled_sequences.append(sequence)
 
-        layout = BatchLayout(query_lens, context_lens, page_tables, self.kv_cache.page_size)
+        layout = BatchLayout(
+            query_lens,
+            context_lens,
+            page_tables,
+            self.kv_cache.page_size,
+            attention_windows=self.attention_windows,
+        )
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(layout)
         num_slots = self.future_tokens.shape[0]
         future_slots = [(self._next_future_slot + i) % num_slots for i in range(len(sample_rows))]

@@ -10,13 +10,18 @@ instead of computing it a second time.
 from __future__ import annotations
 
 from vacpack.engine.request import Sequence
+from vacpack.engine.window_pages import WindowedPageRelease, held_pages
 from vacpack.kvcache.page_pool import PagePool
 
 
 class PageManager:
-    def __init__(self, pool: PagePool, page_size: int) -> None:
+    def __init__(self, pool: PagePool, page_size: int, kv_window: int | None = None) -> None:
         self.pool = pool
         self.page_size = page_size
+        # Every layer has a sliding window: pages behind the largest are freed as sequences go.
+        self._window_release = (
+            None if kv_window is None else WindowedPageRelease(kv_window, page_size)
+        )
         # Hashes of the full pages running sequences are computing and have not indexed yet,
         # with how many sequences compute each.
         self._pages_in_flight: dict[int, int] = {}
@@ -36,10 +41,16 @@ class PageManager:
         """Gives all the sequence's pages back; its computed tokens must be computed again."""
         for page_hash in list(sequence.in_flight_hashes):
             self._landed(sequence, page_hash)
-        self.pool.free(sequence.page_table)
+        self.pool.free(held_pages(sequence))
         sequence.page_table = []
+        sequence.num_released_pages = 0
         sequence.page_hashes = []
         sequence.num_computed_tokens = 0
+
+    def release_dead_pages(self, sequence: Sequence) -> None:
+        """Frees the pages no layer's sliding window reaches any more (window_pages.py)."""
+        if self._window_release is not None:
+            self._window_release.release_dead_pages(sequence, self.pool)
 
     def take_cached_prefix(self, sequence: Sequence) -> None:
         """Starts a sequence without pages on the cached pages of its longest cached prefix."""

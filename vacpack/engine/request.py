@@ -49,6 +49,9 @@ class Sequence:
     num_pending_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose keys and values are (being) written to the cache
     page_table: list[int] = field(default_factory=list)
+    # Leading page-table entries whose pages went back to the pool, all layers' sliding windows
+    # having passed them (window_pages.py); the entries stay, as RELEASED_PAGE.
+    num_released_pages: int = 0
     # Chained content hashes of the full pages computed so far (prefix caching).
     page_hashes: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache

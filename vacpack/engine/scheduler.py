@@ -41,6 +41,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     page_size: int
+    # When every layer has a sliding window, the largest: pages behind it are freed as
+    # sequences advance. None keeps every page until the sequence finishes.
+    kv_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
         self.config = config
         self.pool = pool
-        self.pages = PageManager(pool, config.page_size)
+        self.pages = PageManager(pool, config.page_size, config.kv_window)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -112,6 +115,7 @@ class Scheduler:
                 index += 1  # finishes by length once its launched steps are read
                 continue
             num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
+            self.pages.release_dead_pages(sequence)
             while not self.pages.reserve(sequence, sequence.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -141,6 +145,7 @@ class Scheduler:
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
             self.pages.take_cached_prefix(sequence)
+            self.pages.release_dead_pages(sequence)
             num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
             if not self.pages.reserve(sequence, sequence.num_computed_tokens + num_new):
                 self.pages.release(sequence)

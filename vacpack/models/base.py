@@ -31,6 +31,10 @@ class PackedModel(nn.Module):
     def finish_loading(self) -> None:
         """Called once every weight is in place (caches derived from the weights go here)."""
 
+    def limit_context(self, max_model_len: int) -> None:
+        """The longest sequence that will run is `max_model_len` tokens (some RoPE scalings
+        pick their frequencies by it)."""
+
     @abstractmethod
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-from vacpack.attention.backend import AttentionBackend
+from vacpack.attention.backend import AttentionBackend, AttentionSpec
 from vacpack.kvcache.paged_cache import KVLayer, PagedKVCache
 
 
@@ -23,3 +24,14 @@ class ForwardContext:
 
     def kv_layer(self, index: int) -> KVLayer | None:
         return None if self.kv_cache is None else self.kv_cache.layer(index)
+
+
+def attention_windows(model: nn.Module) -> tuple[int | None, ...]:
+    """The sliding windows of the model's layers (None: full attention), for a BatchLayout:
+    encoders and plain decoders attend over everything."""
+    return getattr(model.config, "attention_windows", (None,))
+
+
+def attention_specs(model: nn.Module) -> tuple[AttentionSpec, ...]:
+    """How each layer attends, for choosing a backend that can (empty: plain attention)."""
+    return getattr(model.config, "attention_specs", ())

@@ -34,6 +34,10 @@ class LayerOps:
     def __init__(self, mlp_rows_per_pass: int | None = None) -> None:
         self.mlp_rows_per_pass = mlp_rows_per_pass
 
+    def portable(self) -> LayerOps:
+        """PyTorch's ops with the same row slicing: for layers the fused kernels do not cover."""
+        return LayerOps(self.mlp_rows_per_pass)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x_float = x.float()
         x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)

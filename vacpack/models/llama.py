@@ -3,13 +3,19 @@
 There is no batch axis: a step's sequences are concatenated, positions restart at 0 for each
 sequence, and the attention backend keeps sequences apart. The LM head runs only on the rows
 whose logits are needed.
+
+The other decoder families (Gemma, Phi-3, the mixtures of experts) are this model with a
+different layer, norm or MLP: they override `make_layer` and the checkpoint name mapping.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vacpack.models.base import PackedModel
@@ -28,12 +34,27 @@ from vacpack.models.parallel import (
 )
 from vacpack.models.rotary import RotaryEmbedding
 
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        norm_class: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
-        self.ops = current_layer_ops()
+        ops = current_layer_ops()
+        # The fused rotary kernel rotates whole heads; a partial rotary runs PyTorch's ops.
+        self.rotary_ops = ops if config.partial_rotary_factor == 1.0 else ops.portable()
         self.layer_index = layer_index
+        self.spec = config.attention_spec(layer_index)
         self.num_heads = tp.split(config.num_heads, "attention heads")
         self.num_kv_heads = tp.split(config.num_kv_heads, "key/value heads")
         self.head_dim = config.head_dim
@@ -48,8 +69,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, bias=False, tp=tp
         )
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -66,20 +87,37 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary_qk(q, k, cos_sin)
-        out = ctx.attention.forward(q, k, v, ctx.kv_layer(self.layer_index), ctx.metadata)
+        q, k = self.rotary_ops.rotary_qk(q, k, cos_sin)
+        kv_layer = ctx.kv_layer(self.layer_index)
+        out = ctx.attention.forward(q, k, v, kv_layer, ctx.metadata, self.spec)
         return self.o_proj(out.view(num_tokens, q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    """down(act(gate(x)) * up(x)), gate and up in one matmul. `intermediate_size` overrides the
+    config's (a mixture's experts are narrower); without `reduce_results` the tensor-parallel
+    partial sums are left for the caller to reduce once (a mixture sums its experts first)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
         self.ops = current_layer_ops()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
-        size = config.intermediate_size
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {config.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=False, tp=tp, reduce_results=reduce_results
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = self.ops.mlp_rows_per_pass  # a CPU's caches hold a slice of rows, not all
@@ -88,16 +126,26 @@ class LlamaMLP(nn.Module):
         return torch.cat([self._mlp(part) for part in hidden.split(rows)])
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
+        gate_up = self.gate_up_proj(hidden)
+        if self.is_silu:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -127,23 +175,28 @@ class LlamaForCausalLM(PackedModel):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers)
+            self.make_layer(config, i, tp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
             else LMHead(config.vocab_size, config.hidden_size)
         )
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = RotaryEmbedding(config.rope)
+
+    def make_layer(self, config: ModelConfig, layer_index: int, tp: TensorParallel) -> nn.Module:
+        return LlamaDecoderLayer(config, layer_index, tp)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        return [self.rotary]
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int] | None:
         """Maps a checkpoint tensor name to (our parameter name, shard index); None to skip it."""
@@ -158,7 +211,15 @@ class LlamaForCausalLM(PackedModel):
         return name, 0
 
     def finish_loading(self) -> None:
-        self.rotary.build_cache(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
+        device = self.embed_tokens.weight.device
+        for rotary in self.rotary_embeddings():
+            rotary.build_cache(device, self.embed_tokens.weight.dtype)
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The engine runs sequences of at most max_model_len tokens: the rotary tables cover
+        that many positions, and longrope picks its factors by it."""
+        for rotary in self.rotary_embeddings():
+            rotary.build_cache(rotary.cos_sin.device, rotary.cos_sin.dtype, max_model_len)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

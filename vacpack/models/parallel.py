@@ -37,6 +37,10 @@ class TensorParallel:
 
 SINGLE_RANK = TensorParallel()
 
+# The shard index of a checkpoint tensor that holds all of a merged layer's shards already
+# concatenated (Phi-3's qkv_proj and gate_up_proj): each rank takes its slice of every part.
+ALL_SHARDS = -1
+
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks; each rank keeps its own slice of y.
@@ -62,6 +66,15 @@ class ColumnParallelLinear(nn.Module):
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
         """Copies this rank's slice of checkpoint tensor `shard_index` into its place."""
+        if shard_index == ALL_SHARDS:
+            full_sizes = [size * self.tp.size for size in self.local_shard_sizes]
+            if tensor.shape[0] != sum(full_sizes):
+                raise ValueError(
+                    f"a fused {name} of {tensor.shape[0]} rows does not split into {full_sizes}"
+                )
+            for index, part in enumerate(tensor.split(full_sizes)):
+                self.load_shard(name, part, index)
+            return
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"checkpoint has a {name} this layer does not"
         local_size = self.local_shard_sizes[shard_index]
@@ -96,13 +109,23 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced."""
+    """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced,
+    unless reduce_results is False: then the caller sums several such layers' partial results
+    and reduces once (a mixture of experts)."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, tp: TensorParallel = SINGLE_RANK
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TensorParallel = SINGLE_RANK,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a bias must be added once, after the reduction")
         self.tp = tp
+        self.reduce_results = reduce_results
         self.local_input_size = tp.split(input_size, "input features")
         self.weight = nn.Parameter(
             torch.empty(output_size, self.local_input_size), requires_grad=False
@@ -128,7 +151,7 @@ class RowParallelLinear(nn.Module):
             y = packed_linear(x, self.packed_weight, None)
         else:
             y = F.linear(x, self.weight)
-        if self.tp.size > 1:
+        if self.tp.size > 1 and self.reduce_results:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

@@ -7,6 +7,8 @@ from vacpack.registry import LazyRegistry
 
 _LLAMA = "vacpack.models.llama:LlamaForCausalLM"
 _LLAMA_CLASSIFIER = "vacpack.models.llama_classifier:LlamaForSequenceClassification"
+_GEMMA = "vacpack.models.gemma:GemmaForCausalLM"
+_MOE = "vacpack.models.moe:MoeForCausalLM"
 _DECODER_BODY = "vacpack.models.decoder_embedding:LlamaModel"
 _XLM_ROBERTA = "vacpack.models.xlm_roberta:XLMRobertaModel"
 _XLM_ROBERTA_CLASSIFIER = "vacpack.models.xlm_roberta:XLMRobertaForSequenceClassification"
@@ -18,6 +20,12 @@ ARCHITECTURES: LazyRegistry[type[PackedModel]] = LazyRegistry(
         "MistralForCausalLM": _LLAMA,
         "Qwen2ForCausalLM": _LLAMA,
         "Qwen3ForCausalLM": _LLAMA,
+        "Gemma2ForCausalLM": _GEMMA,
+        "Gemma3ForCausalLM": _GEMMA,
+        "Phi3ForCausalLM": "vacpack.models.phi3:Phi3ForCausalLM",
+        "MixtralForCausalLM": _MOE,
+        "Qwen2MoeForCausalLM": _MOE,
+        "Qwen3MoeForCausalLM": _MOE,
         "LlamaForSequenceClassification": _LLAMA_CLASSIFIER,
         "MistralForSequenceClassification": _LLAMA_CLASSIFIER,
         "Qwen2ForSequenceClassification": _LLAMA_CLASSIFIER,

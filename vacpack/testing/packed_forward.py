@@ -9,7 +9,7 @@ import torch
 
 from vacpack.attention import BatchLayout, create_backend
 from vacpack.models.base import PackedModel
-from vacpack.models.forward_context import ForwardContext
+from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.models.loader import load_hf_config, load_model
 
 CPU = torch.device("cpu")
@@ -28,7 +28,12 @@ def packed_forward(model: PackedModel, sequences: Sequence[Sequence[int]]) -> to
     causal for decoders; no KV cache is kept.
     """
     seq_lens = [len(tokens) for tokens in sequences]
-    layout = BatchLayout(seq_lens, seq_lens, causal=getattr(model, "is_causal", True))
+    layout = BatchLayout(
+        seq_lens,
+        seq_lens,
+        causal=getattr(model, "is_causal", True),
+        attention_windows=attention_windows(model),
+    )
     backend = create_backend("torch_sdpa")
     ctx = ForwardContext(backend, backend.build_metadata(layout, CPU), kv_cache=None)
     token_ids = torch.tensor([token for tokens in sequences for token in tokens])

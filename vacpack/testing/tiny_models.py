@@ -146,6 +146,64 @@ FAMILIES: Mapping[str, FamilySpec] = MappingProxyType(
         # Qwen2's q/k/v biases are hard-wired in the model class, not a config switch.
         "qwen2": FamilySpec("qwen2", True, MappingProxyType({})),
         "qwen3": FamilySpec("qwen3", True, MappingProxyType({"attention_bias": False})),
+        # Windows and caps small enough that tiny prompts cross them and tiny logits reach the
+        # tanh's bend; a query scale other than head_dim's.
+        "gemma2": FamilySpec(
+            "gemma2",
+            True,
+            MappingProxyType(
+                {
+                    "sliding_window": 24,
+                    "query_pre_attn_scalar": 24,
+                    "attn_logit_softcapping": 3.0,
+                    "final_logit_softcapping": 6.0,
+                }
+            ),
+        ),
+        # Layer 0 slides (local rope base 10,000), layer 1 is global (base 1,000,000).
+        "gemma3": FamilySpec(
+            "gemma3_text",
+            True,
+            MappingProxyType(
+                {
+                    "sliding_window": 24,
+                    "query_pre_attn_scalar": 24,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                }
+            ),
+        ),
+        "phi3": FamilySpec("phi3", False, MappingProxyType({})),
+        "mixtral": FamilySpec(
+            "mixtral", False, MappingProxyType({"num_local_experts": 4, "num_experts_per_tok": 2})
+        ),
+        # A shared expert with its gate, top-k weights left unnormalised.
+        "qwen2_moe": FamilySpec(
+            "qwen2_moe",
+            False,
+            MappingProxyType(
+                {
+                    "num_experts": 4,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48,
+                    "norm_topk_prob": False,
+                }
+            ),
+        ),
+        # Eight experts with normalised top-2 weights; layer 1 is a dense MLP.
+        "qwen3_moe": FamilySpec(
+            "qwen3_moe",
+            False,
+            MappingProxyType(
+                {
+                    "num_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "norm_topk_prob": True,
+                    "mlp_only_layers": [1],
+                }
+            ),
+        ),
     }
 )
 
@@ -291,7 +349,8 @@ def build_tiny_checkpoint(
 ) -> Path:
     """Build and save a tiny random-weight checkpoint of one decoder family into out_dir.
 
-    family is one of FAMILIES ("llama", "llama3", "mistral", "qwen2", "qwen3"). The shapes are
+    family is one of FAMILIES ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+    "phi3", "mixtral", "qwen2_moe", "qwen3_moe"). The shapes are
     TinyShape's, the vocabulary is the trained tokenizer's, and config_overrides replace any
     config field. tie_word_embeddings None keeps the family's default (Llama and Mistral untied,
     Qwen tied). max_shard_bytes splits the weights into several safetensors files plus an index.
