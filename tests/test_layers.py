@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"vacpack.models"},
     {"vacpack.attention"},
     {"vacpack.kvcache"},
+    {"vacpack.structured"},  # grammars and token masks; their parameters are a leaf
     {"vacpack.detokenizer", "vacpack.sampling", "vacpack.device"},
     {"vacpack.tuning"},
     {
@@ -35,6 +36,7 @@ LAYERS: list[set[str]] = [
         "vacpack.pinned_staging",
         "vacpack.registry",
         "vacpack.output_file",
+        "vacpack.structured.params",
     },
     {"vacpack.errors"},
 ]
@@ -90,10 +92,16 @@ def _imports(source: str, name: str, is_package: bool, modules: set[str]) -> set
 
 
 def _layer_of(module: str) -> int:
-    for index, layer in enumerate(LAYERS):
-        if any(module == top or module.startswith(top + ".") for top in layer):
-            return index
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    """The layer of the longest LAYERS entry that is the module or a package holding it."""
+    matches = [
+        (len(top), index)
+        for index, layer in enumerate(LAYERS)
+        for top in layer
+        if module == top or module.startswith(top + ".")
+    ]
+    if not matches:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return max(matches)[1]
 
 
 def _top_package(module: str) -> str:

@@ -90,9 +90,10 @@ class LLM:
         batch = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(batch))
         encoded = [self._encode(prompt) for prompt in batch]
-        for index, (_, token_ids) in enumerate(encoded):
+        for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list, strict=True)):
             try:
                 self.engine.validate_prompt(token_ids)
+                self.engine.structured.check(params)
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
         return self._run(encoded, params_list, use_tqdm)
@@ -104,8 +105,10 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to conversations rendered by the tokenizer's chat template."""
+        """Generates replies to conversations rendered by the tokenizer's chat template, which
+        also gets `tools` (OpenAI function tools) when given."""
         conversations: list[Conversation]
         if messages and isinstance(messages[0], Mapping):
             conversations = [cast(Conversation, messages)]
@@ -118,6 +121,7 @@ class LLM:
                     list(conversation),
                     add_generation_prompt=add_generation_prompt,
                     chat_template=chat_template,
+                    **({"tools": tools} if tools else {}),
                 )
             }
             for conversation in conversations

@@ -30,6 +30,7 @@ from vacpack.openai_api.requests import PreparedGeneration, prepare_completion
 from vacpack.output_file import RecordSink, StreamWriter, check_input_file, open_output
 from vacpack.outputs import RequestOutput, RequestOutputKind
 from vacpack.sampling import SamplingParams
+from vacpack.structured.params import StructuredOutputsParams
 
 GENERATE_RECORD_START = b'{"index":'
 _RECORD_KEYS = frozenset({"index", "line", "prompt", "outputs", "error"})
@@ -129,8 +130,17 @@ def request_defaults(params: SamplingParams) -> dict[str, Any]:
         "stop_token_ids": list(params.stop_token_ids) or None,
         "ignore_eos": params.ignore_eos,
         "logprobs": params.logprobs,
+        "structured_outputs": _structured_fields(params.structured_outputs),
     }
     return {name: value for name, value in fields.items() if value is not None}
+
+
+def _structured_fields(constraint: StructuredOutputsParams | None) -> dict[str, Any] | None:
+    """A constraint as a request's "structured_outputs" object carries it."""
+    if constraint is None:
+        return None
+    value = getattr(constraint, constraint.kind)
+    return {constraint.kind: list(value) if isinstance(value, tuple) else value}
 
 
 @dataclass(frozen=True)

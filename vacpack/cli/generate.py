@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,15 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--logprobs", type=int, default=None)
+    group.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='constrain every output, e.g. \'{"json": {"type": "object"}}\' or \'{"choice": '
+        '["yes", "no"]}\' (keys: json, json_object, regex, choice, grammar); a JSONL input '
+        'line\'s own "structured_outputs" (or "response_format") wins',
+    )
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -62,6 +72,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        structured_outputs=args.structured_outputs,
     )
 
 
