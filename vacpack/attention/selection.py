@@ -146,6 +146,7 @@ def select_backend(
         budget_s=BACKEND_BUDGET_S,
     )
     chosen = backend_choice.chosen
+    options_of(chosen)  # measured before the cascade, whose candidates are built with them
     options: dict[str, Any] = {}
     if isinstance(workload, DecodeBatchShape):
         cascade_choice = _choose_cascade(chosen, device, shapes, workload, build, measure)
