@@ -286,3 +286,19 @@ def test_the_timed_calls_run_the_candidates_on_the_same_inputs(dtype: torch.dtyp
         for layers in outputs.values():
             for got, expected in zip(layers, reference, strict=True):
                 torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
+
+
+def test_a_candidate_that_cannot_run_raises_its_error_at_every_call() -> None:
+    def no_backend() -> selection.AttentionBackend:
+        raise RuntimeError("the C library did not build")
+
+    calls = selection.timed_calls(
+        {"broken": no_backend, "sdpa": lambda: selection.create_backend("torch_sdpa")},
+        SHORT,
+        BIN,
+        CPU,
+    )
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="did not build"):
+            calls["broken"]()
+    assert calls["sdpa"]()[0].shape == (BIN.num_seqs * BIN.seq_len, 4, 32)

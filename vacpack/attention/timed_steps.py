@@ -8,9 +8,11 @@ or an encoder's batch); a decode batch is one query token per sequence over a pa
 prefix all of them share (the pages prefix caching leaves for a shared system prompt).
 
 A call runs every distinct kind of layer once (a model whose layers alternate sliding windows
-runs one of each). The backend and the step's metadata are built by a call's first run (the
-warm-up; the engine too builds metadata once per step for all layers), so that a backend that
-cannot build them is a candidate that raises.
+runs one of each). Each candidate's backend and step metadata are built, and its layers run
+once, when the calls are made, before any timing: the engine too builds metadata once per step
+for all layers, and a first run's one-time costs (a Triton kernel's compilation, oneDNN
+primitives) must not count against it even where the time budget leaves no timed round after
+the timer's own warm-up. A candidate that failed there raises the same error at every call.
 """
 
 from __future__ import annotations
@@ -181,20 +183,25 @@ class _LayerCall:
         inputs: _Inputs,
         specs: tuple[AttentionSpec, ...],
     ) -> None:
-        self._make_backend = make_backend
         self._inputs = inputs
         self._specs = specs
-        self._prepared: tuple[AttentionBackend, object] | None = None
+        self._error: Exception | None = None
+        try:
+            self._backend = make_backend()
+            self._metadata = self._backend.build_metadata(inputs.layout, inputs.q.device)
+            self()
+        except Exception as error:  # a candidate that cannot run here is ruled out, not fatal
+            self._error = error
 
     def __call__(self) -> list[torch.Tensor]:
+        if self._error is not None:
+            raise self._error
         inputs = self._inputs
-        if self._prepared is None:
-            backend = self._make_backend()
-            self._prepared = backend, backend.build_metadata(inputs.layout, inputs.q.device)
-        backend, metadata = self._prepared
         with torch.inference_mode():
             outs = [
-                backend.forward(inputs.q, inputs.k, inputs.v, inputs.kv_layer, metadata, spec)
+                self._backend.forward(
+                    inputs.q, inputs.k, inputs.v, inputs.kv_layer, self._metadata, spec
+                )
                 for spec in self._specs
             ]
         if inputs.q.device.type == "cuda":
