@@ -120,7 +120,7 @@ def select_backend(
     @functools.cache
     def options_of(backend_name: str) -> tuple[tuple[str, Any], ...]:
         """The measured options of a backend, measured when first asked for."""
-        if backend_name != "torch_sdpa":
+        if "blocked_prefill" not in SPECS_BY_NAME[backend_name].options:
             return ()
         choice = _choose_sdpa_prefill(device, shapes, workload, measure)
         if choice is None:
