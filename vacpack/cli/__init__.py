@@ -48,12 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(run_batch)
     add_batch_args(run_batch)
     run_batch.set_defaults(handler=cmd_run_batch)
+
+    from vacpack.cli.ray import RAY_COMMANDS, add_ray_args
+
+    for name in RAY_COMMANDS:
+        add_ray_args(commands.choices[name], name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "ray", False):
+            from vacpack.cli.ray import run_ray_command
+
+            return run_ray_command(args, engine_kwargs(args))
         return int(args.handler(args))
     except ValueError as error:
         print(f"vacpack {args.command}: error: {error}", file=sys.stderr)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
+from vacpack.corpus.input_fields import TEXT_KEYS
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.tasks import (
     ClassifyTask,
@@ -25,8 +26,6 @@ from vacpack.corpus.tasks import (
     resolve_prompt,
 )
 from vacpack.llm import LLM
-
-TEXT_KEYS = ("text", "input", "prompt")
 
 
 def read_corpus(path: Path, task: str) -> Iterator[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -13,6 +14,7 @@ from vacpack.cli.engine_args import add_engine_args, engine_kwargs
 from vacpack.llm import LLM
 from vacpack.outputs import RequestOutput
 from vacpack.sampling import SamplingParams
+from vacpack.structured.params import StructuredOutputsParams
 
 
 def add_generate_command(commands: argparse._SubParsersAction) -> None:
@@ -42,9 +44,18 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--logprobs", type=int, default=None)
+    group.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='constrain every output, e.g. \'{"json": {"type": "object"}}\' or \'{"choice": '
+        '["yes", "no"]}\' (keys: json, json_object, regex, choice, grammar); a JSONL input '
+        'line\'s own "structured_outputs" wins',
+    )
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         n=args.n,
         max_tokens=args.max_tokens,
@@ -60,11 +71,13 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        structured_outputs=args.structured_outputs,
     )
 
 
-def read_prompts(path: Path) -> Iterator[str]:
-    """Prompts from JSONL ({"prompt": ...} or {"text": ...} per line) or plain text lines."""
+def read_prompts(path: Path) -> Iterator[tuple[str, StructuredOutputsParams | None]]:
+    """(prompt, structured_outputs or None) from JSONL ({"prompt": ...} or {"text": ...} per
+    line, optionally with "structured_outputs": {...}) or plain text lines."""
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             line = line.rstrip("\n")
@@ -80,22 +93,35 @@ def read_prompts(path: Path) -> Iterator[str]:
                 )
                 if not isinstance(text, str):
                     raise ValueError(f'{path}:{number}: expected {{"prompt": "..."}}')
-                yield text
+                structured = record.get("structured_outputs")
+                if structured is not None:
+                    try:
+                        structured = StructuredOutputsParams.from_dict(structured)
+                    except ValueError as error:
+                        raise ValueError(f"{path}:{number}: {error}") from None
+                yield text, structured
             else:
-                yield line
+                yield line, None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    prompts = list(args.prompt or [])
+    records: list[tuple[str, StructuredOutputsParams | None]] = [
+        (prompt, None) for prompt in args.prompt or []
+    ]
     if args.input:
-        prompts.extend(read_prompts(Path(args.input)))
-    if not prompts:
+        records.extend(read_prompts(Path(args.input)))
+    if not records:
         print("vacpack generate: give --prompt TEXT or --input FILE", file=sys.stderr)
         return 2
-    params = _sampling_params(args)
+    params = sampling_params_from_args(args)
+    prompts = [prompt for prompt, _ in records]
+    params_list = [
+        params if structured is None else dataclasses.replace(params, structured_outputs=structured)
+        for _, structured in records
+    ]
     llm = LLM(args.model, **engine_kwargs(args))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    outputs = llm.generate(prompts, params_list, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
     sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
     try:

@@ -32,12 +32,16 @@ from vacpack.engine.timeline import StepTimeline, StepTiming
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
+from vacpack.structured.manager import StructuredOutputManager
+from vacpack.structured.token_masks import StepTokenMasks
 
 logger = logging.getLogger(__name__)
 
 # A step's token budget when none is given: large enough that prefill matmuls run near the
 # device's peak, small enough that decodes sharing the step are not held up for long.
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+# With nothing to run until a grammar is compiled, a step waits this long for one at most.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class _LaunchedStep:
     handle: StepHandle
     prepare_start_s: float
     launch_s: float
+    token_masks: StepTokenMasks | None  # constrained rows' masks; maybe filled after launch
 
 
 class LLMEngine:
@@ -93,6 +98,9 @@ class LLMEngine:
                 device,
             )
         self.sampler = Sampler(model_config.vocab_size, device, seed=config.seed)
+        self.structured = StructuredOutputManager(
+            loaded.tokenizer, model_config.vocab_size, loaded.eos_token_ids, device
+        )
         self.runner = ModelRunner(
             loaded.model,
             self.kv_cache,
@@ -166,6 +174,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        grammar = self.structured.check(params)
         request = build_request(
             request_id,
             prompt,
@@ -177,6 +186,8 @@ class LLMEngine:
             device=self.loaded.device,
             prompt_logprobs_start=prompt_logprobs_start,
         )
+        for sequence in request.sequences:
+            sequence.constraints = self.structured.constraints_for(sequence.params, grammar)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -197,9 +208,18 @@ class LLMEngine:
         scheduling the outputs are those of the step launched by the previous call."""
         prepare_start_s = time.perf_counter()
         schedule = self.scheduler.schedule()
-        outputs = self._read_in_flight() if _reads_its_outputs(schedule) else []
+        masks_may_wait = self.executor.work_may_wait_for_host
+        outputs = self._read_in_flight() if _reads_its_outputs(schedule, masks_may_wait) else []
         launched = self._launch(schedule.without_finished(), prepare_start_s)
-        outputs += self._read_in_flight()
+        if launched is None and self._in_flight is None:
+            self.structured.wait_for_grammars(GRAMMAR_WAIT_S)
+        try:
+            outputs += self._read_in_flight()
+        finally:
+            if launched is not None and launched.token_masks is not None:
+                # The masks that needed the tokens just read; the device waits for them to
+                # sample, after the step's forward.
+                self.structured.fill(launched.token_masks, launched.prepared.sampled_sequences)
         self._in_flight = launched
         if not self.async_scheduling:
             outputs += self._read_in_flight()
@@ -227,12 +247,19 @@ class LLMEngine:
             return None
         with self.executor.stream_context():
             prepared = self.runner.prepare(schedule.chunks)
+            token_masks = self.structured.step_masks(prepared.sampled_sequences)
             launch_s = time.perf_counter()
-            handle = self.executor.launch(lambda: self.runner.run(prepared))
+            handle = self.executor.launch(lambda: self.runner.run(prepared, token_masks))
         self.scheduler.on_launch(schedule.chunks, prepared.sampled_sequences, prepared.placeholders)
         self._num_launched_steps += 1
         return _LaunchedStep(
-            self._num_launched_steps - 1, schedule, prepared, handle, prepare_start_s, launch_s
+            self._num_launched_steps - 1,
+            schedule,
+            prepared,
+            handle,
+            prepare_start_s,
+            launch_s,
+            token_masks,
         )
 
     def _read_in_flight(self) -> list[RequestOutput]:
@@ -246,6 +273,7 @@ class LLMEngine:
         update = self.scheduler.update_from_output(launched.schedule.chunks, result)
         outputs = [o for request in update.requests if (o := make_output(request)) is not None]
         process_end_s = time.perf_counter()
+        masks = launched.token_masks
         self.stats.record_step(
             result.num_tokens, update.num_generated_tokens, len(launched.schedule.preempted)
         )
@@ -264,6 +292,8 @@ class LLMEngine:
                 num_preempted=len(launched.schedule.preempted),
                 kv_pages_used=self.page_pool.num_used_pages,
                 kv_pages_total=self.page_pool.num_pages,
+                mask_fill_start_s=masks.fill_start_s if masks else 0.0,
+                mask_fill_end_s=masks.fill_end_s if masks else 0.0,
             )
         )
         return outputs
@@ -275,10 +305,20 @@ def _resolve_async_scheduling(setting: bool | None, device: torch.device) -> boo
     return device.type == "cuda" if setting is None else setting
 
 
-def _reads_its_outputs(schedule: SchedulerOutput) -> bool:
+def _reads_its_outputs(schedule: SchedulerOutput, masks_may_wait: bool) -> bool:
     """True when a scheduled sequence's sampling reads its earlier output tokens on the host
-    (penalties) and one of them is still being sampled: the running step must be read first."""
+    and one of them is still being sampled, so the running step must be read first: penalties
+    count them; a grammar's (or a multi-token bad word's) mask depends on them, unless the
+    device work may wait for the host to fill the masks after launch (masks_may_wait)."""
     return any(
-        chunk.sequence.num_pending_tokens and chunk.sequence.params.has_penalties
+        chunk.sequence.num_pending_tokens
+        and (
+            chunk.sequence.params.has_penalties
+            or (
+                not masks_may_wait
+                and chunk.sequence.constraints is not None
+                and chunk.sequence.constraints.needs_known_outputs
+            )
+        )
         for chunk in schedule.chunks
     )

@@ -34,6 +34,7 @@ from vacpack.kvcache.paged_cache import PagedKVCache
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.pinned_staging import PinnedStager
+from vacpack.structured.token_masks import StepTokenMasks
 
 # Prompt-logprob rows go through the LM head and log-softmax this many at a time, so a long
 # prompt chunk never materialises [chunk, vocab] float32 logits at once.
@@ -171,9 +172,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, step: PreparedStep) -> _DeviceOutput:
+    def run(self, step: PreparedStep, masks: StepTokenMasks | None = None) -> _DeviceOutput:
         """Device work: copy inputs, run the model, sample, start the copies of the results to
-        the host. Nothing here waits for the device."""
+        the host. Nothing here waits for the device; with token masks the host has not filled
+        yet, sampling waits for them after the forward."""
         token_ids, positions, sample_rows, future_slots = self.stager.stage(
             [step.token_ids, step.positions, step.sample_rows, step.future_slots]
         )
@@ -195,7 +197,7 @@ class ModelRunner:
             # In the model's dtype: the sampler widens them to float32 only where it needs to
             # (greedy rows without penalties or logprobs take the argmax as they are).
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows), dtype=None)
-            sampler_output = self.sampler(logits, step.sampling_rows)
+            sampler_output = self.sampler(logits, step.sampling_rows, masks)
             self.future_tokens.index_copy_(0, future_slots, sampler_output.sampled_token_ids)
             sampler_output = _to_host(sampler_output)
         prompt_logprobs = [
@@ -243,7 +245,10 @@ class ModelRunner:
 def _sampling_row(sequence: Sequence) -> SamplingRow:
     params = sequence.params
     # Counted with the tokens still being sampled: this row samples the token after them.
-    too_short = sequence.num_scheduled_output_tokens < params.min_tokens
+    # A grammar decides itself where its output may end.
+    too_short = sequence.num_scheduled_output_tokens < params.min_tokens and not (
+        params.structured_outputs is not None
+    )
     suppress = sequence.stop_token_ids if too_short else frozenset()
     return SamplingRow(
         params=params,

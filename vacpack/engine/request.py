@@ -19,6 +19,7 @@ from vacpack.engine.sampler import make_request_generator
 from vacpack.kvcache.page_pool import page_hashes
 from vacpack.outputs import PositionLogprobs, RequestMetrics
 from vacpack.sampling import SamplingParams
+from vacpack.structured.constraints import SequenceConstraints
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +58,8 @@ class Sequence:
     # The first prompt position whose logprob is wanted: positions before it may come from
     # the prefix cache (continuation scoring needs only the continuation's logprobs).
     prompt_logprobs_start: int = 1
+    # A grammar, allowed / banned tokens, biases (vacpack.structured); None when unconstrained.
+    constraints: SequenceConstraints | None = None
     # Page hashes this sequence has announced as being computed and not yet indexed.
     in_flight_hashes: set[int] = field(default_factory=set, repr=False)
     _token_page_hashes: list[int] = field(default_factory=list, repr=False)

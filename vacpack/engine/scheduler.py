@@ -9,9 +9,10 @@ the front of the queue to be recomputed later. Earlier sequences are never preem
 ones, so none starves, and as the cache holds at least one whole sequence there is no deadlock.
 
 A waiting sequence whose next uncached page is being computed right now by a running one waits
-for it (the one exception to first come, first served; see PageManager), so sequences that share
+for it (an exception to first come, first served; see PageManager), so sequences that share
 a prefix and arrive together (n > 1 samples, a common system prompt, few-shot contexts) compute
-it once.
+it once. The other exception: a sequence whose grammar is still being compiled (structured
+outputs) waits, and the sequences behind it go first.
 
 Lengths advance when a step is launched, before its tokens are known (`on_launch`): with async
 scheduling the next step is scheduled while this one still runs, its sampled tokens stand in the
@@ -137,6 +138,9 @@ class Scheduler:
             sequence = self.waiting[position]
             if sequence.num_pending_tokens:
                 break  # preempted with a token still being sampled: readmitted once it is read
+            if sequence.constraints is not None and not sequence.constraints.is_ready:
+                position += 1  # its grammar is being compiled: the sequences behind it go first
+                continue
             if self.pages.next_page_in_flight(sequence):
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
@@ -209,7 +213,11 @@ class Scheduler:
                 sequence.metrics.first_token_time = now
             if sequence.logprobs is not None:
                 _record_logprobs(sequence, token_id, row, result)
-            stop = check_stop(sequence, token_id)
+            constraints = sequence.constraints
+            advance = "continue" if constraints is None else constraints.advance(token_id)
+            stop = check_stop(sequence, token_id, output_complete=advance == "complete")
+            if stop is None and advance == "refused":
+                stop = ("abort", None)
             if stop is not None:
                 self._finish(sequence, *stop)
         requests: dict[str, Request] = {}

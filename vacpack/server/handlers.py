@@ -132,7 +132,13 @@ class OpenAIHandlers:
         self._check_model(request.model)
         self._require_generation()
         output_kind = RequestOutputKind.DELTA
-        return prepare_generation(request, self.tokenizer, self.max_model_len, output_kind)
+        return prepare_generation(
+            request,
+            self.tokenizer,
+            self.max_model_len,
+            output_kind,
+            tool_call_parser=self.config.tool_call_parser,
+        )
 
     async def _generate(
         self, raw: Request, prepared: PreparedGeneration, response_id: str
