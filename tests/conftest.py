@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,15 @@ from vacpack.testing.tiny_models import build_tiny_checkpoint, build_tokenizer
 from vacpack.tokenizer import load_tokenizer
 
 TinyCheckpointFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _measured_choices_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Choices measured while the tests run are cached apart from the user's and benchmarks':
+    never read from a machine's earlier runs. Tests of the selection itself set their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path_factory.mktemp("measured_choices")))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vacpack.attention import select_backend
 from vacpack.config import EngineConfig
+from vacpack.engine.attention_choice import select_engine_attention
 from vacpack.engine.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from vacpack.engine.kv_setup import allocate_kv_cache
 from vacpack.engine.model_runner import ModelRunner, PreparedStep
@@ -29,7 +29,6 @@ from vacpack.engine.state import EngineSetup, EngineState
 from vacpack.engine.stats import EngineStats
 from vacpack.engine.step_executor import StepHandle, create_executor
 from vacpack.engine.timeline import StepTimeline, StepTiming
-from vacpack.models.forward_context import attention_specs
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
@@ -73,13 +72,8 @@ class LLMEngine:
             device.type, 2048
         )
         model_config = loaded.config
-        self.attention = select_backend(
-            config.attention_backend,
-            device,
-            loaded.dtype,
-            model_config.head_dim,
-            specs=attention_specs(loaded.model),
-        )
+        selected = select_engine_attention(config, loaded, self.max_num_batched_tokens)
+        self.attention = selected.backend
         self.kv_sizing, self.kv_cache, self.page_pool = allocate_kv_cache(
             config, loaded, self.attention, self.max_num_batched_tokens
         )
@@ -133,6 +127,7 @@ class LLMEngine:
             kv_cache_source=self.kv_sizing.source,
             cuda_graph_batch_sizes=tuple(graph_runner.buckets) if graph_runner else (),
             cuda_graph_memory_bytes=graph_memory_bytes,
+            measured_choices=selected.choices,
         )
         self._in_flight: _LaunchedStep | None = None
         self._num_launched_steps = 0

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from vacpack.models.base import PackedModel, ShardedParameters
-from vacpack.models.layer_ops import select_layer_ops, use_layer_ops
+from vacpack.models.layer_ops import LayerOps, select_layer_ops, use_layer_ops
 from vacpack.models.parallel import prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
@@ -87,18 +87,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> PackedModel:
+def load_model(
+    model_dir: Path,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_ops: LayerOps | None = None,
+) -> PackedModel:
     """Builds the model on the meta device, then streams each checkpoint tensor into place.
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
-    tensor is read from its file, cast, and copied into its (merged, sharded) slot.
+    tensor is read from its file, cast, and copied into its (merged, sharded) slot. The layers
+    run `layer_ops` (default: the preferred ops for the device and dtype).
     """
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{str(model_dir)!r}: config.json names no architectures")
     model_class = model_class_for(architectures[0])
     config = model_class.config_class.from_hf(hf_config)
-    with torch.device("meta"), use_layer_ops(select_layer_ops(device, dtype)):
+    layer_ops = layer_ops or select_layer_ops(device, dtype)
+    with torch.device("meta"), use_layer_ops(layer_ops):
         model = model_class(config).to(dtype)
     model = model.to_empty(device=device)
     expected = {name for name, _ in model.named_parameters()}
