@@ -27,6 +27,15 @@ from vacpack.tokenizer import load_tokenizer
 TinyCheckpointFactory = Callable[..., Path]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _measured_choices_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Choices measured while the tests run are cached apart from the user's and benchmarks':
+    never read from a machine's earlier runs. Tests of the selection itself set their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path_factory.mktemp("measured_choices")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpointFactory:
     """Factory `(family, **build_tiny_checkpoint_kwargs) -> checkpoint dir`, built once per session.

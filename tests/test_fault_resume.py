@@ -8,6 +8,7 @@ vacpack imported, so that a dozen restarts take seconds) on a tiny float32 model
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,7 +27,9 @@ from cli_zygote import Finished, Zygote
 
 from vacpack.errors import ExitCode
 
-NUM_REQUESTS = 24
+NUM_REQUESTS = 48
+# A kill lands before this many records are left, so no run ends before its kills.
+MIN_RECORDS_LEFT = 12
 KILLS_PER_COMMAND = 5
 ENGINE_FLAGS = [
     "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-bytes", str(2 << 20),
@@ -75,7 +78,8 @@ def _batch_key(record: dict[str, Any]) -> str:
 
 def _generate_job(model: Path, directory: Path, output_dir: Path | None = None) -> Job:
     lines = [
-        json.dumps({"prompt": f"{i}: {PROMPT_TEXT}", "max_tokens": 2 + i % 3, "ignore_eos": True})
+        # Long enough (~0.5 s in all) for kills to land between the records' writes.
+        json.dumps({"prompt": f"{i}: {PROMPT_TEXT}", "max_tokens": 12 + i % 5, "ignore_eos": True})
         for i in range(NUM_REQUESTS - 2)
     ]
     lines += ["{not json", json.dumps({"prompt": "x", "temperature": -5})]
@@ -120,12 +124,16 @@ def _run_killing_at_random_points(
         if rng.random() < 0.25:  # somewhere in start-up, model loading or the first steps
             time.sleep(rng.uniform(0.0, 0.5))
         else:  # after a few more results, at a random moment between two writes or in one
-            target = num_lines_before + rng.randint(1, 4)
+            target = min(
+                num_lines_before + rng.randint(1, 4), len(job.expected_keys) - MIN_RECORDS_LEFT
+            )
             deadline = time.monotonic() + 30
             while _num_lines(job.output) < target and time.monotonic() < deadline:
                 time.sleep(0.002)
             time.sleep(rng.uniform(0.0, 0.01))
-        os.kill(pid, signal.SIGKILL)  # an exited child is a zombie until the zygote reaps it
+        # The child may have ended (and been reaped by the zygote) before the kill: wait() says how.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         finished = zygote.wait()
         if finished.status == 0:
             break  # it finished before the kill landed

@@ -14,12 +14,15 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from vacpack.attention import AttentionShapes
 from vacpack.config import EngineConfig
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.host_memory import keep_freed_host_memory
 from vacpack.models.base import PackedModel
 from vacpack.models.cpu_dtype import choose_cpu_dtype, timed_linear_shape
+from vacpack.models.forward_context import attention_specs
 from vacpack.models.hub import resolve_model_path
+from vacpack.models.layer_ops_choice import LayerShapes, choose_layer_ops
 from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 from vacpack.tuning import MeasuredChoice
@@ -36,13 +39,26 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
-    # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU), with the
-    # timings that chose it: for job reports and /metrics.
+    # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU, the layers'
+    # elementwise ops), with the timings that chose it: for job reports and /metrics.
     measured_choices: tuple[MeasuredChoice, ...] = ()
 
     @property
     def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
         return self.model.config
+
+    @property
+    def attention_shapes(self) -> AttentionShapes:
+        """What attention backends are timed at for this model (attention/selection.py)."""
+        config = self.config
+        return AttentionShapes(
+            num_heads=config.num_heads,
+            num_kv_heads=getattr(config, "num_kv_heads", config.num_heads),
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            specs=attention_specs(self.model),
+            max_model_len=self.max_model_len,
+        )
 
     @property
     def is_decoder(self) -> bool:
@@ -63,7 +79,10 @@ def load(config: EngineConfig) -> LoadedModel:
         trust_remote_code=config.trust_remote_code,
         revision=config.revision,
     )
-    model = load_model(model_dir, hf_config, dtype, device)
+    layer_ops, layer_ops_choices = choose_layer_ops(
+        device, LayerShapes.from_hf(hf_config, dtype), dtype
+    )
+    model = load_model(model_dir, hf_config, dtype, device, layer_ops)
     # A RoPE scaling may stretch a decoder's context past max_position_embeddings.
     model_limit = getattr(model.config, "max_context_len", model.config.max_position_embeddings)
     max_model_len = _max_model_len(config, model_limit)
@@ -78,7 +97,7 @@ def load(config: EngineConfig) -> LoadedModel:
         device=device,
         dtype=dtype,
         max_model_len=max_model_len,
-        measured_choices=(dtype_choice,) if dtype_choice is not None else (),
+        measured_choices=(*([dtype_choice] if dtype_choice else []), *layer_ops_choices),
     )
 
 

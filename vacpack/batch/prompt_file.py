@@ -126,8 +126,9 @@ def request_defaults(params: SamplingParams) -> dict[str, Any]:
         "frequency_penalty": params.frequency_penalty,
         "repetition_penalty": params.repetition_penalty,
         "seed": params.seed,
-        "stop": list(params.stop) or None,
-        "stop_token_ids": list(params.stop_token_ids) or None,
+        # Normalised to tuples by SamplingParams.__post_init__.
+        "stop": list(params.stop or ()) or None,
+        "stop_token_ids": list(params.stop_token_ids or ()) or None,
         "ignore_eos": params.ignore_eos,
         "logprobs": params.logprobs,
         "structured_outputs": _structured_fields(params.structured_outputs),
@@ -277,7 +278,7 @@ class PromptFileRunner:
             }
             for completion in output.outputs
         ]
-        self._num_output_tokens += sum(c["num_tokens"] for c in completions)
+        self._num_output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
         prompt = output.prompt if output.prompt is not None else (line.fields or {}).get("prompt")
         record = {"index": line.index, "line": line.line_number, "prompt": prompt}
         self._write({**record, "outputs": completions}, failed=False)

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vacpack.attention import select_backend
 from vacpack.config import EngineConfig
+from vacpack.engine.attention_choice import select_engine_attention
 from vacpack.engine.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from vacpack.engine.kv_setup import allocate_kv_cache
 from vacpack.engine.model_runner import ModelRunner, PreparedStep
-from vacpack.engine.request import build_request
+from vacpack.engine.request import build_request, check_prompt
 from vacpack.engine.request_outputs import make_output
 from vacpack.engine.sampler import Sampler
 from vacpack.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -29,7 +29,6 @@ from vacpack.engine.state import EngineSetup, EngineState
 from vacpack.engine.stats import EngineStats
 from vacpack.engine.step_executor import StepHandle, create_executor
 from vacpack.engine.timeline import StepTimeline, StepTiming
-from vacpack.models.forward_context import attention_specs
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
@@ -73,13 +72,8 @@ class LLMEngine:
             device.type, 2048
         )
         model_config = loaded.config
-        self.attention = select_backend(
-            config.attention_backend,
-            device,
-            loaded.dtype,
-            model_config.head_dim,
-            specs=attention_specs(loaded.model),
-        )
+        selected = select_engine_attention(config, loaded, self.max_num_batched_tokens)
+        self.attention = selected.backend
         self.kv_sizing, self.kv_cache, self.page_pool = allocate_kv_cache(
             config, loaded, self.attention, self.max_num_batched_tokens
         )
@@ -133,6 +127,7 @@ class LLMEngine:
             kv_cache_source=self.kv_sizing.source,
             cuda_graph_batch_sizes=tuple(graph_runner.buckets) if graph_runner else (),
             cuda_graph_memory_bytes=graph_memory_bytes,
+            measured_choices=selected.choices,
         )
         self._in_flight: _LaunchedStep | None = None
         self._num_launched_steps = 0
@@ -149,21 +144,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests in
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raises ValueError for a prompt the engine cannot run; call before add_request."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab_size = self.loaded.config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(
-                f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}"
-            )
-        max_model_len = self.loaded.max_model_len
-        if len(prompt_token_ids) >= max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but the context is "
-                f"max_model_len={max_model_len} tokens: at most {max_model_len - 1} "
-                "prompt tokens leave room for one output token"
-            )
+        check_prompt(prompt_token_ids, self.loaded.config.vocab_size, self.loaded.max_model_len)
 
     def add_request(
         self,
@@ -213,18 +194,10 @@ class LLMEngine:
         scheduling the outputs are those of the step launched by the previous call."""
         prepare_start_s = time.perf_counter()
         schedule = self.scheduler.schedule()
-        masks_may_wait = self.executor.work_may_wait_for_host
-        outputs = self._read_in_flight() if _reads_its_outputs(schedule, masks_may_wait) else []
+        must_read_first = schedule.reads_known_outputs(self.executor.work_may_wait_for_host)
+        outputs = self._read_in_flight() if must_read_first else []
         launched = self._launch(schedule.without_finished(), prepare_start_s)
-        if launched is None and self._in_flight is None:
-            self.structured.wait_for_grammars(GRAMMAR_WAIT_S)
-        try:
-            outputs += self._read_in_flight()
-        finally:
-            if launched is not None and launched.token_masks is not None:
-                # The masks that needed the tokens just read; the device waits for them to
-                # sample, after the step's forward.
-                self.structured.fill(launched.token_masks, launched.prepared.sampled_sequences)
+        outputs += self._read_previous(launched)
         self._in_flight = launched
         if not self.async_scheduling:
             outputs += self._read_in_flight()
@@ -267,6 +240,17 @@ class LLMEngine:
             token_masks,
         )
 
+    def _read_previous(self, launched: _LaunchedStep | None) -> list[RequestOutput]:
+        """Reads the step launched before `launched`, then fills `launched`'s token masks that
+        needed its tokens (the device waits for them to sample, after the step's forward)."""
+        if launched is None and self._in_flight is None:
+            self.structured.wait_for_grammars(GRAMMAR_WAIT_S)  # nothing runs until one compiles
+        try:
+            return self._read_in_flight()
+        finally:
+            if launched is not None and launched.token_masks is not None:
+                self.structured.fill(launched.token_masks, launched.prepared.sampled_sequences)
+
     def _read_in_flight(self) -> list[RequestOutput]:
         """Waits for the launched step's results (if any) and applies them to its requests."""
         launched, self._in_flight = self._in_flight, None
@@ -308,22 +292,3 @@ def _resolve_async_scheduling(setting: bool | None, device: torch.device) -> boo
     """On by default where the device runs while the host works (CUDA). On a CPU the host and
     the "device" share the same cores, so it stays off unless asked for."""
     return device.type == "cuda" if setting is None else setting
-
-
-def _reads_its_outputs(schedule: SchedulerOutput, masks_may_wait: bool) -> bool:
-    """True when a scheduled sequence's sampling reads its earlier output tokens on the host
-    and one of them is still being sampled, so the running step must be read first: penalties
-    count them; a grammar's (or a multi-token bad word's) mask depends on them, unless the
-    device work may wait for the host to fill the masks after launch (masks_may_wait)."""
-    return any(
-        chunk.sequence.num_pending_tokens
-        and (
-            chunk.sequence.params.has_penalties
-            or (
-                not masks_may_wait
-                and chunk.sequence.constraints is not None
-                and chunk.sequence.constraints.needs_known_outputs
-            )
-        )
-        for chunk in schedule.chunks
-    )

@@ -196,6 +196,21 @@ class Request:
         return self.sequences[0].params
 
 
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Raises ValueError for a prompt no engine of this model can run."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens, but the context is "
+            f"max_model_len={max_model_len} tokens: at most {max_model_len - 1} "
+            "prompt tokens leave room for one output token"
+        )
+
+
 def build_request(
     request_id: str,
     prompt: str | None,

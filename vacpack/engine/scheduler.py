@@ -55,6 +55,22 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(chunk.num_new_tokens for chunk in self.chunks)
 
+    def reads_known_outputs(self, masks_may_wait: bool) -> bool:
+        """True when a scheduled sequence's sampling reads its earlier output tokens on the
+        host and one of them is still being sampled, so the running step must be read first:
+        penalties count them; a grammar's (or a multi-token bad word's) mask depends on them,
+        unless the device work may wait for the host to fill the masks after launch."""
+        for chunk in self.chunks:
+            sequence = chunk.sequence
+            if not sequence.num_pending_tokens:
+                continue
+            constraints = sequence.constraints
+            if sequence.params.has_penalties or (
+                not masks_may_wait and constraints is not None and constraints.needs_known_outputs
+            ):
+                return True
+        return False
+
     def without_finished(self) -> SchedulerOutput:
         """The chunks of sequences still unfinished (a step read since may have ended some)."""
         chunks = [chunk for chunk in self.chunks if not chunk.sequence.is_finished]

@@ -17,7 +17,7 @@ from vacpack.errors import (
     WeightsMismatchError,
 )
 from vacpack.models.base import PackedModel, ShardedParameters
-from vacpack.models.layer_ops import select_layer_ops, use_layer_ops
+from vacpack.models.layer_ops import LayerOps, select_layer_ops, use_layer_ops
 from vacpack.models.parallel import prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
@@ -81,14 +81,21 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> PackedModel:
+def load_model(
+    model_dir: Path,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_ops: LayerOps | None = None,
+) -> PackedModel:
     """Builds the model on the meta device, then streams each checkpoint tensor into place.
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
     tensor is read from its file, cast, and copied into its (merged, sharded) slot. A tensor
-    whose shape disagrees with config.json is refused before it is read.
+    whose shape disagrees with config.json is refused before it is read. The layers run
+    `layer_ops` (default: the preferred ops for the device and dtype).
     """
-    model = _empty_model(model_dir, hf_config, dtype, device)
+    model = _empty_model(model_dir, hf_config, dtype, device, layer_ops)
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
@@ -113,7 +120,11 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
 
 
 def _empty_model(
-    model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_ops: LayerOps | None,
 ) -> PackedModel:
     config_path = str(model_dir / "config.json")
     architectures = getattr(hf_config, "architectures", None) or []
@@ -124,7 +135,8 @@ def _empty_model(
         config = model_class.config_class.from_hf(hf_config)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise InvalidConfigError(f"{config_path!r}: {error}") from None
-    with torch.device("meta"), use_layer_ops(select_layer_ops(device, dtype)):
+    layer_ops = layer_ops or select_layer_ops(device, dtype)
+    with torch.device("meta"), use_layer_ops(layer_ops):
         model = model_class(config).to(dtype)
     return model.to_empty(device=device)
 
