@@ -151,12 +151,17 @@ def _run(
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("release_dead_pages", [False, True])
-def test_portable_backend_equals_reference(spec: AttentionSpec, release_dead_pages: bool) -> None:
-    """Decodes, prefill chunks over cached pages and fresh prompts; with a window, also with the
-    pages before every window given back (their table entries RELEASED_PAGE, never read)."""
+@pytest.mark.parametrize("sdpa_decode", [False, True], ids=["matmul_decode", "sdpa_decode"])
+def test_portable_backend_equals_reference(
+    spec: AttentionSpec, release_dead_pages: bool, sdpa_decode: bool
+) -> None:
+    """Decodes (as matmuls, or through SDPA where no softcap asks for matmuls), prefill chunks
+    over cached pages and fresh prompts; with a window, also with the pages before every window
+    given back (their table entries RELEASED_PAGE, never read)."""
     step = _step(spec, release_dead_pages)
+    backend = TorchSdpaBackend(sdpa_decode=sdpa_decode)
     torch.testing.assert_close(
-        _run("torch_sdpa", step, spec), _reference(step, spec), atol=1e-5, rtol=1e-5
+        _run("torch_sdpa", step, spec, backend), _reference(step, spec), atol=1e-5, rtol=1e-5
     )
 
 

@@ -1,6 +1,6 @@
 """A loaded model runs what was chosen by measurement and says so: in EngineSetup, in a job's
 report, and on a second load from the cache. Real timings on a tiny float32 model (the portable
-backend is its sole attention backend; its prefill kernel and cascade are timed)."""
+backend is its sole attention backend; its prefill and decode kernels and cascade are timed)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from vacpack import LLM
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
 from vacpack.tuning import ChoiceSource
 
-ENGINE_PHASES = ["sdpa_prefill", "attention_cascade"]
+ENGINE_PHASES = ["sdpa_prefill", "sdpa_decode", "attention_cascade"]
 
 
 def test_a_loaded_model_reports_and_runs_its_choices(
@@ -24,13 +24,15 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     setup = llm.engine.setup
     assert [c.phase for c in setup.measured_choices] == ENGINE_PHASES
     assert all(c.source is ChoiceSource.MEASURED for c in setup.measured_choices)
-    prefill, cascade = setup.measured_choices
+    prefill, decode, cascade = setup.measured_choices
     assert set(prefill.best_time_s) == {"sdpa", "blocked"}
+    assert set(decode.best_time_s) == {"sdpa", "matmuls"}
     assert set(cascade.best_time_s) == {"cascade", "no_cascade"}
     # The engine runs what was chosen.
     attention = llm.engine.attention
     assert attention.name == setup.attention_backend == "torch_sdpa"
     assert attention.blocked_prefill == (prefill.chosen == "blocked")
+    assert attention.sdpa_decode == (decode.chosen == "sdpa")
     assert attention.cascade == (DEFAULT_CASCADE_POLICY if cascade.chosen == "cascade" else None)
 
     llm.embed(["a short text", "another one"], use_tqdm=False)
@@ -43,4 +45,8 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     again = LLM(model_dir, dtype="float32", device="cpu").engine.setup
     assert [c.phase for c in again.measured_choices] == ENGINE_PHASES
     assert all(c.source is ChoiceSource.CACHED for c in again.measured_choices)
-    assert [c.chosen for c in again.measured_choices] == [prefill.chosen, cascade.chosen]
+    assert [c.chosen for c in again.measured_choices] == [
+        prefill.chosen,
+        decode.chosen,
+        cascade.chosen,
+    ]

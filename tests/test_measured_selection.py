@@ -225,8 +225,10 @@ def test_no_prefill_choice_where_it_never_applies(inject) -> None:
 
 @pytest.fixture
 def prefill_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch_sdpa's prefill kernel forced (its real candidates are slow in bf16 here)."""
+    """torch_sdpa's prefill and decode kernels forced (their real candidates are slow in bf16
+    here)."""
     monkeypatch.setenv(force_env_var("sdpa_prefill"), "sdpa")
+    monkeypatch.setenv(force_env_var("sdpa_decode"), "sdpa")
 
 
 @pytest.mark.parametrize("fastest", ["cascade", "no_cascade"])
@@ -239,10 +241,42 @@ def test_decodes_sharing_a_prefix_cascade_as_measured(inject, prefill_forced, fa
     assert [c.phase for c in selected.choices] == [
         "attention_paged",
         "sdpa_prefill",
+        "sdpa_decode",
         "attention_cascade",
     ]
     cascade = selected.choices[-1]
     assert cascade.chosen == fastest and "torch_sdpa" in cascade.shape_key
+
+
+@pytest.mark.parametrize("fastest", ["sdpa", "matmuls"])
+def test_torch_sdpa_runs_decodes_as_measured(
+    inject, monkeypatch: pytest.MonkeyPatch, fastest: str
+) -> None:
+    monkeypatch.setenv(force_env_var("sdpa_prefill"), "blocked")
+    costs = {"cpu_kernels": 0.002, "torch_sdpa": 0.001, "cascade": 0.001, "no_cascade": 0.002}
+    timings = inject(costs | {"sdpa": 0.002, "matmuls": 0.002, fastest: 0.001})
+    selected = select(timings, shapes=LONG, workload=DECODES)
+    assert selected.backend.name == "torch_sdpa"
+    assert selected.backend.sdpa_decode == (fastest == "sdpa")
+    decode = next(c for c in selected.choices if c.phase == "sdpa_decode")
+    assert decode.chosen == fastest and decode.source is ChoiceSource.MEASURED
+    assert "decode 8 seqs" in decode.shape_key
+    # Decided before the backends were timed, so torch_sdpa competed in its faster form.
+    assert timings.calls.index("torch_sdpa") > max(
+        i for i, name in enumerate(timings.calls) if name in ("sdpa", "matmuls")
+    )
+
+
+def test_no_decode_choice_for_packed_bins_or_soft_capped_layers(inject, monkeypatch) -> None:
+    monkeypatch.setenv(force_env_var("sdpa_prefill"), "sdpa")
+    timings = inject({"cpu_kernels": 0.002, "torch_sdpa": 0.001, "cascade": 1, "no_cascade": 1})
+    soft_capped = AttentionShapes(
+        4, 2, 32, torch.bfloat16, (AttentionSpec(logit_softcap=30.0),), max_model_len=1024
+    )
+    for shapes, workload in ((LONG, BIN), (soft_capped, DECODES)):
+        selected = select(timings, shapes=shapes, workload=workload)
+        assert "sdpa_decode" not in [c.phase for c in selected.choices]
+        assert not selected.backend.sdpa_decode
 
 
 def test_the_cascade_is_timed_at_the_shortest_prefix_it_runs_for() -> None:
@@ -278,6 +312,9 @@ def test_the_timed_calls_run_the_candidates_on_the_same_inputs(dtype: torch.dtyp
             "sdpa": lambda: selection.create_backend("torch_sdpa", blocked_prefill=False),
             "blocked": lambda: selection.create_backend("torch_sdpa", blocked_prefill=True),
             "no_cascade": lambda: selection.create_backend("torch_sdpa", cascade=None),
+            "sdpa_decode": lambda: selection.create_backend(
+                "torch_sdpa", cascade=None, sdpa_decode=True
+            ),
         }
         calls = selection.timed_calls(factories, shapes, workload, CPU)
         outputs = {name: call() for name, call in calls.items()}

@@ -90,13 +90,13 @@ def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> No
     text = client.get("/metrics").text
     chosen = [line for line in text.splitlines() if line.startswith("vacpack:measured_choice{")]
     phases = {line.split('phase="')[1].split('"')[0] for line in chosen}
-    # torch_sdpa's prefill kernel, as prefills reach 256 tokens here (the dtype is named and
-    # the context too short for the cascade's shortest prefix).
-    assert phases == {"sdpa_prefill"}
+    # torch_sdpa's prefill and decode kernels, as prefills reach 256 tokens here (the dtype is
+    # named and the context too short for the cascade's shortest prefix).
+    assert phases == {"sdpa_prefill", "sdpa_decode"}
     assert all(line.endswith(" 1.0") and 'model_name="tiny"' in line for line in chosen)
     timed = [
         line for line in text.splitlines() if line.startswith("vacpack:measured_choice_candidate")
     ]
     candidates = {line.split('candidate="')[1].split('"')[0] for line in timed}
-    assert candidates == {"sdpa", "blocked"}
+    assert candidates == {"sdpa", "blocked", "matmuls"}
     assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in timed)

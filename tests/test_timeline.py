@@ -220,8 +220,9 @@ def test_bench_writes_timeline_plot_and_json(
     assert "chosen by measurement: cpu_dtype" in out
     assert_png(png)
     results = json.loads(report.read_text())
-    # The model's choice, then the engine's: torch_sdpa's prefill kernel and its cascade.
-    phases = ["cpu_dtype", "sdpa_prefill", "attention_cascade"]
+    # The model's choice, then the engine's: torch_sdpa's prefill and decode kernels and its
+    # cascade.
+    phases = ["cpu_dtype", "sdpa_prefill", "sdpa_decode", "attention_cascade"]
     assert [c["phase"] for c in results["measured_choices"]] == phases
     assert "chosen by measurement: attention_cascade" in out
     assert results["dtype"] == results["measured_choices"][0]["chosen"]

@@ -1,10 +1,14 @@
-"""Decode attention over paged keys and values, in plain batched matmuls.
+"""Decode attention over paged keys and values: plain batched matmuls, or SDPA.
 
 A decode has one query token, so each KV head meets only its few grouped query heads (7 for
-Qwen2.5-0.5B). torch's CPU SDPA kernel is built for long query blocks and measured several times
-slower at that shape than plain batched matmuls around a softmax (bench/decode_attention.py), so
-decodes run as those: scores by `baddbmm` to float32 precision, softmax in float32,
-probabilities times values by `bmm` in the cache's dtype.
+Qwen2.5-0.5B). Two ways to run that shape, and neither wins on every CPU: plain batched matmuls
+around a softmax (scores by `baddbmm` to float32 precision, softmax in float32, probabilities
+times values by `bmm` in the cache's dtype), measured several times faster than torch's SDPA
+kernel on a Zen 4 with AVX512-BF16; and SDPA over the gathered keys, whose fused kernel
+measured 3x (float32) to 15x (bfloat16) faster than the matmuls on a Zen 3 without AVX-512,
+where bf16 matmuls are emulated. So the backend's `sdpa_decode` option is measured at the
+model's shapes (attention/selection.py); the matmuls stay where something needs the
+log-sum-exp (a cascade) or soft-capped scores.
 
 Decodes are gathered in chunks, longest context first, each padded to its longest member and
 capped at a budget of padded key tokens: a chunk's gathered keys and values stay in the CPU's
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
 from vacpack.kvcache.paged_cache import KVLayer
@@ -47,6 +52,8 @@ class DecodeChunk:
     pages: torch.Tensor  # [seqs * pages per seq] page ids, row-major, padded with page 0
     num_keys: int  # the longest member's keys, in tokens; the others are padded to it
     padding: KeyPadding | None  # None when all members have num_keys keys
+    # SDPA's form of the padding: [seqs, 1, 1, num_keys], True where a row sees the key.
+    visible: torch.Tensor | None = None
 
 
 def plan_chunks(
@@ -81,7 +88,7 @@ def build_chunk(
     for run, count in zip(page_runs, num_keys, strict=True):
         used = list(run[: -(-count // page_size)])
         padded_runs += used + [0] * (pages_per_seq - len(used))
-    padding = None
+    padding = visible = None
     shortest = min(num_keys)
     hides_leading = num_hidden_keys is not None and max(num_hidden_keys) > 0
     if shortest != longest or hides_leading:
@@ -91,11 +98,14 @@ def build_chunk(
         if hides_leading:
             mask |= positions < torch.tensor(num_hidden_keys).unsqueeze(1)
         padding = KeyPadding(first, mask.unsqueeze(1).to(device))
+        hidden = torch.cat([torch.zeros(len(num_keys), first, dtype=torch.bool), mask], dim=1)
+        visible = hidden.logical_not_().view(len(num_keys), 1, 1, longest).to(device)
     return DecodeChunk(
         rows=torch.tensor(rows, dtype=torch.int64).to(device),
         pages=torch.tensor(padded_runs, dtype=torch.int64).to(device),
         num_keys=longest,
         padding=padding,
+        visible=visible,
     )
 
 
@@ -174,15 +184,28 @@ def chunk_attention(
     chunk: DecodeChunk,
     with_lse: bool = False,
     spec: AttentionSpec = FULL_ATTENTION,
+    sdpa: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q: [seqs, heads, head_dim], the chunk's query rows. Returns the attention output shaped
     like q and, when asked, the float32 log-sum-exp of each head's scores, [seqs, heads]. The
-    chunk's keys are already cut to each row's sliding window; spec gives scale and softcap."""
+    chunk's keys are already cut to each row's sliding window; spec gives scale and softcap.
+    `sdpa` runs torch's SDPA kernel instead of the matmuls where it can (no log-sum-exp asked
+    for, no softcap)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
     page_size = kv_layer.page_size
     keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys)
     values = gather_pages(kv_layer.values, chunk.pages, page_size, num_seqs, chunk.num_keys)
+    if sdpa and not with_lse and spec.logit_softcap is None:
+        # Each KV head's grouped query heads are its query block: [seqs, kv_heads, group, dim].
+        out = F.scaled_dot_product_attention(
+            q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
+            keys,
+            values,
+            attn_mask=chunk.visible,
+            scale=spec.scale,
+        )
+        return out.view(num_seqs, num_heads, head_dim), None
     # Each KV head's grouped query heads are the rows of one small matmul: [seqs * kv_heads, ...].
     out, lse = attend(
         q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim),

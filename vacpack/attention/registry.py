@@ -43,7 +43,8 @@ class BackendSpec:
     # Where "auto" may pick it (default: everywhere it runs); it runs elsewhere only if forced.
     auto_devices: frozenset[str] | None = None
     # Constructor options that measured selection may set (cascade: a CascadePolicy or None;
-    # blocked_prefill: long causal prefills as blocked matmuls or not).
+    # blocked_prefill: long causal prefills as blocked matmuls or not; sdpa_decode: decodes
+    # through SDPA's kernel or plain matmuls).
     options: frozenset[str] = frozenset()
 
     def supports(
@@ -106,7 +107,7 @@ BACKEND_SPECS: tuple[BackendSpec, ...] = (
         target="vacpack.attention.torch_sdpa:TorchSdpaBackend",
         devices=frozenset({"cpu", "cuda"}),
         phases=BOTH_PHASES,
-        options=frozenset({"cascade", "blocked_prefill"}),
+        options=frozenset({"cascade", "blocked_prefill", "sdpa_decode"}),
     ),
 )
 SPECS_BY_NAME = {spec.name: spec for spec in BACKEND_SPECS}

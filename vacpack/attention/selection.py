@@ -11,6 +11,9 @@ Two options of a backend are measured the same way, each a phase of its own:
 - sdpa_prefill: whether torch_sdpa runs long causal prefills as SDPA or as blocked matmuls
   (blocked_prefill.py), on a CPU. Decided before the backends are timed, so that torch_sdpa
   competes in its faster form.
+- sdpa_decode: whether torch_sdpa runs decodes through SDPA's kernel or as plain matmuls
+  (paged_decode.py), timed on the engine's decode batch. Also decided before the backends are
+  timed.
 - attention_cascade: whether decodes sharing a prefix run as a cascade (cascade.py), for the
   chosen backend where it takes one, timed on a decode batch sharing the shortest prefix its
   policy cascades. Timed on the engine's decode batch only.
@@ -54,9 +57,11 @@ Measure = Callable[..., MeasuredChoice]  # vacpack.tuning.choose, with the cache
 # Each choice's share of the ~2 s that a first load may spend timing (the dtype takes 0.75 s).
 BACKEND_BUDGET_S = 0.3
 PREFILL_BUDGET_S = 0.25
+DECODE_BUDGET_S = 0.25
 CASCADE_BUDGET_S = 0.25
 
 SDPA_PREFILL_PHASE = "sdpa_prefill"
+SDPA_DECODE_PHASE = "sdpa_decode"
 CASCADE_PHASE = "attention_cascade"
 # The prefill timed for sdpa_prefill: long enough to be past MIN_KEYS, where the choice applies,
 # short enough that a slow candidate's one call stays within the budget.
@@ -120,13 +125,19 @@ def select_backend(
     @functools.cache
     def options_of(backend_name: str) -> tuple[tuple[str, Any], ...]:
         """The measured options of a backend, measured when first asked for."""
-        if "blocked_prefill" not in SPECS_BY_NAME[backend_name].options:
-            return ()
-        choice = _choose_sdpa_prefill(device, shapes, workload, measure)
-        if choice is None:
-            return ()
-        tuned.append(choice)
-        return (("blocked_prefill", choice.chosen == "blocked"),)
+        declared = SPECS_BY_NAME[backend_name].options
+        options: list[tuple[str, Any]] = []
+        if "blocked_prefill" in declared:
+            prefill = _choose_sdpa_prefill(device, shapes, workload, measure)
+            if prefill is not None:
+                tuned.append(prefill)
+                options.append(("blocked_prefill", prefill.chosen == "blocked"))
+        if "sdpa_decode" in declared and isinstance(workload, DecodeBatchShape):
+            decode = _choose_sdpa_decode(device, shapes, workload, measure)
+            if decode is not None:
+                tuned.append(decode)
+                options.append(("sdpa_decode", decode.chosen == "sdpa"))
+        return tuple(options)
 
     def build(backend_name: str, **options: Any) -> AttentionBackend:
         return create_backend(backend_name, **dict(options_of(backend_name)), **options)
@@ -191,6 +202,38 @@ def _choose_sdpa_prefill(
             device,
         ),
         budget_s=PREFILL_BUDGET_S,
+    )
+
+
+def _choose_sdpa_decode(
+    device: torch.device,
+    shapes: AttentionShapes,
+    decodes: DecodeBatchShape,
+    measure: Measure,
+) -> MeasuredChoice | None:
+    """SDPA or matmuls for torch_sdpa's decodes; None where every layer is soft-capped (those
+    always run as matmuls). Timed without a cascade: the cascade is chosen afterwards, with
+    this option set."""
+    applicable = tuple(spec for spec in shapes.distinct_specs if spec.logit_softcap is None)
+    if not applicable:
+        return None
+    timed_shapes = replace(shapes, specs=applicable)
+    return measure(
+        SDPA_DECODE_PHASE,
+        f"{timed_shapes.key()}; {decodes.key()}",
+        ["sdpa", "matmuls"],
+        lambda: timed_calls(
+            {
+                option: functools.partial(
+                    create_backend, "torch_sdpa", cascade=None, sdpa_decode=option == "sdpa"
+                )
+                for option in ("sdpa", "matmuls")
+            },
+            timed_shapes,
+            decodes,
+            device,
+        ),
+        budget_s=DECODE_BUDGET_S,
     )
 
 

@@ -1,6 +1,7 @@
 """Portable attention in plain PyTorch, for CPU and CUDA alike.
 
-Decodes (one query token each) run as paged matmuls in chunks of similar context length
+Decodes (one query token each) run in chunks of similar context length, as paged matmuls or
+through SDPA's kernel, whichever was measured faster at the model's decode step
 (paged_decode.py); decodes whose page tables start with the same pages (a cached prefix) attend
 to that prefix together, once, and to their own pages apart (cascade.py). Grouped-query heads
 are folded into the query rows, so keys and values are never repeated per query head. Prefill
@@ -229,11 +230,15 @@ class TorchSdpaBackend(AttentionBackend):
         self,
         cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY,
         blocked_prefill: bool | None = None,
+        sdpa_decode: bool = False,
     ) -> None:
         self.cascade = cascade  # None: every decode reads its whole context itself
         # Long causal prefills as blocked matmuls (True) or SDPA (False), as measured at the
         # model's shapes; None: blocked for bf16 on a CPU (use_blocked_prefill).
         self.blocked_prefill = blocked_prefill
+        # Decodes through SDPA's kernel (True) or plain matmuls (False, where nothing was
+        # measured), as measured at the model's decode step (paged_decode.py).
+        self.sdpa_decode = sdpa_decode
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         return None  # every window, scale and softcap
@@ -326,7 +331,9 @@ class TorchSdpaBackend(AttentionBackend):
         out = torch.empty_like(q)
         for chunk in view.decode_chunks:
             assert kv_layer is not None
-            attn, _ = chunk_attention(q.index_select(0, chunk.rows), kv_layer, chunk, spec=spec)
+            attn, _ = chunk_attention(
+                q.index_select(0, chunk.rows), kv_layer, chunk, spec=spec, sdpa=self.sdpa_decode
+            )
             out.index_copy_(0, chunk.rows, attn)
         if view.cascade is not None:
             assert kv_layer is not None
