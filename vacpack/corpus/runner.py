@@ -18,14 +18,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vacpack.attention import Phase, select_backend
 from vacpack.corpus.budget import FIRST_PROBE_TOKENS, BinBudget, measure_bin_budget
 from vacpack.corpus.forward import PackedForward
 from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPacker, PackedBin
 from vacpack.corpus.pipeline import BackgroundBins
 from vacpack.corpus.report import JobReport
 from vacpack.corpus.tasks import CorpusTask
-from vacpack.models.forward_context import attention_specs
 from vacpack.pinned_staging import PinnedStager
 from vacpack.runtime import LoadedModel
 
@@ -54,17 +52,7 @@ class CorpusRunner:
         align_to: int | None = None,
     ) -> None:
         self.loaded = loaded
-        self.forward = PackedForward(
-            loaded,
-            select_backend(
-                loaded.engine_config.attention_backend,
-                loaded.device,
-                loaded.dtype,
-                loaded.config.head_dim,
-                Phase.PACKED,
-                attention_specs(loaded.model),
-            ),
-        )
+        self.forward = PackedForward(loaded)
         self.align_to = align_to
         self._budget = BinBudget.given(budget_tokens) if budget_tokens else None
         self.last_report: JobReport | None = None
