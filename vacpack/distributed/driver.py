@@ -66,6 +66,13 @@ class Driver:
                 yield
             except Exception as error:
                 raise self._fail(kind, error) from error
+            except BaseException as interruption:  # Ctrl-C: the ranks are out of step too
+                self._failure = (
+                    f"rank 0 was interrupted in {kind.name} ({type(interruption).__name__}); "
+                    "the ranks are out of step and the model must be loaded again"
+                )
+                self.workers.stop(timeout_s=1.0)
+                raise
 
     @contextmanager
     def startup(self) -> Iterator[None]:

@@ -45,8 +45,9 @@ def _worker_entry(
     try:
         target(rank, worker_args)
     except BaseException:  # whatever stops the worker is rank 0's to report
-        error_pipe.send(traceback.format_exc())
-        error_pipe.close()
+        with contextlib.suppress(OSError):  # unless rank 0 is gone, and with it the reason
+            error_pipe.send(traceback.format_exc())
+            error_pipe.close()
         sys.exit(1)
 
 
