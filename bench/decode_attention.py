@@ -18,6 +18,12 @@ twice: with 2 threads by the wall clock (what a step costs on a quiet machine), 
 thread by this process's CPU time, which other processes' load inflates far less. Host time to
 build a step's metadata is reported apart.
 
+Each path's achieved KV-cache read bandwidth is the step's KV bytes (every distinct cached
+token's keys and values in every layer, read once: the memory floor; a shared prefix counts
+once) over its best time, set against a copy bandwidth measured in the same run with the same
+threads and clock: a COPY_BYTES tensor copied into another, best of the rounds, counting the
+bytes read and the bytes written (STREAM's convention).
+
 `--sweep` also times a cascade for every group against the plain paged path, for 64 sequences
 in groups of 2..64 sharing 8..64 pages: the measurement behind DEFAULT_CASCADE_POLICY.
 
@@ -57,6 +63,8 @@ PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 CPU = torch.device("cpu")
 C_KERNEL = "C paged kernel"  # vacpack/cpu_kernels, where this CPU has AVX512-BF16
+# The copy that measures the machine's memory bandwidth: far larger than any CPU's caches.
+COPY_BYTES = 512 * 2**20
 # wall: elapsed time, what a step costs. cpu: this process's CPU time, which other processes
 # on a shared machine inflate far less; meaningful with one thread (torch's threads spin while
 # they wait for each other, which counts as CPU time).
@@ -295,6 +303,43 @@ def interleaved_best_ms(
     }
 
 
+def kv_bytes_per_step(batch: DecodeBatch, num_layers: int) -> int:
+    """Keys and values of every distinct cached token the step attends to, in every layer:
+    what a step must read at least once."""
+    slots = {
+        page * PAGE_SIZE + offset
+        for table, context_len in zip(batch.page_tables, batch.context_lens, strict=True)
+        for position in range(context_len)
+        for page, offset in [(table[position // PAGE_SIZE], position % PAGE_SIZE)]
+    }
+    bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # keys and values
+    return len(slots) * bytes_per_token * num_layers
+
+
+def copy_gb_per_s(rounds: int, clock: Callable[[], float]) -> float:
+    """Memory bandwidth of a large copy (bytes read plus bytes written), best of the rounds."""
+    source = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)  # the pages are mapped before any timed copy
+    best_s = float("inf")
+    for _ in range(rounds):
+        start = clock()
+        target.copy_(source)
+        best_s = min(best_s, clock() - start)
+    return 2 * COPY_BYTES / best_s / 1e9
+
+
+def bandwidth(kv_bytes: int, ms_per_step: dict[str, dict[str, float]], copy: float) -> dict:
+    """Each path's achieved KV read bandwidth, and its share of the copy bandwidth."""
+    return {
+        name: {
+            "kv_read_gb_per_s": kv_bytes / (t["best_ms"] / 1e3) / 1e9,
+            "share_of_copy": kv_bytes / (t["best_ms"] / 1e3) / 1e9 / copy,
+        }
+        for name, t in ms_per_step.items()
+    }
+
+
 def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
     """Best host time to build a step's metadata, old path and new."""
     result = {}
@@ -319,22 +364,28 @@ def run_workload(
     runners = step_runners(batch, step)
     outputs = {name: run()[0].float() for name, run in runners.items()}  # also warms up
     reference = outputs["sdpa (before)"]
+    kv_bytes = kv_bytes_per_step(batch, args.layers)
     timings = {}
     for setting in SETTINGS:
         torch.set_num_threads(setting.threads)
+        clock = CLOCKS[setting.clock]
         with harness.timed_section() as section:
-            ms = interleaved_best_ms(runners, args.rounds, CLOCKS[setting.clock])
+            ms = interleaved_best_ms(runners, args.rounds, clock)
+            copy = copy_gb_per_s(args.rounds, clock)
         best_before = ms["sdpa (before)"]["best_ms"]
         timings[setting.name] = {
             "threads": setting.threads,
             "clock": setting.clock,
             "ms_per_step": ms,
             "speedup_vs_before": {name: best_before / t["best_ms"] for name, t in ms.items()},
+            "copy_gb_per_s": copy,
+            "kv_bandwidth": bandwidth(kv_bytes, ms, copy),
             **section.fields(),
         }
     return {
         "num_seqs": len(batch.context_lens),
         "num_context_tokens": sum(batch.context_lens),
+        "kv_bytes_per_step": kv_bytes,
         "num_layers": args.layers,
         "timings": timings,
         "max_abs_diff_vs_before": {
@@ -401,15 +452,20 @@ def main() -> int:
         }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print("| workload | timing | path | best ms/step | median ms/step | speed-up |")
-    print("|---|---|---|---:|---:|---:|")
+    print(
+        "| workload | timing | path | best ms/step | median ms/step | speed-up "
+        "| KV read GB/s | of copy GB/s |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for name, workload in results["workloads"].items():
         for setting, timing in workload["timings"].items():
             for path, t in timing["ms_per_step"].items():
                 speedup = timing["speedup_vs_before"][path]
+                achieved = timing["kv_bandwidth"][path]
                 print(
                     f"| {name} | {setting} | {path} | {t['best_ms']:.1f} | {t['median_ms']:.1f} "
-                    f"| {speedup:.2f}x |"
+                    f"| {speedup:.2f}x | {achieved['kv_read_gb_per_s']:.3g} "
+                    f"| {achieved['share_of_copy']:.0%} of {timing['copy_gb_per_s']:.1f} |"
                 )
     return 0
 

@@ -12,11 +12,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_zygote import Zygote
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -24,6 +25,15 @@ from vacpack.testing.tiny_models import build_tiny_checkpoint, build_tokenizer
 from vacpack.tokenizer import load_tokenizer
 
 TinyCheckpointFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _measured_choices_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Choices measured while the tests run are cached apart from the user's and benchmarks':
+    never read from a machine's earlier runs. Tests of the selection itself set their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path_factory.mktemp("measured_choices")))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +55,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpointF
         return built_dirs[cache_key]
 
     return build_or_reuse
+
+
+@pytest.fixture(scope="session")
+def cli_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """Forks real `vacpack` command processes without each paying the interpreter's start-up."""
+    zygote = Zygote(tmp_path_factory.mktemp("cli_zygote"))
+    yield zygote
+    zygote.close()
 
 
 # ---------------------------------------------------------------- tokenizers

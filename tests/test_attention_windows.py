@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from vacpack import cpu_kernels
-from vacpack.attention import BatchLayout, create_backend, select_backend
+from vacpack.attention import (
+    AttentionShapes,
+    BatchLayout,
+    PackedBinShape,
+    auto_candidates,
+    create_backend,
+    select_backend,
+)
 from vacpack.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionSpec
 from vacpack.attention.cascade import CascadePolicy
 from vacpack.attention.torch_sdpa import TorchSdpaBackend, build_slot_mapping
@@ -206,13 +213,22 @@ def test_metadata_without_the_layers_window_is_an_error() -> None:
         backend.forward(step.q, step.k, step.v, None, metadata, AttentionSpec(sliding_window=4))
 
 
-def test_c_kernel_backend_refuses_windows_and_auto_falls_back(monkeypatch) -> None:
-    # As where the C kernel builds: "auto" would pick it for a bf16 model; not for these.
+def test_c_kernel_backend_refuses_windows_and_auto_falls_back(monkeypatch, tmp_path) -> None:
+    # As where the C kernel builds: "auto" would time it for a bf16 model; not for these.
     monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
-    windowed = [FULL_ATTENTION, AttentionSpec(sliding_window=4096)]
+    monkeypatch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path))
+    assert auto_candidates(CPU, torch.bfloat16, 64) == ["cpu_kernels", "torch_sdpa"]
+    windowed = (FULL_ATTENTION, AttentionSpec(sliding_window=4096))
+    soft_capped = (AttentionSpec(logit_softcap=50.0),)
+    bin_shape = PackedBinShape(2, 8)
+
+    def shapes(specs: tuple[AttentionSpec, ...]) -> AttentionShapes:
+        return AttentionShapes(4, 2, 64, torch.bfloat16, specs, max_model_len=64)
+
     with pytest.raises(ValueError, match="sliding window of 4096 tokens"):
-        select_backend("cpu_kernels", CPU, torch.bfloat16, 64, specs=windowed)
-    assert select_backend("auto", CPU, torch.bfloat16, 64).name == "cpu_kernels"
-    assert select_backend("auto", CPU, torch.bfloat16, 64, specs=windowed).name == "torch_sdpa"
-    soft_capped = [AttentionSpec(logit_softcap=50.0)]
-    assert select_backend("auto", CPU, torch.bfloat16, 64, specs=soft_capped).name == "torch_sdpa"
+        select_backend("cpu_kernels", CPU, shapes(windowed), bin_shape)
+    for specs in (windowed, soft_capped):
+        selected = select_backend("auto", CPU, shapes(specs), bin_shape)
+        # The sole backend that runs every layer, taken without timing (and sequences of at
+        # most 64 tokens never reach the blocked prefill: nothing else to choose).
+        assert selected.backend.name == "torch_sdpa" and selected.choices == ()

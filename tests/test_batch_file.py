@@ -14,7 +14,7 @@ import pytest
 
 from vacpack import LLM, SamplingParams
 from vacpack.batch.options import BatchOptions
-from vacpack.batch.result_file import recover_answered
+from vacpack.batch.result_file import open_batch_output
 from vacpack.batch.runner import run_batch
 
 
@@ -132,12 +132,14 @@ def test_in_flight_stays_bounded_on_a_larger_file(llm: LLM, tmp_path: Path) -> N
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_recover_answered_cuts_only_the_torn_tail(tmp_path: Path) -> None:
-    path = tmp_path / "results.jsonl"
-    whole = json.dumps({"custom_id": "a", "response": None, "error": None}) + "\n"
-    path.write_text(whole + '{"custom_id": "b", "resp', encoding="utf-8")
-    answered = recover_answered(path)
-    assert answered.custom_ids == {"a"} and path.read_text(encoding="utf-8") == whole
+def test_resume_cuts_only_the_torn_tail(llm: LLM, tmp_path: Path) -> None:
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", [_completion_line("a")]))
+    run_batch(llm, options)
+    whole = options.output_path.read_bytes()
+    options.output_path.write_bytes(whole + b'{"id":"batch_req_1","custom_id":"b","resp')
+    writer, answered = open_batch_output(options)
+    writer.close()
+    assert answered.custom_ids == {"a"} and options.output_path.read_bytes() == whole
 
 
 def _run_batch_command(checkpoint: Path, input_path: Path, output_path: Path) -> list[str]:

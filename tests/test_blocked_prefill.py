@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from mixed_step import PREFILL_LEN, mixed_step
 
-from vacpack.attention import blocked_prefill, create_backend
+from vacpack.attention import BatchLayout, blocked_prefill, create_backend
 from vacpack.attention.blocked_prefill import blocked_causal_attention, use_blocked_prefill
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+CPU = torch.device("cpu")
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -49,11 +50,16 @@ def test_blocked_equals_sdpa(
     )
 
 
-def test_only_long_bf16_cpu_segments_are_blocked() -> None:
+def test_only_long_segments_are_blocked_as_measured_or_by_default() -> None:
     q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    # Nothing measured: long bf16 segments on a CPU.
     assert use_blocked_prefill(q, blocked_prefill.MIN_KEYS)
     assert not use_blocked_prefill(q, blocked_prefill.MIN_KEYS - 1)
     assert not use_blocked_prefill(q.float(), blocked_prefill.MIN_KEYS)
+    # Measured: as chosen, in any dtype, still only from MIN_KEYS keys on.
+    assert use_blocked_prefill(q.float(), blocked_prefill.MIN_KEYS, blocked=True)
+    assert not use_blocked_prefill(q, blocked_prefill.MIN_KEYS, blocked=False)
+    assert not use_blocked_prefill(q, blocked_prefill.MIN_KEYS - 1, blocked=True)
 
 
 @pytest.mark.parametrize("cached_tokens", [0, 90], ids=["fresh", "over-cached-pages"])
@@ -75,3 +81,38 @@ def test_portable_backend_runs_long_bf16_prefills_blocked(monkeypatch, cached_to
     slots = step.prefill_slots
     expected = _reference(step.q[1:], step.layer.keys[slots], step.layer.values[slots])
     torch.testing.assert_close(out[1:].float(), expected, atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "sdpa"])
+def test_the_measured_prefill_kernel_runs_and_matches_float32(
+    monkeypatch, dtype: torch.dtype, blocked: bool
+) -> None:
+    """Either choice of measured selection (blocked_prefill.py's `blocked`), in either dtype,
+    over a whole sequence and over cached pages, equals float32 attention."""
+    calls = []
+
+    def counting(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return blocked_causal_attention(*args)
+
+    monkeypatch.setattr("vacpack.attention.torch_sdpa.blocked_causal_attention", counting)
+    backend = create_backend("torch_sdpa", blocked_prefill=blocked)
+    generator = torch.Generator().manual_seed(3)
+    q, keys, values = (
+        torch.randn(PREFILL_LEN, heads, 16, generator=generator).to(dtype) for heads in (4, 2, 2)
+    )
+    layout = BatchLayout([PREFILL_LEN], [PREFILL_LEN])
+    out = backend.forward(q, keys, values, None, backend.build_metadata(layout, CPU))
+    torch.testing.assert_close(
+        out.float(), _reference(q, keys, values), atol=TOLERANCE[dtype], rtol=0
+    )
+    if dtype == torch.bfloat16:  # the mixed step's cache is bf16
+        step = mixed_step(90, num_heads=4, num_kv_heads=2, head_dim=16)
+        metadata = backend.build_metadata(step.layout, CPU)
+        out = backend.forward(step.q, step.k, step.v, step.layer, metadata)
+        slots = step.prefill_slots
+        expected = _reference(step.q[1:], step.layer.keys[slots], step.layer.values[slots])
+        torch.testing.assert_close(out[1:].float(), expected, atol=3e-2, rtol=0)
+    assert calls == ([PREFILL_LEN] * len(calls) if blocked else [])
+    assert len(calls) == (0 if not blocked else 1 + (dtype == torch.bfloat16))

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from vacpack import LLM, SamplingParams
+from vacpack.errors import ExitCode
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -53,6 +54,7 @@ def test_cli_generates_from_a_prompt_file(tiny_checkpoint, tmp_path) -> None:
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr
     records = [json.loads(line) for line in results.read_text().splitlines()]
+    records.sort(key=lambda record: record["index"])  # written as they finish
     assert [r["prompt"] for r in records] == ["Hello", "The sea is"]
     assert all(r["outputs"][0]["num_tokens"] == 5 for r in records)
     assert "output tok/s" in finished.stderr
@@ -62,5 +64,5 @@ def test_cli_reports_bad_input_clearly(tmp_path) -> None:
     command = [sys.executable, "-m", "vacpack", "generate", "--model", str(tmp_path / "nope"),
                "--prompt", "hi"]  # fmt: skip
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 2
+    assert finished.returncode == ExitCode.MODEL_NOT_FOUND
     assert "nope" in finished.stderr and "Traceback" not in finished.stderr

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from vacpack.attention import Phase, eligible_backends, resolve_backend_name
+from vacpack.attention import Phase, auto_candidates, eligible_backends, resolve_backend_name
 from vacpack.models.layer_ops import LayerOps, select_layer_ops
 from vacpack.models.registry import model_class_for
 from vacpack.registry import LazyRegistry
@@ -54,7 +54,7 @@ def test_each_backend_declares_what_it_runs() -> None:
     assert "cpu_kernels" not in eligible_backends(CPU, torch.bfloat16, 48, Phase.PACKED)
     assert eligible_backends(CPU, torch.bfloat16, 64, Phase.PACKED)[-1] == "torch_sdpa"
     # Triton runs on a CPU only in its interpreter (the kernels' tests): never picked there.
-    assert resolve_backend_name("auto", CPU, torch.float16, 64) == "torch_sdpa"
+    assert auto_candidates(CPU, torch.float16, 64) == ["torch_sdpa"]
 
 
 def test_a_forced_backend_that_cannot_run_here_says_why() -> None:

@@ -7,6 +7,7 @@ a graceful SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import signal
 import time
@@ -21,6 +22,9 @@ API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 1024
 LONG_PROMPT_IDS = [5] * (MAX_MODEL_LEN + 10)
+MAX_N = 16
+MAX_BODY_BYTES = 4 << 20
+NESTED_100K = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,8 @@ def server(tiny_checkpoint) -> Iterator[ServerProcess]:
         "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(8 << 20),
         "--served-model-name", "tiny",
+        "--max-n", str(MAX_N),
+        "--max-request-body-bytes", str(MAX_BODY_BYTES),
         env={"VACPACK_API_KEY": API_KEY},
     ) as process:  # fmt: skip
         yield process
@@ -94,6 +100,37 @@ BAD_REQUESTS = [
         "embedding dimensions above the model's",
         "POST", EMB, {"input": "hi", "dimensions": 65}, 400, "dimensions", "embedding size 64",
     ),
+    ("JSON nested 100,000 deep", "POST", CHAT, NESTED_100K, 400, None, "too deeply"),
+    (
+        "body over --max-request-body-bytes",
+        "POST", C, b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}', 413, None, "larger than",
+    ),
+    ("n above --max-n", "POST", C, _completion(n=MAX_N + 1), 400, "n", f"at most {MAX_N}"),
+    ("n = 5000", "POST", CHAT, _chat(n=5000), 400, "n", f"at most {MAX_N}"),
+    (
+        "unknown role",
+        "POST", CHAT, _chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
+        "messages.0.role", "'wizard'",
+    ),
+    (
+        "user message without content",
+        "POST", CHAT, _chat(messages=[{"role": "user"}]), 400, "messages.0.content", "required",
+    ),
+    (
+        "system message with null content",
+        "POST", CHAT, _chat(messages=[{"role": "system", "content": None}]), 400,
+        "messages.0.content", "required",
+    ),
+    (
+        "assistant message without content or tool calls",
+        "POST", CHAT, _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant"}]),
+        400, "messages.1.content", "required",
+    ),
+    (
+        "tool message without tool_call_id",
+        "POST", CHAT, _chat(messages=[{"role": "tool", "content": "4"}]), 400,
+        "messages.0.tool_call_id", "required",
+    ),
     ("unknown route", "POST", "/v1/nothing", {}, 404, None, "no route"),
     ("wrong method", "GET", C, None, 405, None, ""),
 ]  # fmt: skip
@@ -128,6 +165,25 @@ def test_bad_request_gets_an_openai_error_and_the_server_goes_on(
         response = client.request(method, path, json=body)
     _assert_error(response, status, param, words)
     _assert_answers(client)
+
+
+def test_a_deeply_nested_body_leaves_its_connection_usable(server: ServerProcess) -> None:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {**AUTH, "Content-Type": "application/json"}
+    try:
+        connection.request("POST", CHAT, body=NESTED_100K, headers=headers)
+        refused = connection.getresponse()
+        assert refused.status == 400 and "too deeply" in refused.read().decode()
+        assert refused.getheader("connection", "").lower() != "close"
+        first_socket = connection.sock
+        connection.request("POST", C, body=json.dumps(_completion()), headers=headers)
+        answered = connection.getresponse()
+        assert answered.status == 200, answered.read()
+        assert json.loads(answered.read())["choices"][0]["text"] is not None
+        assert connection.sock is first_socket, "the server closed the connection"
+    finally:
+        connection.close()
 
 
 def test_api_key_is_required_on_v1_only(server: ServerProcess, client: httpx.Client) -> None:

@@ -1,4 +1,5 @@
-"""/metrics reports the prefix cache (lookups, hits, hit rate, evictions) and preemptions."""
+"""/metrics reports the prefix cache (lookups, hits, hit rate, evictions), preemptions, and
+what was chosen by measurement at load."""
 
 from __future__ import annotations
 
@@ -83,3 +84,19 @@ def test_a_tiny_kv_cache_preempts_and_evicts(client: httpx.Client) -> None:
     assert after["prefix_cache_evictions_total"] > before["prefix_cache_evictions_total"]
     text = client.get("/metrics").text
     assert metric_value(text, "vacpack:kv_cache_used_pages") == 0
+
+
+def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> None:
+    text = client.get("/metrics").text
+    chosen = [line for line in text.splitlines() if line.startswith("vacpack:measured_choice{")]
+    phases = {line.split('phase="')[1].split('"')[0] for line in chosen}
+    # torch_sdpa's prefill kernel, as prefills reach 256 tokens here (the dtype is named and
+    # the context too short for the cascade's shortest prefix).
+    assert phases == {"sdpa_prefill"}
+    assert all(line.endswith(" 1.0") and 'model_name="tiny"' in line for line in chosen)
+    timed = [
+        line for line in text.splitlines() if line.startswith("vacpack:measured_choice_candidate")
+    ]
+    candidates = {line.split('candidate="')[1].split('"')[0] for line in timed}
+    assert candidates == {"sdpa", "blocked"}
+    assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in timed)

@@ -60,11 +60,15 @@ def test_step_inputs_survive_the_trip_through_integers() -> None:
 
 
 def test_a_message_larger_than_the_channel_grows_it_on_every_rank() -> None:
-    store = dist.TCPStore(LOOPBACK, 0, 2, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=10)
+    master = dist.TCPStore(LOOPBACK, 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
     channels: dict[int, ControlChannel] = {}
 
     def join(rank: int) -> None:
-        backend = new_backend(store, "control", rank, 2, "cpu", timedelta(seconds=30))
+        # A store client of its own: a client's wait holds its connection, so a rank sharing
+        # one could not publish its address while the other waits for it.
+        store = master if rank == 0 else dist.TCPStore(LOOPBACK, master.port, 2, timeout=timeout)
+        backend = new_backend(store, "control", rank, 2, "cpu", timeout)
         channels[rank] = ControlChannel(backend, rank)
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]

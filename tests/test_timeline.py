@@ -220,7 +220,10 @@ def test_bench_writes_timeline_plot_and_json(
     assert "chosen by measurement: cpu_dtype" in out
     assert_png(png)
     results = json.loads(report.read_text())
-    assert [c["phase"] for c in results["measured_choices"]] == ["cpu_dtype"]
+    # The model's choice, then the engine's: torch_sdpa's prefill kernel and its cascade.
+    phases = ["cpu_dtype", "sdpa_prefill", "attention_cascade"]
+    assert [c["phase"] for c in results["measured_choices"]] == phases
+    assert "chosen by measurement: attention_cascade" in out
     assert results["dtype"] == results["measured_choices"][0]["chosen"]
     assert results["num_output_tokens"] == num_prompts * output_len
     assert 4 * num_prompts <= results["num_prompt_tokens"] <= 12 * num_prompts

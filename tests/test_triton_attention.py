@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
 from vacpack import LLM, SamplingParams  # noqa: E402
 from vacpack.attention import (  # noqa: E402
     BatchLayout,
+    auto_candidates,
     create_backend,
     resolve_backend_name,
 )
@@ -172,8 +173,8 @@ def test_packed_bins_without_cache_equal_portable(device: str, causal: bool) -> 
 
 
 def test_auto_picks_triton_only_on_cuda() -> None:
-    assert resolve_backend_name("auto", torch.device("cpu")) == "torch_sdpa"
-    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    assert auto_candidates(torch.device("cpu")) == ["torch_sdpa"]
+    assert auto_candidates(torch.device("cuda")) == ["triton", "torch_sdpa"]
     assert resolve_backend_name("torch_sdpa", torch.device("cuda")) == "torch_sdpa"
 
 

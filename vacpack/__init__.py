@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLM": "vacpack.llm",
     "EngineConfig": "vacpack.config",
     "SamplingParams": "vacpack.sampling",
+    "StructuredOutputsParams": "vacpack.structured.params",
     "RequestOutput": "vacpack.outputs",
     "CompletionOutput": "vacpack.outputs",
     "Logprob": "vacpack.outputs",
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from vacpack.llm import LLM
     from vacpack.outputs import CompletionOutput, Logprob, RequestOutput
     from vacpack.sampling import SamplingParams
+    from vacpack.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -30,4 +32,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'vacpack' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

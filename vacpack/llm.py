@@ -126,9 +126,10 @@ class LLM:
         batch = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(batch))
         encoded = [self._encode(prompt) for prompt in batch]
-        for index, (_, token_ids) in enumerate(encoded):
+        for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list, strict=True)):
             try:
                 self.engine.validate_prompt(token_ids)
+                self.engine.structured.check(params)
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
         return self._run(encoded, params_list, use_tqdm)
@@ -140,8 +141,10 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to conversations rendered by the tokenizer's chat template."""
+        """Generates replies to conversations rendered by the tokenizer's chat template, which
+        also gets `tools` (OpenAI function tools) when given."""
         conversations: list[Conversation]
         if messages and isinstance(messages[0], Mapping):
             conversations = [cast(Conversation, messages)]
@@ -154,6 +157,7 @@ class LLM:
                     list(conversation),
                     add_generation_prompt=add_generation_prompt,
                     chat_template=chat_template,
+                    **({"tools": tools} if tools else {}),
                 )
             }
             for conversation in conversations
@@ -171,6 +175,7 @@ class LLM:
         dimensions: int | None = None,
         prompt: str | None = None,
         prompt_name: str | None = None,
+        return_failures: bool = False,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per input, in input order (`out.outputs.embedding`).
 
@@ -179,14 +184,16 @@ class LLM:
         encoders their first, normalized. `pooling` and `normalize` override that. `dimensions`
         keeps each vector's first dimensions, normalized after the cut (Matryoshka).
         `prompt` (or the checkpoint's prompt named `prompt_name`, such as "query") is put
-        before each text, as sentence-transformers does. Classifiers are refused.
+        before each text, as sentence-transformers does. Classifiers are refused. With
+        `return_failures`, an input that fails comes back as a DocumentError (index, message)
+        in its place, as in every corpus job here, instead of one ValueError for the whole call.
         """
         from vacpack.corpus.tasks import EmbedTask, resolve_pooling, resolve_prompt
 
         config = resolve_pooling(self.loaded, pooling, normalize, dimensions)
         instruction = resolve_prompt(self.loaded, prompt, prompt_name)
         task = EmbedTask(self.loaded, config, truncate=truncate, prompt=instruction)
-        return self._run_corpus(task, inputs, use_tqdm)
+        return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
     def score(
         self,
@@ -221,6 +228,7 @@ class LLM:
         return_token_logprobs: bool = False,
         truncate: bool = False,
         use_tqdm: bool = True,
+        return_failures: bool = False,
     ) -> list[LoglikelihoodOutput]:
         """Log-likelihood of each text, or of each continuation given its context.
 
@@ -228,7 +236,7 @@ class LLM:
         loglikelihood_rolling); `llm.loglikelihood(contexts, continuations)` scores each
         continuation after its context and says whether it is the greedy one (its
         loglikelihood). Results carry `logprob` (the sum), `num_tokens`, `is_greedy`, and
-        `token_logprobs` when asked.
+        `token_logprobs` when asked; `return_failures` as in `embed`.
         """
         from vacpack.corpus.tasks import LoglikelihoodTask
 
@@ -245,23 +253,35 @@ class LLM:
             # Continuations usually share contexts: the engine's prefix cache computes each once.
             from vacpack.corpus.shared_context import score_continuations
 
-            return _raise_failures(score_continuations(self.engine, task, inputs, use_tqdm))
-        return self._run_corpus(task, inputs, use_tqdm)
+            results: list[Any] = score_continuations(self.engine, task, inputs, use_tqdm)
+            return results if return_failures else _raise_failures(results)
+        return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
     def classify(
-        self, inputs: Sequence[str | Sequence[int]], truncate: bool = False, use_tqdm: bool = True
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        truncate: bool = False,
+        use_tqdm: bool = True,
+        return_failures: bool = False,
     ) -> list[ClassificationRequestOutput]:
         """Label probabilities per input (`out.outputs.probs`, `.label`), in input order."""
         from vacpack.corpus.tasks import ClassifyTask
 
         task = ClassifyTask(self.loaded, truncate=truncate)
-        return self._run_corpus(task, inputs, use_tqdm)
+        return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
-    def _run_corpus(self, task: CorpusTask, inputs: Sequence[Any], use_tqdm: bool) -> list[Any]:
+    def _run_corpus(
+        self,
+        task: CorpusTask,
+        inputs: Sequence[Any],
+        use_tqdm: bool,
+        return_failures: bool = False,
+    ) -> list[Any]:
         if isinstance(inputs, str):
             inputs = [inputs]
         runner = self.corpus_runner
-        return _raise_failures([r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)])
+        results = [r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)]
+        return results if return_failures else _raise_failures(results)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

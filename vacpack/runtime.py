@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from vacpack.attention import AttentionShapes
 from vacpack.config import EngineConfig
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.distributed.control import Program
@@ -21,13 +22,10 @@ from vacpack.distributed.driver import Driver
 from vacpack.host_memory import keep_freed_host_memory
 from vacpack.models.base import PackedModel
 from vacpack.models.cpu_dtype import choose_cpu_dtype, timed_linear_shape
-from vacpack.models.loader import (
-    LoadStats,
-    checkpoint_dtype,
-    load_hf_config,
-    load_model_shard,
-    resolve_model_path,
-)
+from vacpack.models.forward_context import attention_specs
+from vacpack.models.hub import resolve_model_path
+from vacpack.models.layer_ops_choice import LayerShapes, choose_layer_ops
+from vacpack.models.loader import LoadStats, checkpoint_dtype, load_hf_config, load_model_shard
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel, kv_head_rows
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 from vacpack.tuning import MeasuredChoice
@@ -46,8 +44,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
-    # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU), with the
-    # timings that chose it: for job reports and /metrics.
+    # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU, the layers'
+    # elementwise ops), with the timings that chose it: for job reports and /metrics.
     measured_choices: tuple[MeasuredChoice, ...] = ()
     # This rank's shard of the model and its group (one rank: the whole model, no group).
     tp: TensorParallel = SINGLE_RANK
@@ -60,6 +58,21 @@ class LoadedModel:
     @property
     def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
         return self.model.config
+
+    @property
+    def attention_shapes(self) -> AttentionShapes:
+        """What attention backends are timed at for this model (attention/selection.py): this
+        rank's heads."""
+        config = self.config
+        num_kv_heads = getattr(config, "num_kv_heads", config.num_heads)
+        return AttentionShapes(
+            num_heads=config.num_heads // self.tp.size,
+            num_kv_heads=kv_head_rows(num_kv_heads, 1, self.tp).length,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            specs=attention_specs(self.model),
+            max_model_len=self.max_model_len,
+        )
 
     @property
     def is_decoder(self) -> bool:
@@ -102,7 +115,10 @@ def load(
         trust_remote_code=config.trust_remote_code,
         revision=config.revision,
     )
-    model, load_stats = load_model_shard(model_dir, hf_config, dtype, device, tp)
+    layer_ops, layer_ops_choices = choose_layer_ops(
+        device, LayerShapes.from_hf(hf_config, dtype), dtype
+    )
+    model, load_stats = load_model_shard(model_dir, hf_config, dtype, device, layer_ops, tp)
     rank_load_stats: tuple[LoadStats, ...] = ()
     if tp.size > 1:
         assert tp.collectives is not None
@@ -125,7 +141,7 @@ def load(
         device=device,
         dtype=dtype,
         max_model_len=max_model_len,
-        measured_choices=(dtype_choice,) if dtype_choice is not None else (),
+        measured_choices=(*([dtype_choice] if dtype_choice else []), *layer_ops_choices),
         tp=tp,
         driver=driver,
         load_stats=load_stats,

@@ -11,11 +11,12 @@ import dataclasses
 import logging
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vacpack.outputs import RequestOutputKind
+from vacpack.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ _MIN_SEED = -(2**63)
 _MAX_SEED = 2**64 - 1
 
 _PENALTY_LIMIT = 2.0
+
+# OpenAI's range for a logit_bias value: -100 bans a token, +100 all but forces it.
+_LOGIT_BIAS_LIMIT = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -59,6 +63,9 @@ class SamplingParams:
       the object stays hashable and consumers need no ``None`` checks.
     - A temperature in (0, 0.01) is raised to 0.01, as vLLM does, to keep float32 finite.
     - ``logprobs`` and ``prompt_logprobs`` are capped at ``MAX_LOGPROBS`` (20).
+    - ``logit_bias`` (token id -> a value in [-100, 100] added to its logit), ``allowed_token_ids``
+      and ``bad_words`` are stored as a dict with int keys and as tuples;
+      ``structured_outputs`` may also be given as a dict of StructuredOutputsParams' fields.
     """
 
     n: int = 1
@@ -83,11 +90,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Given as a mapping of token id -> bias.
+    logit_bias: Mapping[int, float] | None = None
+    # Given as a list of int; stored as a tuple of int. Only these tokens may be sampled.
+    allowed_token_ids: Sequence[int] | None = None
+    # Given as a list of str; stored as a tuple of str. Never generated (as vLLM: each word's
+    # last token is banned where the output so far ends with the rest of the word).
+    bad_words: Sequence[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise_types()
         self._check_ranges()
         self._normalise_stops()
+        self._normalise_token_controls()
 
     def _set(self, field_name: str, value: Any) -> None:
         # The dataclass is frozen for callers; normalisation here is the one sanctioned write.
@@ -191,6 +207,54 @@ class SamplingParams:
         else:
             raise _fail("stop_token_ids", "a list of non-negative ints, or None", stop_ids)
         self._set("stop_token_ids", stop_id_tuple)
+
+    def _normalise_token_controls(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise _fail("logit_bias", "a mapping of token id -> bias", bias)
+            normalised: dict[int, float] = {}
+            for token_id, value in bias.items():
+                if not (_is_int(token_id) and token_id >= 0):
+                    raise _fail("logit_bias", "keyed by non-negative token ids", token_id)
+                if not (_is_real(value) and -_LOGIT_BIAS_LIMIT <= value <= _LOGIT_BIAS_LIMIT):
+                    raise _fail(
+                        "logit_bias",
+                        f"made of values in [{-_LOGIT_BIAS_LIMIT:g}, {_LOGIT_BIAS_LIMIT:g}]",
+                        value,
+                    )
+                normalised[int(token_id)] = float(value)
+            self._set("logit_bias", normalised or None)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not (
+                isinstance(allowed, (list, tuple))
+                and allowed
+                and all(_is_int(i) and i >= 0 for i in allowed)
+            ):
+                raise _fail("allowed_token_ids", "a non-empty list of non-negative ints", allowed)
+            self._set("allowed_token_ids", tuple(int(i) for i in allowed))
+        bad_words = self.bad_words
+        if bad_words is not None:
+            if not (
+                isinstance(bad_words, (list, tuple))
+                and all(isinstance(w, str) and w.strip() for w in bad_words)
+            ):
+                raise _fail("bad_words", "a list of non-blank strings", bad_words)
+            self._set("bad_words", tuple(bad_words) or None)
+        structured = self.structured_outputs
+        if structured is not None and not isinstance(structured, StructuredOutputsParams):
+            self._set("structured_outputs", StructuredOutputsParams.from_dict(structured))
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """True when a token mask or bias applies: a grammar, allowed or banned tokens, bias."""
+        return (
+            self.structured_outputs is not None
+            or self.allowed_token_ids is not None
+            or self.bad_words is not None
+            or self.logit_bias is not None
+        )
 
     @property
     def is_greedy(self) -> bool:

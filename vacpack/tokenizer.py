@@ -14,15 +14,15 @@ from typing import Any
 from huggingface_hub.errors import HFValidationError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from vacpack.errors import TokenizerLoadError, TokenizerNotFoundError
+
 GENERATION_CONFIG_FILENAME = "generation_config.json"
-
-
-class TokenizerLoadError(ValueError):
-    """A tokenizer could not be loaded; the message names the model id or path."""
-
-
-class TokenizerNotFoundError(TokenizerLoadError):
-    """The name is neither a local model directory nor a Hub repo available here."""
+TOKENIZER_FILE_EXAMPLES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+)
 
 
 def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], **options: Any) -> str:
@@ -58,7 +58,7 @@ def load_tokenizer(
     local_path = Path(name_or_path).expanduser()
     if local_path.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(
+            tokenizer = AutoTokenizer.from_pretrained(
                 str(local_path), trust_remote_code=trust_remote_code, revision=revision
             )
         except (OSError, ValueError) as error:
@@ -66,6 +66,14 @@ def load_tokenizer(
                 f"{name_or_path!r} is a local directory, but no tokenizer could be loaded from "
                 f"it: {error}"
             ) from error
+        # Without its files transformers still builds the class config.json names, with an
+        # empty vocabulary that turns every prompt into zero tokens.
+        if len(tokenizer.get_vocab()) <= 1:
+            raise TokenizerLoadError(
+                f"{name_or_path!r} is a local directory, but has no tokenizer files (such as "
+                f"{', '.join(TOKENIZER_FILE_EXAMPLES)}): its tokenizer has an empty vocabulary"
+            )
+        return tokenizer
     if _looks_like_local_path(name_or_path) or local_path.exists():
         raise TokenizerNotFoundError(_not_found_message(name_or_path))
     try:

@@ -21,12 +21,20 @@ from __future__ import annotations
 import torch
 
 BLOCK_QUERIES = 64
-# From here on (keys per sequence) the blocked form beats SDPA's CPU kernel on bf16.
+# From here on (keys per sequence) the blocked form beat SDPA's CPU kernel on bf16 where this
+# was tuned; on CPUs whose SDPA runs on AMX, or whose bf16 matmuls are slow, SDPA wins at every
+# length, so where a model is loaded the choice is measured (attention/selection.py).
 MIN_KEYS = 256
 
 
-def use_blocked_prefill(q: torch.Tensor, num_keys: int) -> bool:
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and num_keys >= MIN_KEYS
+def use_blocked_prefill(q: torch.Tensor, num_keys: int, blocked: bool | None = None) -> bool:
+    """Whether a causal prefill over `num_keys` keys runs blocked: `blocked` is the measured
+    choice for long prefills (None where nothing was measured: long bf16 ones on a CPU)."""
+    if num_keys < MIN_KEYS:
+        return False
+    if blocked is None:
+        return q.device.type == "cpu" and q.dtype == torch.bfloat16
+    return blocked
 
 
 def blocked_causal_attention(

@@ -1,11 +1,11 @@
-"""The attention backends, what each one supports, and which one "auto" means.
+"""The attention backends, what each one supports, and the options each one takes.
 
 Each backend declares where it can run: devices, dtypes, head sizes, and the phases it
 implements (PACKED: whole sequences in one stream without a KV cache, as corpus bins and
 encoders run; PAGED: engine steps over the paged KV cache, decodes and prefill chunks mixed).
 What only the machine can tell (a package installed, a C kernel that builds and has the
-instructions it needs) is checked last and lazily. "auto" takes the first eligible backend in
-the order below, fastest first where they were measured; the portable torch_sdpa backend runs
+instructions it needs) is checked last and lazily. "auto" times the eligible backends at the
+model's shapes and takes the fastest (selection.py); the portable torch_sdpa backend runs
 everywhere and is the reference the others are tested against.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import enum
 import importlib.util
-import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +42,9 @@ class BackendSpec:
     available: Callable[[torch.device, torch.dtype | None, int | None], bool] | None = None
     # Where "auto" may pick it (default: everywhere it runs); it runs elsewhere only if forced.
     auto_devices: frozenset[str] | None = None
+    # Constructor options that measured selection may set (cascade: a CascadePolicy or None;
+    # blocked_prefill: long causal prefills as blocked matmuls or not).
+    options: frozenset[str] = frozenset()
 
     def supports(
         self, device: torch.device, dtype: torch.dtype | None, head_dim: int | None, phase: Phase
@@ -75,11 +78,9 @@ def _cpu_kernels_build(
     return varlen_attention_supported(device, dtype, head_dim)
 
 
-logger = logging.getLogger(__name__)
-
 BOTH_PHASES = frozenset(Phase)
 
-# Preferred first, where eligible: each is faster than the ones after it where it runs.
+# In the order the error messages list them; "auto" picks among them by measurement.
 BACKEND_SPECS: tuple[BackendSpec, ...] = (
     BackendSpec(
         name="triton",
@@ -98,14 +99,17 @@ BACKEND_SPECS: tuple[BackendSpec, ...] = (
         head_dim_multiple=32,
         max_head_dim=256,
         available=_cpu_kernels_build,
+        options=frozenset({"cascade"}),
     ),
     BackendSpec(
         name="torch_sdpa",
         target="vacpack.attention.torch_sdpa:TorchSdpaBackend",
         devices=frozenset({"cpu", "cuda"}),
         phases=BOTH_PHASES,
+        options=frozenset({"cascade", "blocked_prefill"}),
     ),
 )
+SPECS_BY_NAME = {spec.name: spec for spec in BACKEND_SPECS}
 
 BACKENDS: LazyRegistry[type[AttentionBackend]] = LazyRegistry(
     "attention backend", {spec.name: spec.target for spec in BACKEND_SPECS}
@@ -118,13 +122,17 @@ def eligible_backends(
     head_dim: int | None = None,
     phase: Phase = Phase.PAGED,
 ) -> list[str]:
-    """The backends that can run this phase for this model here, preferred first."""
+    """The backends that can run this phase for this model here, in declaration order."""
     return [spec.name for spec in BACKEND_SPECS if spec.supports(device, dtype, head_dim, phase)]
 
 
-def _auto_candidates(
-    device: torch.device, dtype: torch.dtype | None, head_dim: int | None, phase: Phase
+def auto_candidates(
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    phase: Phase = Phase.PAGED,
 ) -> list[str]:
+    """The eligible backends that "auto" may pick here (those it times against each other)."""
     return [
         spec.name
         for spec in BACKEND_SPECS
@@ -140,10 +148,8 @@ def resolve_backend_name(
     head_dim: int | None = None,
     phase: Phase = Phase.PAGED,
 ) -> str:
-    """The backend that `name` means here: "auto" is the first eligible one; another name
-    must be eligible, else a ValueError says what it does not support."""
-    if name == "auto":
-        return _auto_candidates(device, dtype, head_dim, phase)[0]
+    """`name` itself when that backend is eligible here, else a ValueError saying what it does
+    not support ("auto" is resolved by measurement: see selection.py)."""
     eligible = eligible_backends(device, dtype, head_dim, phase)
     if name not in BACKENDS:
         BACKENDS.get(name)  # raises, listing the known backends
@@ -156,41 +162,12 @@ def resolve_backend_name(
     return name
 
 
-def create_backend(name: str) -> AttentionBackend:
-    return BACKENDS.get(name)()
+def create_backend(name: str, **options: Any) -> AttentionBackend:
+    """A backend built with those of `options` it declares (the others do not apply to it)."""
+    accepted = SPECS_BY_NAME[name].options if name in SPECS_BY_NAME else frozenset()
+    return BACKENDS.get(name)(**{key: value for key, value in options.items() if key in accepted})
 
 
-def select_backend(
-    name: str,
-    device: torch.device,
-    dtype: torch.dtype | None = None,
-    head_dim: int | None = None,
-    phase: Phase = Phase.PAGED,
-    specs: Sequence[AttentionSpec] = (),
-) -> AttentionBackend:
-    """The backend for a model whose layers attend as `specs` say (sliding windows, score
-    scale, softcap): "auto" takes the first candidate that runs every layer; a backend named
-    explicitly that cannot is an error."""
-    if name != "auto":
-        backend = create_backend(resolve_backend_name(name, device, dtype, head_dim, phase))
-        reasons = _unsupported(backend, specs)
-        if reasons:
-            raise ValueError(
-                f"attention backend {name!r} cannot run this model: {'; '.join(reasons)}. "
-                "Use attention_backend='auto' or 'torch_sdpa'"
-            )
-        return backend
-    skipped: list[str] = []
-    for candidate in _auto_candidates(device, dtype, head_dim, phase):
-        backend = create_backend(candidate)
-        reasons = _unsupported(backend, specs)
-        if not reasons:
-            if skipped:
-                logger.info("attention: %s; using %s", "; ".join(skipped), candidate)
-            return backend
-        skipped.extend(reasons)
-    raise ValueError(f"no attention backend runs this model here: {'; '.join(skipped)}")
-
-
-def _unsupported(backend: AttentionBackend, specs: Sequence[AttentionSpec]) -> list[str]:
+def unsupported_reasons(backend: AttentionBackend, specs: Sequence[AttentionSpec]) -> list[str]:
+    """Why `backend` cannot run every layer attending as `specs` say (empty: it can)."""
     return sorted({reason for spec in set(specs) if (reason := backend.unsupported(spec))})

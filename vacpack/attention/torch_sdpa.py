@@ -5,8 +5,9 @@ Decodes (one query token each) run as paged matmuls in chunks of similar context
 to that prefix together, once, and to their own pages apart (cascade.py). Grouped-query heads
 are folded into the query rows, so keys and values are never repeated per query head. Prefill
 segments run one SDPA call each: causal over their own tokens, or over their gathered pages
-with an offset causal mask when earlier chunks of the sequence are already cached; long bf16
-segments on a CPU run as blocked matmuls instead (blocked_prefill.py), measured faster there.
+with an offset causal mask when earlier chunks of the sequence are already cached; long
+segments run as blocked matmuls instead where those were measured faster at the model's shapes
+(blocked_prefill.py; when nothing was measured, long bf16 segments on a CPU).
 
 Sliding-window layers get their own view of the step (`attention_windows` in the layout): a
 decode gathers only the pages its window reaches, with the keys before the window masked; a
@@ -224,8 +225,15 @@ def _decode_metadata(
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
 
-    def __init__(self, cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY) -> None:
+    def __init__(
+        self,
+        cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY,
+        blocked_prefill: bool | None = None,
+    ) -> None:
         self.cascade = cascade  # None: every decode reads its whole context itself
+        # Long causal prefills as blocked matmuls (True) or SDPA (False), as measured at the
+        # model's shapes; None: blocked for bf16 on a CPU (use_blocked_prefill).
+        self.blocked_prefill = blocked_prefill
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         return None  # every window, scale and softcap
@@ -333,7 +341,9 @@ class TorchSdpaBackend(AttentionBackend):
                 assert kv_layer is not None, "cached context is read from the KV cache"
                 keys = kv_layer.keys.index_select(0, seg.context_slots)
                 values = kv_layer.values.index_select(0, seg.context_slots)
-            out[rows] = _prefill_attention(q[rows], keys, values, seg.mask, view.causal, spec)
+            out[rows] = _prefill_attention(
+                q[rows], keys, values, seg.mask, view.causal, spec, self.blocked_prefill
+            )
         return out
 
 
@@ -344,6 +354,7 @@ def _prefill_attention(
     mask: torch.Tensor | None,
     causal: bool,
     spec: AttentionSpec,
+    blocked_prefill: bool | None = None,
 ) -> torch.Tensor:
     """One sequence's queries (its last tokens) over its keys; `mask` is the offset causal
     mask when there are more keys than queries."""
@@ -351,7 +362,8 @@ def _prefill_attention(
     if not causal and (window is not None or softcap is not None):
         raise ValueError("bidirectional attention takes neither a sliding window nor a softcap")
     windowed = window is not None and keys.shape[0] > window
-    if causal and (windowed or softcap is not None or use_blocked_prefill(q, keys.shape[0])):
+    blocked = use_blocked_prefill(q, keys.shape[0], blocked_prefill)
+    if causal and (windowed or softcap is not None or blocked):
         return blocked_causal_attention(q, keys, values, spec.scale, window, softcap)
     # [tokens, heads, dim] -> [1, heads, tokens, dim]
     attn = F.scaled_dot_product_attention(

@@ -68,6 +68,8 @@ def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         return LineError(line_number, None, f"line {line_number} is not valid JSON: {error}")
+    except RecursionError:
+        return LineError(line_number, None, f"line {line_number} nests JSON too deeply")
     if not isinstance(record, dict):
         return LineError(line_number, None, f"line {line_number} is not a JSON object")
     custom_id = record.get("custom_id")

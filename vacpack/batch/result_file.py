@@ -1,23 +1,25 @@
-"""The results file: what an earlier run answered (for resuming), and appends that stay whole.
+"""The results file of a batch run: what an earlier run answered, and whether a file is one.
 
-Each result line goes to the file in one unbuffered write(2) of the complete line, so a run
-killed at any moment leaves at most its very last line torn. On resume that torn tail is cut
-off and its request is answered again: every custom_id ends up answered exactly once.
+An existing output is resumed only if every whole line is a batch output record whose
+custom_id (or, for a line without one, whose input line number) the input file has; anything
+else is refused untouched (see vacpack/output_file.py). Records are appended whole, so a run
+killed at any moment leaves at most its last line torn; that tail is cut off on resume and its
+request answered again: every custom_id ends up answered exactly once.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vacpack.batch.lines import BatchLine, LineError
+from vacpack.batch.lines import BatchLine, LineError, iter_lines
+from vacpack.batch.options import BatchOptions
+from vacpack.output_file import ResultWriter, open_output
 
-logger = logging.getLogger(__name__)
+# How every record line starts: records.py builds the "id" first and writes compact JSON.
+BATCH_RECORD_START = b'{"id":"batch_req_'
+_RECORD_KEYS = frozenset({"id", "custom_id", "response", "error"})
 
 
 @dataclass
@@ -46,67 +48,56 @@ class AnsweredSet:
             self.line_numbers.add(error["line"])
 
 
-def recover_answered(path: Path) -> AnsweredSet:
-    """The requests an earlier run answered; a torn or unreadable tail is cut off the file."""
-    answered = AnsweredSet()
-    if not path.exists():
-        return answered
-    good_end_bytes = 0
-    with path.open("r+b") as results:
-        for raw in results:
-            record = _whole_record(raw)
-            if record is None:
-                break
-            answered.add_record(record)
-            good_end_bytes += len(raw)
-        size_bytes = results.seek(0, os.SEEK_END)
-        if size_bytes > good_end_bytes:
-            logger.warning(
-                "%s: cutting off %d bytes after the last whole result line (an interrupted run)",
-                path,
-                size_bytes - good_end_bytes,
-            )
-            results.truncate(good_end_bytes)
-    return answered
+@dataclass(frozen=True)
+class _InputKeys:
+    """What identifies the input's requests: custom_ids, and line numbers of lines without one."""
 
+    custom_ids: frozenset[str]
+    unnamed_line_numbers: frozenset[int]
 
-def _whole_record(raw: bytes) -> dict[str, Any] | None:
-    if not raw.endswith(b"\n"):
-        return None  # the write that would have ended this line never finished
-    try:
-        record = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    @classmethod
+    def read(cls, path: Path) -> _InputKeys:
+        custom_ids: set[str] = set()
+        unnamed: set[int] = set()
+        for item in iter_lines(path):
+            if item.custom_id is not None:
+                custom_ids.add(item.custom_id)
+            else:
+                unnamed.add(item.line_number)
+        return cls(frozenset(custom_ids), frozenset(unnamed))
+
+    def problem(self, record: dict[str, Any]) -> str | None:
+        if set(record) != _RECORD_KEYS:
+            return "is not a batch output record"
+        custom_id = record["custom_id"]
+        if isinstance(custom_id, str):
+            if custom_id not in self.custom_ids:
+                return f"answers custom_id {custom_id!r}, which the input does not have"
+            return None
+        line_number = (record["error"] or {}).get("line") if custom_id is None else None
+        if not isinstance(line_number, int) or line_number not in self.unnamed_line_numbers:
+            return "answers no line of the input"
         return None
-    return record if isinstance(record, dict) else None
 
 
-class ResultWriter:
-    """Appends result lines: one write(2) per line, fsync at most every `fsync_interval_s`."""
+def open_batch_output(options: BatchOptions) -> tuple[ResultWriter, AnsweredSet]:
+    """The output, ready to append to, and what an earlier run in it answered already."""
+    answered = AnsweredSet()
+    input_keys: list[_InputKeys] = []  # read from the input only if there is an output to check
 
-    def __init__(self, path: Path, fsync_interval_s: float) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._fsync_interval_s = fsync_interval_s
-        self._last_fsync_s = time.monotonic()
+    def check_record(record: dict[str, Any]) -> str | None:
+        if not input_keys:
+            input_keys.append(_InputKeys.read(options.input_path))
+        problem = input_keys[0].problem(record)
+        if problem is None:
+            answered.add_record(record)
+        return problem
 
-    def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
-        data = memoryview(line.encode("utf-8"))
-        while data:  # a regular file takes it all at once; the loop is for the rare short write
-            data = data[os.write(self._fd, data) :]
-        now = time.monotonic()
-        if now - self._last_fsync_s >= self._fsync_interval_s:
-            os.fsync(self._fd)
-            self._last_fsync_s = now
-
-    def close(self) -> None:
-        if self._fd < 0:
-            return
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-
-    def __enter__(self) -> ResultWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    writer = open_output(
+        options.output_path,
+        record_start=BATCH_RECORD_START,
+        check_record=check_record,
+        overwrite=options.overwrite,
+        fsync_interval_s=options.fsync_interval_s,
+    )
+    return writer, answered

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from vacpack.batch.lines import BatchLine, LineError, count_requests, iter_lines
 from vacpack.batch.options import BatchOptions
 from vacpack.batch.records import line_error_record, response_record
-from vacpack.batch.result_file import AnsweredSet, ResultWriter, recover_answered
+from vacpack.batch.result_file import AnsweredSet, open_batch_output
 from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.logprobs import token_decoder
@@ -52,6 +52,7 @@ from vacpack.openai_api.responses import (
     now_s,
 )
 from vacpack.openai_api.serving import generation_engine, pooling_functions
+from vacpack.output_file import RecordSink, check_input_file
 from vacpack.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -124,18 +125,17 @@ class BatchRunner:
         self._num_output_tokens = 0
         self._peak_in_flight = 0
 
-    def run(self) -> BatchSummary:
+    def run(self, writer: RecordSink, answered: AnsweredSet) -> BatchSummary:
+        """Answers every input line not in `answered`, appending the records to `writer`."""
         start_s = time.perf_counter()
         options = self._options
-        answered = recover_answered(options.output_path)
         num_requests = count_requests(options.input_path)
+        self._writer = writer
         self._progress = tqdm(
             total=num_requests, desc="run-batch", unit="req", disable=not options.show_progress
         )
         try:
-            with ResultWriter(options.output_path, options.fsync_interval_s) as writer:
-                self._writer = writer
-                self._feed_and_drain(iter_lines(options.input_path), answered)
+            self._feed_and_drain(iter_lines(options.input_path), answered)
         finally:
             for request_id in list(self._pending):  # interrupted: leave nothing running
                 assert self._engine is not None
@@ -319,13 +319,26 @@ class BatchRunner:
 
 
 def run_batch(llm: LLM, options: BatchOptions) -> BatchSummary:
-    return BatchRunner(llm, options).run()
+    """Answers the batch file; resumes an earlier run's output, refuses any other file there."""
+    check_input_file(options.input_path)
+    writer, answered = open_batch_output(options)
+    try:
+        return BatchRunner(llm, options).run(writer, answered)
+    finally:
+        writer.close()
 
 
 def run_batch_command(model: str, engine_kwargs: dict[str, Any], options: BatchOptions) -> int:
-    """`vacpack run-batch`: load the model, answer the file, report."""
-    llm = LLM(model, **engine_kwargs)
-    summary = run_batch(llm, options)
+    """`vacpack run-batch`: check the files, load the model, answer the file, report."""
+    # The files first: a missing input or an output that must not be touched fails in a moment,
+    # not after the model has loaded.
+    check_input_file(options.input_path)
+    writer, answered = open_batch_output(options)
+    try:
+        llm = LLM(model, **engine_kwargs)
+        summary = BatchRunner(llm, options).run(writer, answered)
+    finally:
+        writer.close()
     print(
         f"{summary.num_answered} requests answered ({summary.num_failed} with errors), "
         f"{summary.num_resumed} already answered, {summary.num_duplicates} duplicate custom_ids "

@@ -11,6 +11,7 @@ from vacpack.cli.corpus import add_corpus_commands
 from vacpack.cli.demo import add_demo_command
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
 from vacpack.cli.generate import add_generate_command
+from vacpack.errors import DEBUG_ENV, debug_requested, run_reporting_errors
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -33,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="vacpack", description=__doc__)
     parser.add_argument("--version", action="version", version=f"vacpack {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback of an error, anywhere on the line (also {DEBUG_ENV}=1)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_command(commands)
     add_corpus_commands(commands)
@@ -48,16 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(run_batch)
     add_batch_args(run_batch)
     run_batch.set_defaults(handler=cmd_run_batch)
+
+    from vacpack.cli.ray import RAY_COMMANDS, add_ray_args
+
+    for name in RAY_COMMANDS:
+        add_ray_args(commands.choices[name], name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = debug_requested(argv)
+    args = build_parser().parse_args([arg for arg in argv if arg != "--debug"])
+
+    def run() -> int:
+        if getattr(args, "ray", False):
+            from vacpack.cli.ray import run_ray_command
+
+            return run_ray_command(args, engine_kwargs(args))
         return int(args.handler(args))
-    except ValueError as error:
-        print(f"vacpack {args.command}: error: {error}", file=sys.stderr)
-        return 2
+
+    return run_reporting_errors(args.command, run, debug)
 
 
 if __name__ == "__main__":

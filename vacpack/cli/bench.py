@@ -126,6 +126,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     elapsed_s = time.perf_counter() - start_s
 
+    # The model's (dtype, elementwise ops) and the engine's (attention and its options).
+    measured_choices = llm.loaded.measured_choices + llm.engine.setup.measured_choices
     num_prompt_tokens = sum(len(p) for p in prompts)
     num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     results: dict[str, Any] = {
@@ -141,14 +143,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "num_output_tokens": num_output_tokens,
         "output_tokens_per_s": num_output_tokens / elapsed_s,
         "total_tokens_per_s": (num_prompt_tokens + num_output_tokens) / elapsed_s,
-        "measured_choices": [c.to_dict() for c in llm.loaded.measured_choices],
+        "measured_choices": [c.to_dict() for c in measured_choices],
     }
     print(
         f"throughput: {results['output_tokens_per_s']:.1f} output tok/s, "
         f"{results['total_tokens_per_s']:.1f} total tok/s ({num_prompt_tokens} prompt + "
         f"{num_output_tokens} output tokens in {elapsed_s:.2f} s)"
     )
-    for choice in llm.loaded.measured_choices:
+    for choice in measured_choices:
         print(f"chosen by measurement: {choice.summary()}")
     print(f"timeline: {timeline.summary().describe()}")
     results["timeline"] = timeline.to_dict()

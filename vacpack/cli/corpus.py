@@ -8,13 +8,15 @@ in input order: the result, or {"index": i, "error": "..."} for an input that fa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
+from vacpack.corpus.input_fields import TEXT_KEYS
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.tasks import (
     ClassifyTask,
@@ -25,22 +27,29 @@ from vacpack.corpus.tasks import (
     resolve_prompt,
 )
 from vacpack.llm import LLM
+from vacpack.output_file import RecordSink, StreamWriter, check_input_file, open_output
 
-TEXT_KEYS = ("text", "input", "prompt")
+CORPUS_RECORD_START = b'{"index":'
+_RESULT_KEYS = frozenset({"embedding", "label", "logprob", "error"})
 
 
-def read_corpus(path: Path, task: str) -> Iterator[Any]:
-    """Streams documents from a file of any size; a bad line becomes a DocumentError."""
-    with path.open(encoding="utf-8") as lines:
-        for index, line in enumerate(lines):
-            number = index + 1
-            line = line.rstrip("\n")
+def read_corpus(path: Path, task: str, skip: int = 0) -> Iterator[Any]:
+    """Streams documents from a file of any size, after the first `skip` lines; a bad line
+    becomes a DocumentError (indexed from the first document streamed)."""
+    with path.open("rb") as lines:
+        for index, raw in enumerate(itertools.islice(lines, skip, None)):
+            number = skip + index + 1
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as error:
+                yield DocumentError(index, f"line {number} is not UTF-8: {error}")
+                continue
             if path.suffix != ".jsonl":
                 yield line
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as error:
+            except (json.JSONDecodeError, RecursionError) as error:
                 yield DocumentError(index, f"line {number} is not valid JSON: {error}")
                 continue
             if not isinstance(record, dict):
@@ -75,30 +84,60 @@ def result_record(index: int, result: Any) -> dict[str, Any]:
 
 
 def run_corpus_command(args: argparse.Namespace) -> int:
-    llm = LLM(args.model, **engine_kwargs(args))
-    loaded = llm.loaded
-    task: CorpusTask
-    if args.command == "embed":
-        pooling = resolve_pooling(loaded, args.pooling, args.normalize, args.dimensions)
-        prompt = resolve_prompt(loaded, args.prompt, args.prompt_name)
-        task = EmbedTask(loaded, pooling, truncate=args.truncate, prompt=prompt)
-    elif args.command == "classify":
-        task = ClassifyTask(loaded, truncate=args.truncate)
-    else:
-        task = LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+    # The files first: a missing input or an output that must not be touched fails in a moment,
+    # not after the model has loaded.
     input_path = Path(args.input)
-    documents = read_corpus(input_path, args.command)
-    sink: TextIO = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    check_input_file(input_path)
+    num_lines = count_lines(input_path)
+    sink: RecordSink = StreamWriter()
+    num_done = 0
+    if args.output:
+        sink, num_done = open_corpus_output(Path(args.output), num_lines, args.overwrite)
     try:
-        for index, result in llm.corpus_runner.run(task, documents, count_lines(input_path)):
-            sink.write(json.dumps(result_record(index, result), ensure_ascii=False) + "\n")
+        llm = LLM(args.model, **engine_kwargs(args))
+        task = _task(llm, args)
+        # Results come out in input order, so an earlier run answered the first `num_done`.
+        documents = read_corpus(input_path, args.command, skip=num_done)
+        for index, result in llm.corpus_runner.run(task, documents, num_lines - num_done):
+            sink.write(result_record(num_done + index, result))
     finally:
-        if sink is not sys.stdout:
-            sink.close()
+        sink.close()
     report = llm.corpus_runner.last_report
     assert report is not None, "a job that ran left its report"
     print(report.summary(), file=sys.stderr)
     return 0
+
+
+def _task(llm: LLM, args: argparse.Namespace) -> CorpusTask:
+    loaded = llm.loaded
+    if args.command == "embed":
+        pooling = resolve_pooling(loaded, args.pooling, args.normalize, args.dimensions)
+        prompt = resolve_prompt(loaded, args.prompt, args.prompt_name)
+        return EmbedTask(loaded, pooling, truncate=args.truncate, prompt=prompt)
+    if args.command == "classify":
+        return ClassifyTask(loaded, truncate=args.truncate)
+    return LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+
+
+def open_corpus_output(path: Path, num_lines: int, overwrite: bool) -> tuple[RecordSink, int]:
+    """The output to append to, and how many documents an earlier run in it answered."""
+    num_done = 0
+
+    def check_record(record: dict[str, Any]) -> str | None:
+        nonlocal num_done
+        if record.get("index") != num_done:
+            return f"has index {record.get('index')!r} where {num_done} belongs"
+        if num_done >= num_lines:
+            return f"answers document {num_done}, but the input has {num_lines} lines"
+        if not set(record) & _RESULT_KEYS:
+            return "is not a corpus result record"
+        num_done += 1
+        return None
+
+    writer = open_output(
+        path, record_start=CORPUS_RECORD_START, check_record=check_record, overwrite=overwrite
+    )
+    return writer, num_done
 
 
 def add_corpus_commands(commands: argparse._SubParsersAction) -> None:
@@ -110,7 +149,10 @@ def add_corpus_commands(commands: argparse._SubParsersAction) -> None:
         parser = commands.add_parser(name, help=help_text)
         add_engine_args(parser)
         parser.add_argument("--input", required=True, help=".jsonl or plain text, any size")
-        parser.add_argument("--output", help="JSONL results in input order (default: stdout)")
+        parser.add_argument(
+            "--output", help="JSONL results in input order (default: stdout), resumably"
+        )
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
         parser.add_argument("--truncate", action="store_true", help="cut over-long documents")
         if name == "embed":
             parser.add_argument("--pooling", choices=["cls", "mean", "last", "max"])

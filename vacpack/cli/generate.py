@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
@@ -19,9 +18,13 @@ def add_generate_command(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="generate completions for prompts")
     add_engine_args(generate)
     _add_sampling_args(generate)
-    generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    generate.add_argument("--input", help="file of prompts: .jsonl or one per line")
-    generate.add_argument("--output", help="write results as JSONL here")
+    prompts = generate.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    prompts.add_argument(
+        "--input", help="file of prompts: .jsonl (fields override the flags) or one per line"
+    )
+    generate.add_argument("--output", help="write results as JSONL here, resumably")
+    generate.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     generate.add_argument("--quiet", action="store_true", help="no progress bar or texts")
     generate.set_defaults(handler=cmd_generate)
 
@@ -42,9 +45,18 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--logprobs", type=int, default=None)
+    group.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='constrain every output, e.g. \'{"json": {"type": "object"}}\' or \'{"choice": '
+        '["yes", "no"]}\' (keys: json, json_object, regex, choice, grammar); a JSONL input '
+        'line\'s own "structured_outputs" (or "response_format") wins',
+    )
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         n=args.n,
         max_tokens=args.max_tokens,
@@ -60,65 +72,38 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        structured_outputs=args.structured_outputs,
     )
 
 
-def read_prompts(path: Path) -> Iterator[str]:
-    """Prompts from JSONL ({"prompt": ...} or {"text": ...} per line) or plain text lines."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not valid JSON: {error}") from None
-                text = (
-                    record.get("prompt", record.get("text")) if isinstance(record, dict) else None
-                )
-                if not isinstance(text, str):
-                    raise ValueError(f'{path}:{number}: expected {{"prompt": "..."}}')
-                yield text
-            else:
-                yield line
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    prompts = list(args.prompt or [])
-    if args.input:
-        prompts.extend(read_prompts(Path(args.input)))
-    if not prompts:
-        print("vacpack generate: give --prompt TEXT or --input FILE", file=sys.stderr)
-        return 2
-    params = _sampling_params(args)
+    if not args.prompt and not args.input:
+        raise ValueError("give --prompt TEXT or --input FILE")
+    params = sampling_params_from_args(args)  # the flags are checked before the model loads
+    if args.input or args.output:
+        from vacpack.batch.prompt_file import (
+            GenerateOptions,
+            PromptSource,
+            request_defaults,
+            run_generate_command,
+        )
+
+        source = (
+            PromptSource(Path(args.input)) if args.input else PromptSource(texts=tuple(args.prompt))
+        )
+        options = GenerateOptions(
+            Path(args.output) if args.output else None, args.overwrite, show_progress=not args.quiet
+        )
+        defaults = request_defaults(params)
+        return run_generate_command(args.model, engine_kwargs(args), source, defaults, options)
     llm = LLM(args.model, **engine_kwargs(args))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    outputs = llm.generate(args.prompt, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
-    sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
-    try:
-        for output in outputs:
-            record = {
-                "prompt": output.prompt,
-                "outputs": [
-                    {
-                        "text": c.text,
-                        "finish_reason": c.finish_reason,
-                        "num_tokens": len(c.token_ids),
-                    }
-                    for c in output.outputs
-                ],
-            }
-            if sink:
-                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-            elif not args.quiet or len(outputs) == 1:
-                for completion in output.outputs:
-                    print(f"--- {output.prompt!r}\n{completion.text}")
-    finally:
-        if sink:
-            sink.close()
+    for output in outputs:
+        if not args.quiet or len(outputs) == 1:
+            for completion in output.outputs:
+                print(f"--- {output.prompt!r}\n{completion.text}")
     print_report(llm, outputs, elapsed)
     return 0
 

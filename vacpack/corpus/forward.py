@@ -19,28 +19,20 @@ from collections.abc import Sequence
 
 import torch
 
-from vacpack.attention import Phase, select_backend
 from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.distributed.control import Program
 from vacpack.kvcache.paged_cache import PagedKVCache
-from vacpack.models.forward_context import ForwardContext, attention_specs, attention_windows
+from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.runtime import LoadedModel
 
 CHUNK_PAGE_SIZE = 16
 
 
 class PackedForward:
-    def __init__(self, loaded: LoadedModel, attention: AttentionBackend | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, attention: AttentionBackend) -> None:
         self.loaded = loaded
         self.model = loaded.model
-        self.attention = attention or select_backend(
-            loaded.engine_config.attention_backend,
-            loaded.device,
-            loaded.dtype,
-            loaded.config.head_dim,
-            Phase.PACKED,
-            attention_specs(loaded.model),
-        )
+        self.attention = attention
         self.device = loaded.device
         # Decoders (and their classifiers) are causal; encoders such as BERT say otherwise.
         self.causal = bool(getattr(self.model, "is_causal", True))

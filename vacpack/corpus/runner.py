@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from vacpack.attention import PackedBinShape, SelectedBackend, select_backend
 from vacpack.corpus.budget import FIRST_PROBE_TOKENS, BinBudget, measure_bin_budget
 from vacpack.corpus.forward import PackedForward
 from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPacker, PackedBin
@@ -42,6 +43,26 @@ ENCODE_BATCH_INPUTS = 64
 # sequences the second probe read as slower than the first, ending every search at 256.
 PROBE_SEQ_LEN = FIRST_PROBE_TOKENS
 MAX_BIN_SEQUENCES = 128
+# The bin that attention backends are timed on (attention/selection.py): a decoder's documents
+# for scoring are long, an encoder's texts for embedding short; 2,048 tokens either way.
+TIMED_BIN_TOKENS = 2048
+TIMED_SEQ_LEN = {True: 512, False: 128}  # by whether the model is causal
+
+
+def timed_bin_shape(causal: bool, max_model_len: int) -> PackedBinShape:
+    seq_len = min(TIMED_SEQ_LEN[causal], max_model_len)
+    return PackedBinShape(max(1, TIMED_BIN_TOKENS // seq_len), seq_len, causal)
+
+
+def select_corpus_attention(loaded: LoadedModel) -> SelectedBackend:
+    """The packed bins' attention backend. With tensor parallelism every rank calls this: the
+    others after rank 0, reading its measured choice from the on-disk cache."""
+    return select_backend(
+        loaded.engine_config.attention_backend,
+        loaded.device,
+        loaded.attention_shapes,
+        timed_bin_shape(bool(getattr(loaded.model, "is_causal", True)), loaded.max_model_len),
+    )
 
 
 class CorpusRunner:
@@ -52,7 +73,11 @@ class CorpusRunner:
         align_to: int | None = None,
     ) -> None:
         self.loaded = loaded
-        self.forward = PackedForward(loaded)
+        selected = select_corpus_attention(loaded)
+        # The model's choices and this runner's (its attention backend and the backend's
+        # options), for every job's report.
+        self.measured_choices = loaded.measured_choices + selected.choices
+        self.forward = PackedForward(loaded, selected.backend)
         self.align_to = align_to
         self._budget = BinBudget.given(budget_tokens) if budget_tokens else None
         self.last_report: JobReport | None = None
@@ -93,7 +118,7 @@ class CorpusRunner:
             task.name,
             bin_budget_tokens=budget.tokens,
             budget_source=budget.source,
-            measured_choices=self.loaded.measured_choices,
+            measured_choices=self.measured_choices,
         )
         self.last_report = report
         packer = FirstFitDecreasingPacker(

@@ -26,12 +26,9 @@ logger = logging.getLogger(__name__)
 # AVX-512 with the bf16 dot product (VDPBF16PS): Intel Cooper Lake and Sapphire Rapids on,
 # AMD Zen 4 on.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+PORTABLE_COMPILE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
 COMPILE_FLAGS = (
-    "-O3",
-    "-std=gnu11",
-    "-fPIC",
-    "-shared",
-    "-fopenmp",
+    *PORTABLE_COMPILE_FLAGS,
     "-mavx512f",
     "-mavx512bw",
     "-mavx512vl",
@@ -69,7 +66,7 @@ def cache_dir() -> Path:
     return user_cache_root() / "kernels"
 
 
-def _compile(compiler: str, source: Path, target: Path) -> None:
+def _compile(compiler: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:
     """Builds into a temporary file beside the target and renames it into place, so that
     processes building at the same time never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +74,7 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
     os.close(handle)
     try:
         subprocess.run(
-            [compiler, *COMPILE_FLAGS, str(source), "-o", partial, "-lm"],
+            [compiler, *flags, str(source), "-o", partial, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -89,11 +86,14 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
 
 
 @functools.cache
-def load_kernel_library(name: str) -> ctypes.CDLL | None:
-    """The compiled library of `name`.c in this folder, or None where it cannot run here."""
+def load_kernel_library(name: str, portable: bool = False) -> ctypes.CDLL | None:
+    """The compiled library of `name`.c in this folder, or None where it cannot run here.
+
+    portable: plain C that any x86 or ARM CPU runs (no AVX-512 instructions or CPU check)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
+    flags = PORTABLE_COMPILE_FLAGS if portable else COMPILE_FLAGS
+    missing = [] if portable else [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
     if missing:
         logger.info("CPU kernels off: this CPU lacks %s", ", ".join(missing))
         return None
@@ -104,12 +104,12 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
     source = Path(__file__).with_name(f"{name}.c")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join(COMPILE_FLAGS).encode() + version.encode()
+        source.read_bytes() + " ".join(flags).encode() + version.encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         try:
-            _compile(compiler, source, target)
+            _compile(compiler, source, target, flags)
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", "") or str(error)
             logger.warning(

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vacpack.attention import select_backend
 from vacpack.attention.backend import AttentionBackend
 from vacpack.config import EngineConfig
+from vacpack.engine.attention_choice import select_engine_attention
 from vacpack.engine.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from vacpack.engine.kv_setup import allocate_kv_cache
 from vacpack.engine.step_forward import StepForward
 from vacpack.kvcache import PagedKVCache
 from vacpack.kvcache.sizing import KVSizing
-from vacpack.models.forward_context import attention_specs
 from vacpack.runtime import LoadedModel
 
 
@@ -36,16 +35,16 @@ class EngineDevice:
 
 
 def setup_engine_device(
-    config: EngineConfig, loaded: LoadedModel, max_num_batched_tokens: int
+    config: EngineConfig,
+    loaded: LoadedModel,
+    max_num_batched_tokens: int,
+    attention: AttentionBackend | None = None,
 ) -> EngineDevice:
+    """`attention`: the backend rank 0 chose; a worker chooses its own (the same, read from
+    the measured choices' cache when rank 0 could write it)."""
     device = loaded.device
-    attention = select_backend(
-        config.attention_backend,
-        device,
-        loaded.dtype,
-        loaded.config.head_dim,
-        specs=attention_specs(loaded.model),
-    )
+    if attention is None:
+        attention = select_engine_attention(config, loaded, max_num_batched_tokens).backend
     kv_sizing, kv_cache = allocate_kv_cache(config, loaded, attention, max_num_batched_tokens)
     graph_runner: DecodeGraphRunner | None = None
     graph_memory_bytes = 0

@@ -19,9 +19,10 @@ import torch
 
 from vacpack.config import EngineConfig
 from vacpack.distributed.control import Program
+from vacpack.engine.attention_choice import select_engine_attention
 from vacpack.engine.device_setup import setup_engine_device
 from vacpack.engine.model_runner import ModelRunner, PreparedStep
-from vacpack.engine.request import build_request
+from vacpack.engine.request import build_request, check_prompt
 from vacpack.engine.request_outputs import make_output
 from vacpack.engine.sampler import Sampler
 from vacpack.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -33,12 +34,16 @@ from vacpack.kvcache import PagePool
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
+from vacpack.structured.manager import StructuredOutputManager
+from vacpack.structured.token_masks import StepTokenMasks
 
 logger = logging.getLogger(__name__)
 
 # A step's token budget when none is given: large enough that prefill matmuls run near the
 # device's peak, small enough that decodes sharing the step are not held up for long.
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+# With nothing to run until a grammar is compiled, a step waits this long for one at most.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class _LaunchedStep:
     handle: StepHandle
     prepare_start_s: float
     launch_s: float
+    token_masks: StepTokenMasks | None  # constrained rows' masks; maybe filled after launch
 
 
 class LLMEngine:
@@ -68,6 +74,9 @@ class LLMEngine:
             device.type, 2048
         )
         model_config = loaded.config
+        # Chosen before the other ranks set up: they then find rank 0's measured choice in
+        # the on-disk cache instead of timing on their own.
+        selected = select_engine_attention(config, loaded, self.max_num_batched_tokens)
         # With tensor parallelism every rank sets up its own shard's cache and graphs alongside.
         setup_program = (
             loaded.driver.program(Program.ENGINE_SETUP, [self.max_num_batched_tokens])
@@ -75,7 +84,9 @@ class LLMEngine:
             else nullcontext()
         )
         with setup_program:
-            engine_device = setup_engine_device(config, loaded, self.max_num_batched_tokens)
+            engine_device = setup_engine_device(
+                config, loaded, self.max_num_batched_tokens, selected.backend
+            )
         self.attention = engine_device.attention
         self.kv_sizing, self.kv_cache = engine_device.kv_sizing, engine_device.kv_cache
         self.page_pool = PagePool(
@@ -91,6 +102,9 @@ class LLMEngine:
             self.page_pool,
         )
         self.sampler = Sampler(model_config.vocab_size, device, seed=config.seed)
+        self.structured = StructuredOutputManager(
+            loaded.tokenizer, model_config.vocab_size, loaded.eos_token_ids, device
+        )
         self.async_scheduling = _resolve_async_scheduling(config.async_scheduling, device)
         self.runner = ModelRunner(
             engine_device.forward,
@@ -116,6 +130,7 @@ class LLMEngine:
             kv_cache_source=self.kv_sizing.source,
             cuda_graph_batch_sizes=tuple(graph_runner.buckets) if graph_runner else (),
             cuda_graph_memory_bytes=engine_device.graph_memory_bytes,
+            measured_choices=selected.choices,
         )
         self._in_flight: _LaunchedStep | None = None
         self._num_launched_steps = 0
@@ -132,21 +147,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests in
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raises ValueError for a prompt the engine cannot run; call before add_request."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab_size = self.loaded.config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(
-                f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}"
-            )
-        max_model_len = self.loaded.max_model_len
-        if len(prompt_token_ids) >= max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but the context is "
-                f"max_model_len={max_model_len} tokens: at most {max_model_len - 1} "
-                "prompt tokens leave room for one output token"
-            )
+        check_prompt(prompt_token_ids, self.loaded.config.vocab_size, self.loaded.max_model_len)
 
     def add_request(
         self,
@@ -162,6 +163,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        grammar = self.structured.check(params)
         request = build_request(
             request_id,
             prompt,
@@ -173,6 +175,8 @@ class LLMEngine:
             device=self.loaded.device,
             prompt_logprobs_start=prompt_logprobs_start,
         )
+        for sequence in request.sequences:
+            sequence.constraints = self.structured.constraints_for(sequence.params, grammar)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -193,9 +197,10 @@ class LLMEngine:
         scheduling the outputs are those of the step launched by the previous call."""
         prepare_start_s = time.perf_counter()
         schedule = self.scheduler.schedule()
-        outputs = self._read_in_flight() if _reads_its_outputs(schedule) else []
+        must_read_first = schedule.reads_known_outputs(self.executor.work_may_wait_for_host)
+        outputs = self._read_in_flight() if must_read_first else []
         launched = self._launch(schedule.without_finished(), prepare_start_s)
-        outputs += self._read_in_flight()
+        outputs += self._read_previous(launched)
         self._in_flight = launched
         if not self.async_scheduling:
             outputs += self._read_in_flight()
@@ -223,13 +228,31 @@ class LLMEngine:
             return None
         with self.executor.stream_context():
             prepared = self.runner.prepare(schedule.chunks)
+            token_masks = self.structured.step_masks(prepared.sampled_sequences)
             launch_s = time.perf_counter()
-            handle = self.executor.launch(lambda: self.runner.run(prepared))
+            handle = self.executor.launch(lambda: self.runner.run(prepared, token_masks))
         self.scheduler.on_launch(schedule.chunks, prepared.sampled_sequences, prepared.placeholders)
         self._num_launched_steps += 1
         return _LaunchedStep(
-            self._num_launched_steps - 1, schedule, prepared, handle, prepare_start_s, launch_s
+            self._num_launched_steps - 1,
+            schedule,
+            prepared,
+            handle,
+            prepare_start_s,
+            launch_s,
+            token_masks,
         )
+
+    def _read_previous(self, launched: _LaunchedStep | None) -> list[RequestOutput]:
+        """Reads the step launched before `launched`, then fills `launched`'s token masks that
+        needed its tokens (the device waits for them to sample, after the step's forward)."""
+        if launched is None and self._in_flight is None:
+            self.structured.wait_for_grammars(GRAMMAR_WAIT_S)  # nothing runs until one compiles
+        try:
+            return self._read_in_flight()
+        finally:
+            if launched is not None and launched.token_masks is not None:
+                self.structured.fill(launched.token_masks, launched.prepared.sampled_sequences)
 
     def _read_in_flight(self) -> list[RequestOutput]:
         """Waits for the launched step's results (if any) and applies them to its requests."""
@@ -242,6 +265,7 @@ class LLMEngine:
         update = self.scheduler.update_from_output(launched.schedule.chunks, result)
         outputs = [o for request in update.requests if (o := make_output(request)) is not None]
         process_end_s = time.perf_counter()
+        masks = launched.token_masks
         self.stats.record_step(
             result.num_tokens, update.num_generated_tokens, len(launched.schedule.preempted)
         )
@@ -261,6 +285,8 @@ class LLMEngine:
                 kv_pages_used=self.page_pool.num_used_pages,
                 kv_pages_total=self.page_pool.num_pages,
                 collective_s=result.collective_s,
+                mask_fill_start_s=masks.fill_start_s if masks else 0.0,
+                mask_fill_end_s=masks.fill_end_s if masks else 0.0,
             )
         )
         return outputs
@@ -270,12 +296,3 @@ def _resolve_async_scheduling(setting: bool | None, device: torch.device) -> boo
     """On by default where the device runs while the host works (CUDA). On a CPU the host and
     the "device" share the same cores, so it stays off unless asked for."""
     return device.type == "cuda" if setting is None else setting
-
-
-def _reads_its_outputs(schedule: SchedulerOutput) -> bool:
-    """True when a scheduled sequence's sampling reads its earlier output tokens on the host
-    (penalties) and one of them is still being sampled: the running step must be read first."""
-    return any(
-        chunk.sequence.num_pending_tokens and chunk.sequence.params.has_penalties
-        for chunk in schedule.chunks
-    )

@@ -38,6 +38,7 @@ from vacpack.engine.step import PromptLogprobResult, ScheduledChunk, StepResult
 from vacpack.engine.step_forward import StepForward
 from vacpack.engine.step_inputs import StepInputs, prompt_passes
 from vacpack.models.base import PackedModel
+from vacpack.structured.token_masks import StepTokenMasks
 
 
 @dataclass(frozen=True)
@@ -162,22 +163,23 @@ class ModelRunner:
             prompt_spans=prompt_spans,
         )
 
-    def run(self, step: PreparedStep) -> _DeviceOutput:
+    def run(self, step: PreparedStep, masks: StepTokenMasks | None = None) -> _DeviceOutput:
         """Device work: copy inputs, run the model, sample, start the copies of the results to
-        the host. Nothing here waits for the device. With tensor parallelism the step's inputs
-        go to the other ranks first (one broadcast) and they run it alongside."""
+        the host. Nothing here waits for the device; with token masks the host has not filled
+        yet, sampling waits for them after the forward. With tensor parallelism the step's
+        inputs go to the other ranks first (one broadcast) and they run it alongside."""
         if self.driver is None:
-            return self._run(step)
+            return self._run(step, masks)
         collectives = self.forward.tp.collectives
         assert collectives is not None
         with self.driver.program(Program.ENGINE_STEP, step_inputs.encode(step.inputs)):
             blocked_before_s = collectives.blocked_s
-            output = self._run(step)
+            output = self._run(step, masks)
         collective_s = collectives.blocked_s - blocked_before_s if collectives.blocks_host else None
         return dataclasses.replace(output, collective_s=collective_s)
 
     @torch.inference_mode()
-    def _run(self, step: PreparedStep) -> _DeviceOutput:
+    def _run(self, step: PreparedStep, masks: StepTokenMasks | None) -> _DeviceOutput:
         forward = self.forward
         hidden, num_padded_slots, sample_rows, future_slots = forward.forward(
             step.inputs, step.metadata
@@ -187,7 +189,7 @@ class ModelRunner:
             # In the model's dtype: the sampler widens them to float32 only where it needs to
             # (greedy rows without penalties or logprobs take the argmax as they are).
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows), dtype=None)
-            sampler_output = self.sampler(logits, step.sampling_rows)
+            sampler_output = self.sampler(logits, step.sampling_rows, masks)
             sampled = sampler_output.sampled_token_ids
             if step.inputs.shares_sampled_tokens:
                 sampled = forward.share_sampled(sampled.contiguous())
@@ -242,7 +244,10 @@ class ModelRunner:
 def _sampling_row(sequence: Sequence) -> SamplingRow:
     params = sequence.params
     # Counted with the tokens still being sampled: this row samples the token after them.
-    too_short = sequence.num_scheduled_output_tokens < params.min_tokens
+    # A grammar decides itself where its output may end.
+    too_short = sequence.num_scheduled_output_tokens < params.min_tokens and not (
+        params.structured_outputs is not None
+    )
     suppress = sequence.stop_token_ids if too_short else frozenset()
     return SamplingRow(
         params=params,

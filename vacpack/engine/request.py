@@ -19,6 +19,7 @@ from vacpack.engine.sampler import make_request_generator
 from vacpack.kvcache.page_pool import page_hashes
 from vacpack.outputs import PositionLogprobs, RequestMetrics
 from vacpack.sampling import SamplingParams
+from vacpack.structured.constraints import SequenceConstraints
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +58,8 @@ class Sequence:
     # The first prompt position whose logprob is wanted: positions before it may come from
     # the prefix cache (continuation scoring needs only the continuation's logprobs).
     prompt_logprobs_start: int = 1
+    # A grammar, allowed / banned tokens, biases (vacpack.structured); None when unconstrained.
+    constraints: SequenceConstraints | None = None
     # Page hashes this sequence has announced as being computed and not yet indexed.
     in_flight_hashes: set[int] = field(default_factory=set, repr=False)
     _token_page_hashes: list[int] = field(default_factory=list, repr=False)
@@ -191,6 +194,21 @@ class Request:
     def params(self) -> SamplingParams:
         """The first sample's parameters (samples differ only in their seeds)."""
         return self.sequences[0].params
+
+
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Raises ValueError for a prompt no engine of this model can run."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens, but the context is "
+            f"max_model_len={max_model_len} tokens: at most {max_model_len - 1} "
+            "prompt tokens leave room for one output token"
+        )
 
 
 def build_request(

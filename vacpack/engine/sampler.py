@@ -2,8 +2,12 @@
 
 Order of operations, as in vLLM V1:
 
-1. logprobs (when any row asks) from the raw logits, before any processing;
-2. ``min_tokens``: stop tokens are set to -inf while a request is still too short;
+0. token masks (a grammar, allowed_token_ids, bad_words): forbidden tokens are set to -inf,
+   before anything else, so that logprobs too are those of the tokens that may be sampled
+   (see vacpack/structured/token_masks.py);
+1. logprobs (when any row asks) from the (masked) logits, before any other processing;
+2. ``logit_bias`` is added; ``min_tokens``: stop tokens are set to -inf while a request is
+   still too short (except in a grammar's rows: the grammar decides where its output ends);
 3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
 4. greedy rows take the argmax; the other rows get temperature, min_p, top_k, then top_p
    (over the distribution renormalised to what top_k kept, as vLLM does), and are sampled
@@ -25,6 +29,7 @@ import torch
 
 from vacpack.cpu_kernels.argmax import argmax_rows, argmax_supported
 from vacpack.sampling import SamplingParams
+from vacpack.structured.token_masks import StepTokenMasks, bit_table
 
 # Rows of the per-row parameter matrix that goes to the device in a single copy.
 _TEMPERATURE, _TOP_P, _TOP_K, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
@@ -134,10 +139,22 @@ class Sampler:
             self._shared_generator.seed()
         else:
             self._shared_generator.manual_seed(seed)
+        self._bit_table = bit_table(self.device)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: StepTokenMasks | None = None,
+    ) -> SamplerOutput:
+        """With masks (see StepTokenMasks), waits until the host has filled them; on a CPU the
+        masks set forbidden logits to -inf in these logits, in place."""
         self._check_shape(logits, rows)
-        if all(_plain_greedy(row) for row in rows):
+        if masks is not None:
+            masks.wait()
+            logits = masks.apply_mask(logits, self._bit_table)
+        has_bias = masks is not None and masks.bias is not None
+        if not has_bias and all(_plain_greedy(row) for row in rows):
             return SamplerOutput(_argmax(logits), None, None, None, None)
         logits = logits.float()
         params = [row.params for row in rows]
@@ -145,6 +162,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
 
         row_params = self._row_param_matrix(params)
+        if masks is not None:
+            logits = masks.apply_bias(logits)
         logits = self._process_logits(logits, rows, row_params)
 
         greedy_row_indices = [i for i, p in enumerate(params) if p.is_greedy]

@@ -9,9 +9,10 @@ the front of the queue to be recomputed later. Earlier sequences are never preem
 ones, so none starves, and as the cache holds at least one whole sequence there is no deadlock.
 
 A waiting sequence whose next uncached page is being computed right now by a running one waits
-for it (the one exception to first come, first served; see PageManager), so sequences that share
+for it (an exception to first come, first served; see PageManager), so sequences that share
 a prefix and arrive together (n > 1 samples, a common system prompt, few-shot contexts) compute
-it once.
+it once. The other exception: a sequence whose grammar is still being compiled (structured
+outputs) waits, and the sequences behind it go first.
 
 Lengths advance when a step is launched, before its tokens are known (`on_launch`): with async
 scheduling the next step is scheduled while this one still runs, its sampled tokens stand in the
@@ -53,6 +54,22 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+    def reads_known_outputs(self, masks_may_wait: bool) -> bool:
+        """True when a scheduled sequence's sampling reads its earlier output tokens on the
+        host and one of them is still being sampled, so the running step must be read first:
+        penalties count them; a grammar's (or a multi-token bad word's) mask depends on them,
+        unless the device work may wait for the host to fill the masks after launch."""
+        for chunk in self.chunks:
+            sequence = chunk.sequence
+            if not sequence.num_pending_tokens:
+                continue
+            constraints = sequence.constraints
+            if sequence.params.has_penalties or (
+                not masks_may_wait and constraints is not None and constraints.needs_known_outputs
+            ):
+                return True
+        return False
 
     def without_finished(self) -> SchedulerOutput:
         """The chunks of sequences still unfinished (a step read since may have ended some)."""
@@ -137,6 +154,9 @@ class Scheduler:
             sequence = self.waiting[position]
             if sequence.num_pending_tokens:
                 break  # preempted with a token still being sampled: readmitted once it is read
+            if sequence.constraints is not None and not sequence.constraints.is_ready:
+                position += 1  # its grammar is being compiled: the sequences behind it go first
+                continue
             if self.pages.next_page_in_flight(sequence):
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
@@ -209,7 +229,11 @@ class Scheduler:
                 sequence.metrics.first_token_time = now
             if sequence.logprobs is not None:
                 _record_logprobs(sequence, token_id, row, result)
-            stop = check_stop(sequence, token_id)
+            constraints = sequence.constraints
+            advance = "continue" if constraints is None else constraints.advance(token_id)
+            stop = check_stop(sequence, token_id, output_complete=advance == "complete")
+            if stop is None and advance == "refused":
+                stop = ("abort", None)
             if stop is not None:
                 self._finish(sequence, *stop)
         requests: dict[str, Request] = {}

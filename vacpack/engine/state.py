@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vacpack.tuning import MeasuredChoice
+
 
 @dataclass(frozen=True)
 class EngineSetup:
@@ -25,6 +27,9 @@ class EngineSetup:
     kv_cache_source: str  # how the KV budget was found
     cuda_graph_batch_sizes: tuple[int, ...]  # empty when decode steps run eagerly
     cuda_graph_memory_bytes: int
+    # What the engine chose by measurement (its attention backend and the backend's options),
+    # with the timings that chose it; the model's own choices are in LoadedModel.
+    measured_choices: tuple[MeasuredChoice, ...] = ()
 
 
 @dataclass(frozen=True)

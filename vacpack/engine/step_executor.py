@@ -48,6 +48,9 @@ class StepHandle(ABC, Generic[T]):
 class StepExecutor(ABC):
     # True when `launch` returns before the work is done, so that overlapping helps.
     runs_concurrently: bool = False
+    # True when the work runs on a thread of its own, so it may wait for something the host
+    # provides after `launch` returned (a step's token masks; see vacpack/structured).
+    work_may_wait_for_host: bool = False
 
     @abstractmethod
     def launch(self, work: Callable[[], T]) -> StepHandle[T]:
@@ -92,6 +95,7 @@ class _FutureHandle(StepHandle[T]):
 
 class ThreadExecutor(StepExecutor):
     runs_concurrently = True
+    work_may_wait_for_host = True
 
     def __init__(self) -> None:
         # One worker: steps must run in launch order (see the module docstring).

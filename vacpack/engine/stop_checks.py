@@ -9,8 +9,9 @@ from vacpack.engine.request import Sequence
 Stop = tuple[str, int | str | None]
 
 
-def check_stop(sequence: Sequence, token_id: int) -> Stop | None:
-    """Feeds the token to the sequence's detokenizer and says whether the sequence ends here."""
+def check_stop(sequence: Sequence, token_id: int, output_complete: bool = False) -> Stop | None:
+    """Feeds the token to the sequence's detokenizer and says whether the sequence ends here.
+    output_complete: the sequence's grammar allows no more tokens (structured outputs)."""
     params = sequence.params
     # The sampler suppressed stop tokens until min_tokens, so any stop token here counts.
     stops_on_token = token_id in sequence.stop_token_ids
@@ -25,6 +26,8 @@ def check_stop(sequence: Sequence, token_id: int) -> Stop | None:
         return "stop", token_id if token_id in (params.stop_token_ids or ()) else None
     if stop_string is not None:
         return "stop", stop_string
+    if output_complete:
+        return "stop", None
     max_output_tokens = params.max_tokens or sequence.max_total_tokens
     if (
         sequence.num_output_tokens >= max_output_tokens

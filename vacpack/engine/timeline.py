@@ -35,6 +35,14 @@ class StepTiming:
     # (all-reduces, LM-head gathers), waiting for the slower rank included. None without
     # tensor parallelism, and on NCCL, whose collectives run on the device without the host.
     collective_s: float | None = None
+    # When the host filled the step's token masks (structured outputs); both 0 when it had none.
+    # With async scheduling this runs after launch, while the device computes the forward.
+    mask_fill_start_s: float = 0.0
+    mask_fill_end_s: float = 0.0
+
+    @property
+    def mask_fill_s(self) -> float:
+        return self.mask_fill_end_s - self.mask_fill_start_s
 
     @property
     def prepare_s(self) -> float:
@@ -74,16 +82,20 @@ class TimelineSummary:
     padded_share: float  # padded slots / (real tokens + padded slots)
     peak_kv_pages_used: int
     kv_pages_total: int  # as of the last step
+    host_mask_fill_s: float = 0.0  # filling token masks (structured outputs), summed
 
     def describe(self) -> str:
         """One line for a report: how busy the device was and what the host spent per step."""
         if self.num_steps == 0:
             return "no engine steps recorded"
+        masks = ""
+        if self.host_mask_fill_s > 0:
+            masks = f"token masks {self.host_mask_fill_s / self.num_steps * 1e3:.2f} ms/step, "
         return (
             f"{self.num_steps} steps, device busy {self.device_busy_fraction:.1%}, "
             f"mean idle gap {self.mean_idle_gap_s * 1e3:.2f} ms, "
             f"host prepare {self.mean_host_prepare_s * 1e3:.2f} ms/step, "
-            f"process {self.mean_host_process_s * 1e3:.2f} ms/step, "
+            f"process {self.mean_host_process_s * 1e3:.2f} ms/step, {masks}"
             f"padded slots {self.padded_share:.1%}"
         )
 
@@ -141,6 +153,7 @@ class StepTimeline:
         self._num_padded_slots = 0
         self._peak_kv_pages_used = 0
         self._kv_pages_total = 0
+        self._host_mask_fill_s = 0.0
 
     def reset(self) -> None:
         """Forget every record and total, e.g. so a benchmark measures only its timed run."""
@@ -162,6 +175,7 @@ class StepTimeline:
             self._num_padded_slots += timing.num_padded_slots
             self._peak_kv_pages_used = max(self._peak_kv_pages_used, timing.kv_pages_used)
             self._kv_pages_total = timing.kv_pages_total
+            self._host_mask_fill_s += max(0.0, timing.mask_fill_s)
 
     def _merge_device_interval(self, start_s: float, end_s: float) -> None:
         frontier_s = self._device_frontier_s
@@ -214,6 +228,7 @@ class StepTimeline:
                 padded_share=self._num_padded_slots / slots if slots else 0.0,
                 peak_kv_pages_used=self._peak_kv_pages_used,
                 kv_pages_total=self._kv_pages_total,
+                host_mask_fill_s=self._host_mask_fill_s,
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ DECODE_COLOR = "#55A868"
 MIXED_COLOR = "#8172B3"
 PREFILL_COLOR = "#C44E52"
 PADDED_COLOR = "#BBBBBB"
+MASK_COLOR = "#CCB974"
 
 _HOST_Y = 1.0
 _DEVICE_Y = 0.0
@@ -133,6 +134,14 @@ def _draw_lanes(ax: Axes, steps: list[StepTiming], origin_s: float) -> None:
         (_HOST_Y + bottom, _LANE_HEIGHT),
         facecolors=PROCESS_COLOR,
     )
+    # Token masks (structured outputs), drawn over the host lane's other spans: within prepare
+    # when filled before launch, after it when filled while the device runs the forward.
+    masked = [s for s in steps if s.mask_fill_end_s > 0]
+    ax.broken_barh(
+        [span(s.mask_fill_start_s, s.mask_fill_end_s) for s in masked],
+        (_HOST_Y + bottom / 2, _LANE_HEIGHT / 2),
+        facecolors=MASK_COLOR,
+    )
     # Every other device span a little lighter, so back-to-back steps still read as separate.
     ax.broken_barh(
         [span(s.device_start_s, s.device_end_s) for s in steps],
@@ -154,6 +163,8 @@ def _draw_lanes(ax: Axes, steps: list[StepTiming], origin_s: float) -> None:
         Patch(color=MIXED_COLOR, label="device: mixed step"),
         Patch(color=PREFILL_COLOR, label="device: prefill-only step"),
     ]
+    if masked:
+        legend.insert(2, Patch(color=MASK_COLOR, label="host: token masks"))
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.005, 1.0), frameon=False)
 
 

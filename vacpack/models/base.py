@@ -72,4 +72,9 @@ class ShardedParameters(Protocol):
     """A layer that places (a shard of) a checkpoint tensor itself: merged projections such as
     qkv, and tensor-parallel slices."""
 
+    def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
+        """The full shape the checkpoint tensor must have (all ranks' parts), checked before
+        it is read."""
+        ...
+
     def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None: ...

@@ -2,9 +2,10 @@
 
 `LayerOps` is PyTorch's own ops, portable and the reference; `CpuKernelLayerOps` runs each op
 as one fused C pass (vacpack/cpu_kernels/elementwise.c) on bf16 CPUs, rounding where the
-PyTorch ops round. Each declares where it runs; the loader picks one for the model's device and
-dtype and builds the model inside `use_layer_ops(...)`, so every layer holds its ops from
-construction on and nothing is switched after loading.
+PyTorch ops round. Each declares where it runs; where both run, each op takes the one measured
+faster at the model's shapes (layer_ops_choice.py, `PerOpLayerOps`). The loader builds the
+model inside `use_layer_ops(...)`, so every layer holds its ops from construction on and nothing
+is switched after loading.
 """
 
 from __future__ import annotations
@@ -87,6 +88,38 @@ class CpuKernelLayerOps(LayerOps):
         return elementwise.rotary_qk(q, k, *cos_sin)
 
 
+OP_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk")
+
+
+class PerOpLayerOps(LayerOps):
+    """Each op from its own implementation: the one measured fastest for it at the model's
+    shapes (layer_ops_choice.py)."""
+
+    def __init__(self, mlp_rows_per_pass: int | None, ops_by_name: dict[str, LayerOps]) -> None:
+        super().__init__(mlp_rows_per_pass)
+        missing = set(OP_NAMES) - set(ops_by_name)
+        if missing:
+            raise ValueError(f"no implementation given for {sorted(missing)}")
+        self.ops_by_name = ops_by_name
+        self.name = ", ".join(f"{op} {ops_by_name[op].name}" for op in OP_NAMES)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops_by_name["rms_norm"].rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops_by_name["add_rms_norm"].add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops_by_name["silu_and_mul"].silu_and_mul(gate_up)
+
+    def rotary_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops_by_name["rotary_qk"].rotary_qk(q, k, cos_sin)
+
+
 @dataclass(frozen=True)
 class LayerOpsSpec:
     name: str
@@ -105,7 +138,7 @@ class LayerOpsSpec:
         )
 
 
-# Preferred first, where eligible.
+# Preferred first, where eligible and nothing was measured.
 LAYER_OPS_SPECS: tuple[LayerOpsSpec, ...] = (
     LayerOpsSpec(
         name="cpu_kernels",
@@ -126,11 +159,20 @@ LAYER_OPS: LazyRegistry[type[LayerOps]] = LazyRegistry(
 )
 
 
-def select_layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps:
-    """The preferred ops that run on this device in this dtype."""
-    name = next(spec.name for spec in LAYER_OPS_SPECS if spec.supports(device, dtype))
+def eligible_layer_ops(device: torch.device, dtype: torch.dtype) -> dict[str, LayerOps]:
+    """Every set of ops that runs on this device in this dtype, preferred first."""
     rows_per_pass = CPU_MLP_ROWS_PER_PASS if device.type == "cpu" else None
-    return LAYER_OPS.get(name)(mlp_rows_per_pass=rows_per_pass)
+    return {
+        spec.name: LAYER_OPS.get(spec.name)(mlp_rows_per_pass=rows_per_pass)
+        for spec in LAYER_OPS_SPECS
+        if spec.supports(device, dtype)
+    }
+
+
+def select_layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps:
+    """The preferred ops that run on this device in this dtype, where nothing was measured
+    (a model loaded for a test; runtime.load measures: layer_ops_choice.py)."""
+    return next(iter(eligible_layer_ops(device, dtype).values()))
 
 
 _current_ops: list[LayerOps] = []

@@ -1,4 +1,4 @@
-"""Finding a checkpoint (local directory or hub id) and streaming its weights into our model."""
+"""Reading a checkpoint's config and streaming its weights into our model."""
 
 from __future__ import annotations
 
@@ -9,55 +9,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
+from vacpack.errors import (
+    CorruptWeightsError,
+    InvalidConfigError,
+    ModelNotFoundError,
+    WeightsMismatchError,
+)
 from vacpack.models.base import PackedModel, ShardedParameters
-from vacpack.models.layer_ops import select_layer_ops, use_layer_ops
+from vacpack.models.layer_ops import LayerOps, select_layer_ops, use_layer_ops
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel, prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
 
-_CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-
-
-class ModelNotFoundError(ValueError):
-    pass
-
-
-def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
-    """A local checkpoint directory as it is; a hub id downloaded (or found in the local cache)."""
-    local = Path(name_or_path).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise ModelNotFoundError(f"model directory {str(local)!r} has no config.json")
-        return local
-    if local.suffix or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise ModelNotFoundError(f"model {name_or_path!r}: no such local directory")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        return Path(
-            snapshot_download(name_or_path, revision=revision, allow_patterns=_CHECKPOINT_FILES)
-        )
-    except (HfHubHTTPError, OSError, ValueError) as error:
-        raise ModelNotFoundError(
-            f"model {name_or_path!r} is not a local directory and could not be fetched from the "
-            f"Hugging Face hub (offline, or no such repository): {type(error).__name__}: {error}"
-        ) from error
-
 
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
+    from huggingface_hub.errors import StrictDataclassError
+
+    config_path = str(model_dir / "config.json")
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except ValueError:
+    except ValueError as error:
         # A model type transformers does not know: when we do not support its architecture
         # either, that (and what we do support) is the error to give, not a transformers upgrade.
         for architecture in _declared_architectures(model_dir):
-            model_class_for(architecture)
-        raise
+            try:
+                model_class_for(architecture)
+            except ValueError as unsupported:
+                raise InvalidConfigError(f"{config_path!r}: {unsupported}") from error
+        raise InvalidConfigError(f"invalid {config_path!r}: {error}") from error
+    except (OSError, KeyError, TypeError, StrictDataclassError) as error:
+        raise InvalidConfigError(f"invalid {config_path!r}: {error}") from error
 
 
 def _declared_architectures(model_dir: Path) -> list[str]:
@@ -81,8 +66,17 @@ def checkpoint_dtype(hf_config) -> torch.dtype | None:
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CorruptWeightsError(f"invalid weights index {str(index)!r}: {error}") from None
+        missing = [str(path.name) for path in files if not path.is_file()]
+        if missing:
+            raise CorruptWeightsError(
+                f"weights index {str(index)!r} names files that do not exist: {missing[:4]}"
+            )
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
@@ -127,21 +121,41 @@ class _CheckpointTensor:
         return tensor.to(device=self._device, dtype=self._dtype)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
-    """The model for `hf_config`, on the meta device: its shapes, no memory. Raises ValueError
-    where it cannot be built (or sharded over tp.size ranks)."""
+def build_model(
+    model_dir: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_ops: LayerOps | None = None,
+    tp: TensorParallel = SINGLE_RANK,
+) -> PackedModel:
+    """The model for `hf_config` (this rank's shard of it), on the meta device: its shapes, no
+    memory. Raises InvalidConfigError where it cannot be built, ValueError where it cannot be
+    split over tp.size ranks. The layers run `layer_ops` (default: the preferred ops for the
+    device and dtype)."""
+    config_path = str(model_dir / "config.json")
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
-        raise ValueError("config.json names no architectures")
-    model_class = model_class_for(architectures[0])
-    config = model_class.config_class.from_hf(hf_config)
-    with torch.device("meta"), use_layer_ops(select_layer_ops(device, dtype)):
+        raise InvalidConfigError(f"{config_path!r} names no architectures")
+    try:
+        model_class = model_class_for(architectures[0])
+        config = model_class.config_class.from_hf(hf_config)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise InvalidConfigError(f"{config_path!r}: {error}") from None
+    layer_ops = layer_ops or select_layer_ops(device, dtype)
+    with torch.device("meta"), use_layer_ops(layer_ops):
         return model_class(config, tp).to(dtype)
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> PackedModel:
+def load_model(
+    model_dir: Path,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_ops: LayerOps | None = None,
+) -> PackedModel:
     """The whole model on one device (see load_model_shard)."""
-    return load_model_shard(model_dir, hf_config, dtype, device)[0]
+    return load_model_shard(model_dir, hf_config, dtype, device, layer_ops)[0]
 
 
 def load_model_shard(
@@ -149,6 +163,7 @@ def load_model_shard(
     hf_config,
     dtype: torch.dtype,
     device: torch.device,
+    layer_ops: LayerOps | None = None,
     tp: TensorParallel = SINGLE_RANK,
 ) -> tuple[PackedModel, LoadStats]:
     """Builds this rank's part of the model on the meta device, then streams each checkpoint
@@ -156,38 +171,72 @@ def load_model_shard(
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
     layer reads from the file only the rows or columns it keeps, casts them, and copies them
-    into its (merged, sharded) slot.
+    into its (merged, sharded) slot. A tensor whose shape disagrees with config.json is refused
+    before it is read.
     """
-    model = build_model(hf_config, dtype, device, tp).to_empty(device=device)
+    model = build_model(model_dir, hf_config, dtype, device, layer_ops, tp).to_empty(device=device)
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     bytes_read = 0
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
-            for hf_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = model.checkpoint_name(hf_name)
-                if target is None:
-                    continue
-                name, shard_index = target
-                module_name, _, attr = name.rpartition(".")
-                try:
-                    module = model.get_submodule(module_name)
-                except AttributeError:
-                    logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
-                    continue
-                source = _CheckpointTensor(checkpoint, hf_name, dtype, device)
-                if isinstance(module, ShardedParameters):
-                    module.load_shard(attr, source, shard_index)
-                else:  # a plain torch layer, never sharded
-                    getattr(module, attr).data.copy_(source.read())
-                bytes_read += source.bytes_read
-                loaded.add(name)
+        try:
+            file_loaded, file_bytes_read = _load_weights_file(model, path, dtype, device)
+        except SafetensorError as error:
+            raise CorruptWeightsError(
+                f"weights file {str(path)!r} is not valid safetensors (truncated or damaged?): "
+                f"{error}"
+            ) from error
+        loaded |= file_loaded
+        bytes_read += file_bytes_read
     missing = expected - loaded
     if missing:
-        raise ValueError(f"checkpoint {str(model_dir)!r} lacks weights for: {sorted(missing)[:8]}")
+        raise WeightsMismatchError(
+            f"the weights in {str(model_dir)!r} do not match its config.json: no tensors for "
+            f"{len(missing)} parameters, such as {sorted(missing)[:4]}"
+        )
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.finish_loading()
     num_packed = prepack_linear_weights(model)
     if num_packed:
         logger.info("%d linear weights prepacked for oneDNN", num_packed)
     return model.eval(), LoadStats(bytes_read, parameter_bytes)
+
+
+def _load_weights_file(
+    model: PackedModel, path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[set[str], int]:
+    """Copies this rank's part of one file's tensors into the model; returns the parameter
+    names it filled and the bytes it read."""
+    loaded: set[str] = set()
+    bytes_read = 0
+    with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
+        for hf_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+            target = model.checkpoint_name(hf_name)
+            if target is None:
+                continue
+            name, shard_index = target
+            module_name, _, attr = name.rpartition(".")
+            try:
+                module = model.get_submodule(module_name)
+            except AttributeError:
+                logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
+                continue
+            source = _CheckpointTensor(checkpoint, hf_name, dtype, device)
+            # Checked first: a narrow() into a merged or sharded slot would take a wrong-sized
+            # tensor silently, and copy_() would broadcast one.
+            if isinstance(module, ShardedParameters):
+                expected_shape = tuple(module.checkpoint_shape(attr, shard_index))
+            else:
+                expected_shape = tuple(getattr(module, attr).shape)
+            if source.shape != expected_shape:
+                raise WeightsMismatchError(
+                    f"tensor {hf_name!r} in {str(path)!r} has shape {list(source.shape)}, but "
+                    f"config.json implies {list(expected_shape)}"
+                )
+            if isinstance(module, ShardedParameters):
+                module.load_shard(attr, source, shard_index)
+            else:  # a plain torch layer, never sharded
+                getattr(module, attr).data.copy_(source.read())
+            bytes_read += source.bytes_read
+            loaded.add(name)
+    return loaded, bytes_read

@@ -129,14 +129,19 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
 
+    def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
+        """The full shape checkpoint tensor `shard_index` must have: all ranks' rows, of every
+        shard for a fused tensor (ALL_SHARDS)."""
+        indices = range(len(self.row_ranges)) if shard_index == ALL_SHARDS else [shard_index]
+        num_rows = sum(self.row_ranges[i].full_size for i in indices)
+        return (num_rows, self.weight.shape[1]) if name == "weight" else (num_rows,)
+
     def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None:
-        """Reads this rank's rows of checkpoint tensor `shard_index` into their place."""
+        """Reads this rank's rows of checkpoint tensor `shard_index` into their place (its
+        shape was checked against checkpoint_shape)."""
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"checkpoint has a {name} this layer does not"
         indices = range(len(self.row_ranges)) if shard_index == ALL_SHARDS else [shard_index]
-        full_sizes = [self.row_ranges[i].full_size for i in indices]
-        if source.shape[0] != sum(full_sizes):
-            raise ValueError(f"a {name} of {source.shape[0]} rows does not split into {full_sizes}")
         source_offset = 0
         for index in indices:
             part = self.row_ranges[index]
@@ -201,13 +206,16 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
 
+    def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
+        """The full shape of the checkpoint tensor (all ranks' input columns)."""
+        num_outputs = self.weight.shape[0]
+        return (num_outputs, self.columns.full_size) if name == "weight" else (num_outputs,)
+
     def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None:
         if name == "bias":
             assert self.bias is not None, "checkpoint has a bias this layer does not"
             self.bias.data.copy_(source.read())
             return
-        if source.shape[1] != self.columns.full_size:
-            raise ValueError(f"a weight of {source.shape[1]} columns; expected {self.columns}")
         self.weight.data.copy_(source.read(1, self.columns.start, self.columns.length))
 
     def prepack_for_cpu(self) -> None:
@@ -245,9 +253,10 @@ class VocabEmbedding(nn.Module):
         )
         self.packed_weight: torch.Tensor | None = None
 
+    def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
+        return (self.vocab_size, self.weight.shape[1])
+
     def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None:
-        if source.shape[0] != self.vocab_size:
-            raise ValueError(f"a table of {source.shape[0]} rows; expected {self.vocab_size}")
         if self.num_real_rows < self.rows_per_rank:
             self.weight.data[self.num_real_rows :].zero_()
         if self.num_real_rows:

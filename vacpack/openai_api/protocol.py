@@ -25,6 +25,8 @@ _FIELD_SHAPES = {
     "input": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
+    "tool_choice": 'one of "none", "auto", "required", or {"type": "function", "function": '
+    '{"name": ...}}',
     "text_1": "a string or a list of strings",
     "text_2": "a string or a list of strings",
     "data_1": "a string or a list of strings",
@@ -66,6 +68,11 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extras: token-level controls and structured outputs.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -90,6 +97,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to a call
 
     def text(self) -> str:
         if self.content is None:
@@ -108,7 +117,8 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def split_prompt_input(given: PromptInput) -> list[str | list[int]]:
@@ -190,6 +200,10 @@ def parse_body(model: type[Request], body: bytes | str | dict[str, Any]) -> Requ
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise bad_request(f"the request body is not valid JSON: {error}") from None
+        except RecursionError:
+            # The decoder's depth limit (the interpreter's recursion limit, about 1,000 levels),
+            # far beyond any real request's.
+            raise bad_request("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

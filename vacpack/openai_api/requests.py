@@ -6,6 +6,7 @@ files refuse the same requests with the same messages.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -13,14 +14,22 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.message_checks import check_messages
+from vacpack.openai_api.output_constraints import (
+    plan_tools,
+    structured_outputs,
+    token_controls,
+)
 from vacpack.openai_api.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     EmbeddingRequest,
     PromptInput,
     parse_body,
     split_prompt_input,
 )
+from vacpack.openai_api.tool_parsers import ToolParser, tool_parser
 from vacpack.outputs import RequestOutputKind
 from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template, decode_text
@@ -57,6 +66,9 @@ class PreparedGeneration:
     want_logprobs: bool
     stream: bool
     include_usage_in_stream: bool
+    # Chat with tools (tool_choice not "none"): splits each choice into content and tool calls.
+    tool_parser: ToolParser | None = None
+    parallel_tool_calls: bool = True  # False: a choice keeps its first call only
 
     @property
     def num_choices_per_prompt(self) -> int:
@@ -77,10 +89,14 @@ def prepare_generation(
     tokenizer: PreTrainedTokenizerBase,
     max_model_len: int,
     output_kind: RequestOutputKind,
+    tool_call_parser: str = "auto",
 ) -> PreparedGeneration:
-    """What the engine runs for a parsed completions or chat request."""
+    """What the engine runs for a parsed completions or chat request (tool_call_parser: see
+    prepare_chat)."""
     if isinstance(request, ChatCompletionRequest):
-        return prepare_chat(request, tokenizer, max_model_len, output_kind)
+        return prepare_chat(
+            request, tokenizer, max_model_len, output_kind, tool_call_parser=tool_call_parser
+        )
     return prepare_completion(request, tokenizer, max_model_len, output_kind)
 
 
@@ -108,6 +124,7 @@ def prepare_completion(
         prompt_logprobs=request.logprobs if echo else None,
         output_kind=output_kind,
         renamed={"prompt_logprobs": "logprobs"},
+        extra={"structured_outputs": structured_outputs(request)},
     )
     for index, prompt in enumerate(prompts):
         where = f"prompt {index}" if len(prompts) > 1 else "the prompt"
@@ -128,27 +145,27 @@ def prepare_chat(
     tokenizer: PreTrainedTokenizerBase,
     max_model_len: int,
     output_kind: RequestOutputKind,
+    tool_call_parser: str = "auto",
 ) -> PreparedGeneration:
-    if request.tools:
-        raise bad_request("tools are not supported", "tools")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    """tool_call_parser: a name from tool_parsers.TOOL_CALL_PARSERS ("auto": from the chat
+    template)."""
+    parser = tool_parser(tool_call_parser, tokenizer) if request.tools else None
+    tool_plan = plan_tools(request, parser)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
-    conversation: list[dict[str, Any]] = []
-    for message in request.messages:
-        turn: dict[str, Any] = {"role": message.role, "content": message.text()}
-        if message.name is not None:
-            turn["name"] = message.name
-        conversation.append(turn)
+    check_messages(request.messages)
+    conversation = [_template_turn(message) for message in request.messages]
+    template_kwargs = dict(request.chat_template_kwargs or {})
+    if tool_plan.tools is not None:
+        template_kwargs["tools"] = tool_plan.tools
     try:
         token_ids = apply_chat_template(
             tokenizer,
             conversation,
             add_generation_prompt=request.add_generation_prompt is not False,
-            **(request.chat_template_kwargs or {}),
+            **template_kwargs,
         )
     except (TemplateError, ValueError, TypeError) as error:
         problem = f"the chat template could not render messages: {error}"
@@ -164,6 +181,15 @@ def prepare_chat(
         prompt_logprobs=None,
         output_kind=output_kind,
         renamed={"logprobs": "top_logprobs", "max_tokens": max_tokens_field},
+        extra={
+            "structured_outputs": structured_outputs(request, tool_plan),
+            # A tool call's markers may be special tokens: the parser must see them.
+            **(
+                {"skip_special_tokens": False}
+                if tool_plan.parser is not None and request.skip_special_tokens is None
+                else {}
+            ),
+        },
     )
     check_context(len(token_ids), params.max_tokens, max_model_len, "the messages", "messages")
     return PreparedGeneration(
@@ -174,7 +200,33 @@ def prepare_chat(
         want_logprobs=bool(request.logprobs),
         stream=bool(request.stream),
         include_usage_in_stream=request.include_usage_in_stream,
+        tool_parser=tool_plan.parser,
+        parallel_tool_calls=tool_plan.parallel,
     )
+
+
+def _template_turn(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: an earlier call's arguments as an object (OpenAI
+    sends them as JSON text; templates such as Qwen's write them out with tojson)."""
+    turn: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        turn["name"] = message.name
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            function = dict(call.get("function") or {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    raise bad_request(
+                        "an assistant tool call's arguments are not valid JSON", "messages"
+                    ) from None
+            calls.append({**call, "function": function})
+        turn["tool_calls"] = calls
+    return turn
 
 
 def prepare_embedding(request: EmbeddingRequest) -> list[str | list[int]]:
@@ -237,14 +289,14 @@ def _sampling_params(
     prompt_logprobs: int | None,
     output_kind: RequestOutputKind,
     renamed: dict[str, str],
+    extra: dict[str, Any],
 ) -> SamplingParams:
-    """SamplingParams from the request; None fields keep SamplingParams' defaults.
+    """SamplingParams from the request (and `extra` fields); None fields keep SamplingParams'
+    defaults.
 
     `renamed` maps a SamplingParams field to the request field it came from, so a 400 names
     the field the client actually sent.
     """
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     given: dict[str, Any] = {
         "n": request.n,
         "temperature": request.temperature,
@@ -263,6 +315,8 @@ def _sampling_params(
         "skip_special_tokens": request.skip_special_tokens,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        **token_controls(request),
+        **extra,
     }
     kwargs = {name: value for name, value in given.items() if value is not None}
     try:

@@ -156,6 +156,27 @@ def completion_body(
     }
 
 
+def chat_message(
+    prepared: PreparedGeneration, choice: ChoiceResult
+) -> tuple[dict[str, Any], str | None]:
+    """A choice's assistant message (content, tool calls) and its finish reason."""
+    if prepared.tool_parser is None:
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
+    parsed = prepared.tool_parser.parse(choice.text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    calls = parsed.tool_calls if prepared.parallel_tool_calls else parsed.tool_calls[:1]
+    if not calls:
+        return message, choice.finish_reason
+    message["tool_calls"] = [call.to_json() for call in calls]
+    return message, tool_calls_finish_reason(choice.finish_reason)
+
+
+def tool_calls_finish_reason(finish_reason: str | None) -> str | None:
+    """A choice that called tools finishes with "tool_calls", as OpenAI's do, unless it was
+    cut off by its length."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def chat_body(
     response_id: str,
     created: int,
@@ -165,10 +186,11 @@ def chat_body(
     decode_token: DecodeToken,
 ) -> dict[str, Any]:
     num_top = prepared.params.logprobs or 0
+    messages = [chat_message(prepared, choice) for choice in result.choices]
     choices = [
         {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": (
                 {
                     "content": chat_logprobs_content(
@@ -178,10 +200,10 @@ def chat_body(
                 if prepared.want_logprobs
                 else None
             ),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
-        for choice in result.choices
+        for choice, (message, finish_reason) in zip(result.choices, messages, strict=True)
     ]
     return {
         "id": response_id,

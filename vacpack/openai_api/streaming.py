@@ -13,7 +13,8 @@ from typing import Any
 
 from vacpack.openai_api.logprobs import CompletionLogprobs, DecodeToken, chat_logprobs_content
 from vacpack.openai_api.requests import PreparedGeneration
-from vacpack.openai_api.responses import PromptResult, usage_body
+from vacpack.openai_api.responses import PromptResult, tool_calls_finish_reason, usage_body
+from vacpack.openai_api.tool_streaming import ToolCallStream
 from vacpack.outputs import RequestOutput
 
 
@@ -29,6 +30,7 @@ class StreamState:
     decode_token: DecodeToken
     started_choices: set[tuple[int, int]] = field(default_factory=set)
     text_offsets: dict[tuple[int, int], int] = field(default_factory=dict)
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # per chat choice
 
     @property
     def _usage_field(self) -> dict[str, Any]:
@@ -123,13 +125,31 @@ class StreamState:
                         delta.token_ids, delta.logprobs or [], num_top, self.decode_token
                     )
                 }
-            if not delta.text and delta.finish_reason is None and logprobs is None:
+            message, finish_reason = self._chat_delta(delta.index, delta.text, delta.finish_reason)
+            if not message and finish_reason is None and logprobs is None:
                 continue
             choice = {
                 "index": delta.index,
-                "delta": {"content": delta.text} if delta.text else {},
+                "delta": message,
                 "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": delta.stop_reason,
             }
             yield self._chunk("chat.completion.chunk", [choice])
+
+    def _chat_delta(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The delta message for new text, split into content and tool calls with tools."""
+        parser = self.prepared.tool_parser
+        if parser is None:
+            return ({"content": text} if text else {}), finish_reason
+        max_calls = None if self.prepared.parallel_tool_calls else 1
+        stream = self.tool_streams.setdefault(index, ToolCallStream(parser, max_calls))
+        content, calls = stream.feed(text, finished=finish_reason is not None)
+        message: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = stream.call_deltas(calls)
+        if stream.calls_sent:
+            finish_reason = tool_calls_finish_reason(finish_reason)
+        return message, finish_reason

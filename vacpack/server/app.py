@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vacpack.openai_api.errors import APIError
 from vacpack.openai_api.responses import now_s
@@ -48,6 +48,41 @@ class BearerAuth:
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    """Pure ASGI: 413 for a request body over the limit, by its Content-Length before it is
+    read, or as soon as a body without one (chunked) grows past it."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self._max_body_bytes = max_body_bytes
+
+    def _too_large(self) -> APIError:
+        limit = self._max_body_bytes
+        message = f"the request body is larger than this server's limit of {limit} bytes"
+        return APIError(413, message, code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self._max_body_bytes:
+            await error_response(self._too_large())(scope, receive, send)
+            return
+        num_received_bytes = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal num_received_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received_bytes += len(message.get("body", b""))
+                if num_received_bytes > self._max_body_bytes:
+                    raise self._too_large()  # answered by the app's APIError handler
+            return message
+
+        await self.app(scope, receive_within_limit, send)
 
 
 # Paths outside /v1 that answer model requests, and so need the key as /v1 does.
@@ -145,4 +180,5 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
 
     if handlers.config.api_key:
         app.add_middleware(BearerAuth, api_key=handlers.config.api_key)
+    app.add_middleware(BodySizeLimit, max_body_bytes=handlers.config.max_request_body_bytes)
     return app

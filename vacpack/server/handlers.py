@@ -106,6 +106,12 @@ class OpenAIHandlers:
                 code="model_not_found",
             )
 
+    def _check_n(self, n: int | None) -> None:
+        if n is not None and n > self.config.max_n:
+            raise bad_request(
+                f"n must be at most {self.config.max_n} on this server (--max-n), got {n}", "n"
+            )
+
     def _require_generation(self) -> None:
         if not self.engine.serves_generation:
             raise bad_request("this model does not generate text: it has no LM head", "model")
@@ -130,9 +136,16 @@ class OpenAIHandlers:
     def _prepare(self, kind: GenerationKind, body: bytes) -> PreparedGeneration:
         request = parse_generation(kind, body)
         self._check_model(request.model)
+        self._check_n(request.n)
         self._require_generation()
         output_kind = RequestOutputKind.DELTA
-        return prepare_generation(request, self.tokenizer, self.max_model_len, output_kind)
+        return prepare_generation(
+            request,
+            self.tokenizer,
+            self.max_model_len,
+            output_kind,
+            tool_call_parser=self.config.tool_call_parser,
+        )
 
     async def _generate(
         self, raw: Request, prepared: PreparedGeneration, response_id: str

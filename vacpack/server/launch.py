@@ -33,8 +33,15 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `llm`; the engine thread starts with the app's lifespan."""
     metrics = ServerMetrics(config.served_model_name)
     pooling = pooling_functions(llm)
+    engine = generation_engine(llm)
+    # Chosen now, at start: a model that only pools times its packed attention before serving.
+    metrics.set_measured_choices(
+        llm.loaded.measured_choices + engine.setup.measured_choices
+        if engine is not None
+        else llm.corpus_runner.measured_choices
+    )
     async_engine = AsyncEngine(
-        generation_engine(llm),
+        engine,
         metrics,
         pooling=pooling,
         max_waiting_requests=config.max_waiting_requests,

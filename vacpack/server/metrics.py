@@ -3,17 +3,19 @@
 Gauges, and the counters of what the engine tallies itself (prefix-cache lookups and hits,
 evictions, preemptions), are set by the engine thread after every step; the other counters and
 histograms are observed there as outputs leave the engine, so the timings are the engine's, not
-the event loop's.
+the event loop's. What was chosen by measurement at load is set once, at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vacpack.engine.state import EngineState
+from vacpack.tuning import MeasuredChoice
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -103,9 +105,35 @@ class ServerMetrics:
         self.requests_aborted = counter(
             "vacpack:request_aborted", "Requests aborted (client gone, or shutdown)."
         )
+        # Info-style: one series (value 1) per phase chosen by measurement at load, naming the
+        # choice, how it was made (measured, cached, forced) and the shapes it was timed at.
+        self._measured_choice = Gauge(
+            "vacpack:measured_choice",
+            "Implementations chosen by measurement at load, one per phase (value 1).",
+            [*labels, "phase", "chosen", "source", "shape"],
+            registry=registry,
+        )
+        self._candidate_seconds = Gauge(
+            "vacpack:measured_choice_candidate_seconds",
+            "Best time of one call of each candidate timed for a measured choice.",
+            [*labels, "phase", "candidate"],
+            registry=registry,
+        )
         self.requests_rejected = counter(
             "vacpack:request_rejected", "Requests refused with 503 because the queue was full."
         )
+
+    def set_measured_choices(self, choices: Sequence[MeasuredChoice]) -> None:
+        """What the model's load and the engine chose by measurement, set once at start."""
+        for choice in choices:
+            source, shape = choice.source.value, choice.shape_key
+            self._measured_choice.labels(
+                self._model_name, choice.phase, choice.chosen, source, shape
+            ).set(1)
+            for candidate, best_s in choice.best_time_s.items():
+                self._candidate_seconds.labels(self._model_name, choice.phase, candidate).set(
+                    best_s
+                )
 
     def count_finished(self, finish_reason: str) -> None:
         self._finished.labels(model_name=self._model_name, finished_reason=finish_reason).inc()

@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from vacpack.openai_api.tool_parsers import TOOL_CALL_PARSERS
+
 API_KEY_ENV = "VACPACK_API_KEY"
 
 
@@ -21,8 +23,27 @@ class ServerConfig:
     # On SIGTERM: how long in-flight requests may run before they are cut off.
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    # How tool calls are read from outputs: "auto" (from the chat template) or a parser's name.
+    tool_call_parser: str = "auto"
+    # The most choices (n) one request may ask for: OpenAI's own bound. vLLM's bound
+    # (VLLM_MAX_N_SEQUENCES, 16,384) only guards memory; here a request's n sequences run
+    # together, so a much larger n would hold most of the engine's slots for one client.
+    max_n: int = 128
+    # A larger request body gets 413, refused by its Content-Length before it is read.
+    max_request_body_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
+            )
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
@@ -51,6 +72,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--shutdown-timeout-s", type=float, default=30.0)
     group.add_argument("--log-level", default="info")
+    group.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="auto",
+        help="the tool-call format: hermes (<tool_call>, Qwen), llama3_json, or auto (from the "
+        "chat template)",
+    )
+    group.add_argument(
+        "--max-n", type=int, default=128, help="most choices (n) one request may ask for"
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=32 << 20,
+        help="larger request bodies get 413 (default: 32 MiB)",
+    )
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -62,4 +99,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout_s=args.shutdown_timeout_s,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        max_n=args.max_n,
+        max_request_body_bytes=args.max_request_body_bytes,
     )

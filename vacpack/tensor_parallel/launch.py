@@ -11,7 +11,8 @@ from vacpack.config import EngineConfig
 from vacpack.device import resolve_device
 from vacpack.distributed.driver import Driver
 from vacpack.distributed.group import rank_device, start_group
-from vacpack.models.loader import build_model, load_hf_config, resolve_model_path
+from vacpack.models.hub import resolve_model_path
+from vacpack.models.loader import build_model, load_hf_config
 from vacpack.models.parallel import TensorParallel
 from vacpack.runtime import LoadedModel, load, resolve_load_dtype
 from vacpack.tensor_parallel.worker import run_worker
@@ -33,7 +34,7 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     model_dir = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(model_dir, config.trust_remote_code)
     dtype, dtype_choice = resolve_load_dtype(config, hf_config, device)
-    build_model(hf_config, dtype, device, TensorParallel(0, size))
+    build_model(model_dir, hf_config, dtype, device, tp=TensorParallel(0, size))
     rank_config = dataclasses.replace(
         config,
         dtype=str(dtype).removeprefix("torch."),
@@ -48,8 +49,9 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
             TensorParallel(0, size, member.collectives),
             driver,
         )
+    # The dtype was chosen here, before the ranks started (each loaded it as given).
     choices = (dtype_choice,) if dtype_choice is not None else ()
-    return dataclasses.replace(loaded, measured_choices=choices)
+    return dataclasses.replace(loaded, measured_choices=choices + loaded.measured_choices)
 
 
 def _check_devices(config: EngineConfig, device: torch.device, size: int) -> None:

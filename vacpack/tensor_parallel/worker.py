@@ -16,6 +16,7 @@ import torch
 
 from vacpack.config import EngineConfig
 from vacpack.corpus.forward import PackedForward
+from vacpack.corpus.runner import select_corpus_attention
 from vacpack.distributed.control import ControlChannel, Program
 from vacpack.distributed.group import WorkerArgs, connect_to_store, join_group, rank_device
 from vacpack.engine import step_inputs
@@ -66,7 +67,8 @@ class _Worker:
                 forward.run_as_worker(inputs)
             elif kind in (Program.PACKED_FORWARD, Program.LONG_DOCUMENT):
                 if self.packed_forward is None:
-                    self.packed_forward = PackedForward(self.loaded)
+                    attention = select_corpus_attention(self.loaded).backend
+                    self.packed_forward = PackedForward(self.loaded, attention)
                 self.packed_forward.run_as_worker(kind, values)
             elif kind == Program.LM_HEAD:
                 self._lm_head(num_rows=values[0])

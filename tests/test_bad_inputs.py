@@ -1,0 +1,358 @@
+"""A table of bad inputs: each gets its documented exit code or status and a message naming what
+is at fault, nothing a user owns is touched, and the engine answers the next request.
+
+Command lines run as real processes (forked from one zygote that has vacpack imported); the
+Python API, batch files and prompt files share one loaded tiny model. The server's table is in
+test_server_errors.py, which shares one server process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bad_input_files import (
+    batch_line,
+    build_broken_checkpoints,
+    completion_line,
+    read_records,
+    write_lines,
+)
+from cli_zygote import Zygote
+
+from vacpack import LLM, SamplingParams
+from vacpack.batch.options import BatchOptions
+from vacpack.batch.prompt_file import GenerateOptions, PromptSource, run_generate_file
+from vacpack.batch.runner import run_batch
+from vacpack.errors import (
+    CorruptWeightsError,
+    ExitCode,
+    InvalidConfigError,
+    ModelNotFoundError,
+    TokenizerLoadError,
+    WeightsMismatchError,
+)
+
+MAX_MODEL_LEN = 256
+ENGINE_FLAGS = [
+    "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+    "--kv-cache-memory-bytes", str(4 << 20),
+]  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+    model: Path
+    broken: dict[str, Path]
+    batch_input: Path
+    prompts: Path
+    notes: Path  # a user's file, never to be touched
+    other_output: Path  # a finished run-batch output for another input
+
+    def protected_files(self) -> dict[Path, bytes]:
+        return {path: path.read_bytes() for path in (self.notes, self.other_output)}
+
+
+@pytest.fixture(scope="module")
+def workspace(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    root = tmp_path_factory.mktemp("bad_inputs")
+    model = tiny_checkpoint("qwen2")
+    notes = root / "notes.txt"
+    notes.write_text("my notes\n")
+    other_output = root / "other-output.jsonl"
+    record = {"id": "batch_req_1", "custom_id": "someone-else", "response": None, "error": None}
+    other_output.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    return Workspace(
+        root=root,
+        model=model,
+        broken=build_broken_checkpoints(model, root / "broken"),
+        batch_input=write_lines(root / "batch.jsonl", [completion_line("a")]),
+        prompts=write_lines(root / "prompts.jsonl", [json.dumps({"prompt": "hello"})]),
+        notes=notes,
+        other_output=other_output,
+    )
+
+
+def _generate(model: Path, *args: str) -> list[str]:
+    return ["generate", "--model", str(model), *ENGINE_FLAGS, "--quiet", *args]
+
+
+def _run_batch(model: Path, input_path: Path, output_path: Path | str, *args: str) -> list[str]:
+    return ["run-batch", "--model", str(model), *ENGINE_FLAGS, "--quiet",
+            "-i", str(input_path), "-o", str(output_path), *args]  # fmt: skip
+
+
+def _broken(name: str) -> Callable[[Workspace], list[str]]:
+    return lambda w: _generate(w.broken[name], "--prompt", "hi")
+
+
+# (id, argv from the workspace, exit code, words in the one error line)
+CLI_CASES: list[tuple[str, Callable[[Workspace], list[str]], ExitCode, str]] = [
+    ("generate: input missing",
+     lambda w: _generate(w.model, "--input", "nope.jsonl"), ExitCode.FILE_NOT_FOUND,
+     "cannot read input file 'nope.jsonl': No such file"),
+    ("generate: input a directory",
+     lambda w: _generate(w.model, "--input", str(w.root)), ExitCode.IO_ERROR, "Is a directory"),
+    ("run-batch: input missing",
+     lambda w: _run_batch(w.model, w.root / "nope.jsonl", w.root / "o.jsonl"),
+     ExitCode.FILE_NOT_FOUND, "nope.jsonl"),
+    ("embed: input missing",
+     lambda w: ["embed", "--model", str(w.model), "--input", "nope.txt"],
+     ExitCode.FILE_NOT_FOUND, "cannot read input file 'nope.txt'"),
+    ("loglikelihood: input missing",
+     lambda w: ["loglikelihood", "--model", str(w.model), "--input", "nope.txt"],
+     ExitCode.FILE_NOT_FOUND, "nope.txt"),
+    ("generate: output directory missing",
+     lambda w: _generate(w.model, "--prompt", "hi", "--output", "no-dir/out.jsonl"),
+     ExitCode.FILE_NOT_FOUND, "cannot write output file 'no-dir/out.jsonl'"),
+    ("run-batch: output directory missing",
+     lambda w: _run_batch(w.model, w.batch_input, "no-dir/out.jsonl"),
+     ExitCode.FILE_NOT_FOUND, "no-dir/out.jsonl"),
+    ("generate: output where files cannot be created",
+     lambda w: _generate(w.model, "--prompt", "hi", "--output", "/sys/vacpack-out.jsonl"),
+     ExitCode.PERMISSION_DENIED, "/sys/vacpack-out.jsonl"),
+    ("run-batch: output a directory",
+     lambda w: _run_batch(w.model, w.batch_input, w.root), ExitCode.IO_ERROR, "Is a directory"),
+    ("run-batch: output a user's file",
+     lambda w: _run_batch(w.model, w.batch_input, w.notes), ExitCode.OUTPUT_EXISTS,
+     "notes.txt' exists and is not an earlier run's output"),
+    ("run-batch: output of another input",
+     lambda w: _run_batch(w.model, w.batch_input, w.other_output), ExitCode.OUTPUT_EXISTS,
+     "custom_id 'someone-else', which the input does not have"),
+    ("generate: output a user's file",
+     lambda w: _generate(w.model, "--input", str(w.prompts), "--output", str(w.notes)),
+     ExitCode.OUTPUT_EXISTS, "--overwrite"),
+    ("generate: output another command's results",
+     lambda w: _generate(w.model, "--input", str(w.prompts), "--output", str(w.other_output)),
+     ExitCode.OUTPUT_EXISTS, "not a result record"),
+    ("embed: output a user's file",
+     lambda w: ["embed", "--model", str(w.model), "--input", str(w.prompts), "--output",
+                str(w.notes)], ExitCode.OUTPUT_EXISTS, "notes.txt"),
+    ("run-batch: output a full device",
+     lambda w: _run_batch(w.model, w.batch_input, "/dev/full"), ExitCode.NO_SPACE,
+     "cannot write output file '/dev/full': No space left on device"),
+    ("generate: output a full device",
+     lambda w: _generate(w.model, "--input", str(w.prompts), "--output", "/dev/full"),
+     ExitCode.NO_SPACE, "No space left on device"),
+    ("run-batch: output is the input",
+     lambda w: _run_batch(w.model, w.batch_input, w.batch_input), ExitCode.USAGE,
+     "must not be the input"),
+    ("model: no such directory",
+     lambda w: _generate(w.root / "no-model", "--prompt", "hi"), ExitCode.MODEL_NOT_FOUND,
+     "no-model' is not a directory"),
+    ("model: no config.json", _broken("no_config"), ExitCode.MODEL_NOT_FOUND, "has no config.json"),
+    ("model: config.json not JSON", _broken("invalid_config_json"), ExitCode.INVALID_CONFIG,
+     "config.json"),
+    ("model: unsupported architecture", _broken("unsupported_architecture"),
+     ExitCode.INVALID_CONFIG, "WizardForCausalLM"),
+    ("model: truncated safetensors", _broken("truncated_weights"), ExitCode.CORRUPT_WEIGHTS,
+     "model.safetensors' is not valid safetensors"),
+    ("model: garbage safetensors", _broken("garbage_weights"), ExitCode.CORRUPT_WEIGHTS,
+     "not valid safetensors"),
+    ("model: index names a missing shard", _broken("missing_shard"), ExitCode.CORRUPT_WEIGHTS,
+     "model-00002-of-00002.safetensors"),
+    ("model: config shapes disagree with weights", _broken("wrong_intermediate_size"),
+     ExitCode.WEIGHTS_MISMATCH, "has shape [64, 128], but config.json implies [64, 96]"),
+    ("model: hidden size disagrees", _broken("wrong_hidden_size"), ExitCode.WEIGHTS_MISMATCH,
+     "model.embed_tokens.weight"),
+    ("model: more layers than weights", _broken("extra_layer"), ExitCode.WEIGHTS_MISMATCH,
+     "layers.2"),
+    ("model: no tokenizer files", _broken("no_tokenizer"), ExitCode.TOKENIZER_ERROR,
+     "has no tokenizer files"),
+    ("flag: negative temperature",
+     lambda w: _generate(w.model, "--prompt", "hi", "--temperature", "-1"), ExitCode.USAGE,
+     "temperature must be"),
+    ("flag: context over the model's",
+     lambda w: [*_generate(w.model, "--prompt", "hi"), "--max-model-len", "100000"],
+     ExitCode.USAGE, "max_model_len=100000 exceeds"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("make_argv", "exit_code", "words"),
+    [case[1:] for case in CLI_CASES],
+    ids=[case[0] for case in CLI_CASES],
+)
+def test_cli_bad_input_exits_with_its_code_and_one_line(
+    cli_zygote: Zygote, workspace: Workspace, make_argv, exit_code: ExitCode, words: str
+) -> None:
+    protected = workspace.protected_files()
+    argv = make_argv(workspace)
+    finished = cli_zygote.run(argv, env={"VACPACK_CPU_PREPACK": "0"})
+    assert finished.status == exit_code, finished.stderr
+    error_lines = [line for line in finished.stderr.splitlines() if "error:" in line]
+    assert error_lines == [line for line in error_lines if line.startswith(f"vacpack {argv[0]}:")]
+    assert len(error_lines) == 1, finished.stderr
+    assert words in error_lines[0]
+    assert "Traceback" not in finished.stderr
+    assert workspace.protected_files() == protected
+
+
+def test_debug_shows_the_traceback_and_the_same_code(
+    cli_zygote: Zygote, workspace: Workspace
+) -> None:
+    argv = _generate(workspace.broken["truncated_weights"], "--prompt", "hi")
+    for finished in (
+        cli_zygote.run(["--debug", *argv]),
+        cli_zygote.run(argv, env={"VACPACK_DEBUG": "1"}),
+    ):
+        assert finished.status == ExitCode.CORRUPT_WEIGHTS
+        assert "Traceback" in finished.stderr and "SafetensorError" in finished.stderr
+        assert finished.stderr.rstrip().splitlines()[-1].startswith("vacpack generate: error:")
+
+
+def test_a_good_command_runs_after_the_bad_ones(cli_zygote: Zygote, workspace: Workspace) -> None:
+    output = workspace.root / "good.jsonl"
+    finished = cli_zygote.run(_run_batch(workspace.model, workspace.batch_input, output))
+    assert finished.status == 0, finished.stderr
+    (record,) = read_records(output)
+    assert record["custom_id"] == "a" and record["response"]["status_code"] == 200
+
+
+# ---------------------------------------------------------------- Python API
+
+
+@pytest.fixture(scope="module")
+def llm(workspace: Workspace) -> LLM:
+    return LLM(
+        str(workspace.model), dtype="float32", max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=4 << 20, max_num_seqs=8,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference_text(llm: LLM) -> str:
+    return llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].text
+
+
+def _call_with(case: str, w: Workspace, llm: LLM) -> Any:
+    calls: dict[str, Callable[[], Any]] = {
+        "missing model": lambda: LLM(str(w.root / "no-model")),
+        "truncated weights": lambda: LLM(str(w.broken["truncated_weights"])),
+        "shapes disagree": lambda: LLM(str(w.broken["wrong_hidden_size"])),
+        "invalid config": lambda: LLM(str(w.broken["invalid_config_json"])),
+        "no tokenizer": lambda: LLM(str(w.broken["no_tokenizer"])),
+        "unknown engine argument": lambda: LLM(str(w.model), max_seqs=3),
+        "empty prompt": lambda: llm.generate([""], GREEDY, use_tqdm=False),
+        "prompt over the context": lambda: llm.generate([[5] * 300], GREEDY, use_tqdm=False),
+        "token id out of vocab": lambda: llm.generate([[10**7]], GREEDY, use_tqdm=False),
+        "negative temperature": lambda: SamplingParams(temperature=-1),
+        "params for the wrong count": lambda: llm.generate(["a", "b"], [GREEDY] * 3),
+        "contexts without continuations": lambda: llm.loglikelihood(["a", "b"], ["c"]),
+    }
+    return calls[case]()
+
+
+# (case, exception type, words in its message)
+API_CASES: list[tuple[str, type[Exception], str]] = [
+    ("missing model", ModelNotFoundError, "no-model"),
+    ("truncated weights", CorruptWeightsError, "not valid safetensors"),
+    ("shapes disagree", WeightsMismatchError, "has shape [2048, 64]"),
+    ("invalid config", InvalidConfigError, "config.json"),
+    ("no tokenizer", TokenizerLoadError, "no tokenizer files"),
+    ("unknown engine argument", TypeError, "max_seqs"),
+    ("empty prompt", ValueError, "prompt 0: the prompt is empty"),
+    ("prompt over the context", ValueError, "prompt 0"),
+    ("token id out of vocab", ValueError, "token ids"),
+    ("negative temperature", ValueError, "temperature must be"),
+    ("params for the wrong count", ValueError, "got 3 SamplingParams for 2 prompts"),
+    ("contexts without continuations", ValueError, "one continuation per context"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "error_type", "words"), API_CASES, ids=[case[0] for case in API_CASES]
+)
+def test_api_bad_input_raises_and_the_engine_goes_on(
+    workspace: Workspace, llm: LLM, reference_text: str, case: str, error_type, words: str
+) -> None:
+    with pytest.raises(error_type) as raised:
+        _call_with(case, workspace, llm)
+    assert words in str(raised.value)
+    assert llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].text == reference_text
+
+
+# ---------------------------------------------------------------- batch and prompt files
+
+NESTED = "[" * 100_000 + "]" * 100_000
+WIZARD = [{"role": "wizard", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+
+# (id, the bad line, status code (None: a line error record), words in the message)
+BATCH_CASES: list[tuple[str, str, int | None, str]] = [
+    ("not JSON", "{this is not json", None, "is not valid JSON"),
+    ("nested 100,000 deep", NESTED, None, "nests JSON too deeply"),
+    ("not an object", "[1, 2]", None, "not a JSON object"),
+    ("no custom_id", json.dumps({"url": "/v1/completions", "body": {}}), None, "no custom_id"),
+    ("unknown url", batch_line("u", url="/v1/images"), None, "url must be one of"),
+    ("GET", json.dumps({"custom_id": "g", "method": "GET", "url": CHAT, "body": {}}), None,
+     "method must be POST"),
+    ("negative temperature", completion_line("t", temperature=-1), 400, "temperature"),
+    ("max_tokens a string", batch_line("m", prompt="hi", max_tokens="abc"), 400, "max_tokens"),
+    ("empty prompt", batch_line("e", prompt=""), 400, "empty"),
+    ("prompt over the context", batch_line("c", prompt=[5] * 300), 400, "maximum context"),
+    ("n = 0", completion_line("n", n=0), 400, "n must be"),
+    ("unknown role", batch_line("w", url=CHAT, messages=WIZARD), 400, "messages.0.role"),
+    ("user message without content", batch_line("nc", url=CHAT, messages=[{"role": "user"}]),
+     400, "messages.0.content is required"),
+    ("tool message without tool_call_id",
+     batch_line("tc", url=CHAT, messages=[{"role": "tool", "content": "4"}]), 400,
+     "tool_call_id is required"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "status", "words"),
+    [case[1:] for case in BATCH_CASES],
+    ids=[case[0] for case in BATCH_CASES],
+)
+def test_batch_bad_line_gets_its_record_and_the_rest_are_answered(
+    llm: LLM, tmp_path: Path, bad_line: str, status: int | None, words: str
+) -> None:
+    input_path = write_lines(tmp_path / "in.jsonl", [bad_line, completion_line("good")])
+    options = BatchOptions(input_path, tmp_path / "out.jsonl", show_progress=False)
+    summary = run_batch(llm, options)
+    assert (summary.num_answered, summary.num_failed) == (2, 1)
+    bad, good = sorted(read_records(options.output_path), key=lambda r: r["custom_id"] == "good")
+    if status is None:
+        assert bad["response"] is None and words in bad["error"]["message"]
+        assert bad["error"]["line"] == 1
+    else:
+        assert bad["response"]["status_code"] == status
+        assert words in bad["response"]["body"]["error"]["message"]
+    assert good["response"]["status_code"] == 200
+
+
+# (id, the bad prompt line, words in its error record)
+PROMPT_CASES: list[tuple[str, str, str]] = [
+    ("not JSON", "{nope", "line 1 is not valid JSON"),
+    ("nested 100,000 deep", NESTED, "line 1 is not valid JSON"),
+    ("no prompt", json.dumps({"temperature": 1}), 'line 1 has no "prompt"'),
+    ("negative temperature", json.dumps({"prompt": "x", "temperature": -5}), "temperature"),
+    ("max_tokens a string", json.dumps({"prompt": "x", "max_tokens": "abc"}), "max_tokens"),
+    ("top_p above 1", json.dumps({"prompt": "x", "top_p": 7}), "top_p must be in (0, 1]"),
+    ("two prompts on a line", json.dumps({"prompt": ["a", "b"]}), "one prompt per line"),
+    ("prompt over the context", json.dumps({"prompt": [5] * 300}), "maximum context length"),
+]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "words"), [case[1:] for case in PROMPT_CASES], ids=[c[0] for c in PROMPT_CASES]
+)
+def test_prompt_file_bad_line_gets_its_record_and_the_rest_are_answered(
+    llm: LLM, reference_text: str, tmp_path: Path, bad_line: str, words: str
+) -> None:
+    good = json.dumps({"prompt": "hello", "max_tokens": 3, "temperature": 0})
+    source = PromptSource(write_lines(tmp_path / "in.jsonl", [bad_line, good]))
+    options = GenerateOptions(tmp_path / "out.jsonl", show_progress=False)
+    summary = run_generate_file(llm, source, {"temperature": 1.0, "max_tokens": 8}, options)
+    assert (summary.num_answered, summary.num_failed) == (2, 1)
+    records = {r["index"]: r for r in read_records(tmp_path / "out.jsonl")}
+    assert records[0]["line"] == 1 and words in records[0]["error"]
+    assert records[1]["outputs"][0]["text"] == reference_text

@@ -1,0 +1,46 @@
+"""A loaded model runs what was chosen by measurement and says so: in EngineSetup, in a job's
+report, and on a second load from the cache. Real timings on a tiny float32 model (the portable
+backend is its sole attention backend; its prefill kernel and cascade are timed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vacpack import LLM
+from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
+from vacpack.tuning import ChoiceSource
+
+ENGINE_PHASES = ["sdpa_prefill", "attention_cascade"]
+
+
+def test_a_loaded_model_reports_and_runs_its_choices(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path))
+    model_dir = str(tiny_checkpoint("qwen2"))
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    setup = llm.engine.setup
+    assert [c.phase for c in setup.measured_choices] == ENGINE_PHASES
+    assert all(c.source is ChoiceSource.MEASURED for c in setup.measured_choices)
+    prefill, cascade = setup.measured_choices
+    assert set(prefill.best_time_s) == {"sdpa", "blocked"}
+    assert set(cascade.best_time_s) == {"cascade", "no_cascade"}
+    # The engine runs what was chosen.
+    attention = llm.engine.attention
+    assert attention.name == setup.attention_backend == "torch_sdpa"
+    assert attention.blocked_prefill == (prefill.chosen == "blocked")
+    assert attention.cascade == (DEFAULT_CASCADE_POLICY if cascade.chosen == "cascade" else None)
+
+    llm.embed(["a short text", "another one"], use_tqdm=False)
+    report = llm.corpus_runner.last_report
+    assert report is not None
+    lines = [line for line in report.summary().splitlines() if "chosen by measurement" in line]
+    # The prefill kernel: measured by the engine for the same shapes, read from the cache.
+    assert len(lines) == 1 and "sdpa_prefill" in lines[0] and "(cached;" in lines[0]
+
+    again = LLM(model_dir, dtype="float32", device="cpu").engine.setup
+    assert [c.phase for c in again.measured_choices] == ENGINE_PHASES
+    assert all(c.source is ChoiceSource.CACHED for c in again.measured_choices)
+    assert [c.chosen for c in again.measured_choices] == [prefill.chosen, cascade.chosen]

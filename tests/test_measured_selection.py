@@ -1,0 +1,304 @@
+"""Attention backends and their options chosen by measurement at the model's shapes.
+
+Timings are injected: every candidate call still runs (where it can run here) on tiny shapes,
+but a fake clock advances by the cost the test gives each candidate, so outcomes are exact and
+nothing sleeps. The C kernels are made eligible on any CPU; where they cannot run here, their
+candidate is a fake with the injected cost.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from fake_clock import FakeClock
+
+from vacpack import cpu_kernels
+from vacpack.attention import (
+    AttentionShapes,
+    DecodeBatchShape,
+    PackedBinShape,
+    select_backend,
+    selection,
+)
+from vacpack.attention.backend import AttentionSpec
+from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
+from vacpack.attention.selection import cascade_shape
+from vacpack.attention.timed_steps import TimedCall, Workload
+from vacpack.tuning import ChoiceSource, force_env_var
+from vacpack.tuning import cache as cache_module
+
+CPU = torch.device("cpu")
+KERNELS_RUN_HERE = cpu_kernels.varlen_attention_supported(CPU, torch.bfloat16, 32)
+# Too short for the blocked prefill (sdpa_prefill is not measured): only the backends are.
+SHORT = AttentionShapes(4, 2, 32, torch.bfloat16, max_model_len=128)
+LONG = AttentionShapes(4, 2, 32, torch.bfloat16, max_model_len=1024)
+# Long enough for the blocked prefill, whose candidates are then timed on 256 tokens.
+PREFILLS = AttentionShapes(4, 2, 32, torch.bfloat16, max_model_len=256)
+BIN = PackedBinShape(2, 16)
+DECODES = DecodeBatchShape(num_seqs=8, longest_context=40, page_size=16)
+
+Cost = float | Exception
+
+
+class InjectedTimings:
+    """Wraps the real timed calls: each candidate's first call runs for real (where it can
+    here), and every call costs what it is given."""
+
+    def __init__(self, costs: Mapping[str, Cost]) -> None:
+        self.clock = FakeClock()
+        self.costs = dict(costs)
+        self.calls: list[str] = []
+
+    def wrap(self, calls: dict[str, TimedCall]) -> dict[str, TimedCall]:
+        return {name: self._fake(name, call) for name, call in calls.items()}
+
+    def _fake(self, name: str, real: TimedCall) -> TimedCall:
+        def run() -> None:
+            self.calls.append(name)
+            cost = self.costs[name]
+            if isinstance(cost, Exception):
+                raise cost
+            first = self.calls.count(name) == 1
+            if first and (name != "cpu_kernels" or KERNELS_RUN_HERE):
+                real()
+            self.clock.now_s += cost
+
+        return run
+
+
+@pytest.fixture(autouse=True)
+def kernels_eligible(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
+    monkeypatch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path))
+
+
+@pytest.fixture
+def inject(monkeypatch: pytest.MonkeyPatch):
+    def install(costs: Mapping[str, Cost]) -> InjectedTimings:
+        timings = InjectedTimings(costs)
+        real = selection.timed_calls
+
+        def timed_calls(*args, **kwargs) -> dict[str, TimedCall]:
+            return timings.wrap(real(*args, **kwargs))
+
+        monkeypatch.setattr(selection, "timed_calls", timed_calls)
+        return timings
+
+    return install
+
+
+def select(
+    timings: InjectedTimings,
+    shapes: AttentionShapes = SHORT,
+    workload: Workload = BIN,
+    name: str = "auto",
+):
+    return select_backend(name, CPU, shapes, workload, clock=timings.clock)
+
+
+@pytest.mark.parametrize("fastest", ["cpu_kernels", "torch_sdpa"])
+def test_auto_runs_the_faster_backend(inject, fastest: str) -> None:
+    timings = inject({"cpu_kernels": 0.002, "torch_sdpa": 0.003} | {fastest: 0.001})
+    selected = select(timings)
+    assert selected.backend.name == fastest
+    (choice,) = selected.choices
+    assert choice.phase == "attention_packed" and choice.source is ChoiceSource.MEASURED
+    assert choice.best_time_s[fastest] == pytest.approx(0.001)
+    assert set(timings.calls) == {"cpu_kernels", "torch_sdpa"}
+
+
+def test_each_phase_is_chosen_apart(inject, prefill_forced) -> None:
+    timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.002})
+    encoder = select(timings, workload=PackedBinShape(2, 16, causal=False))
+    assert encoder.choices[0].phase == "attention_encoder"
+    timings.costs = {"cpu_kernels": 0.002, "torch_sdpa": 0.001, "cascade": 0.1, "no_cascade": 0.1}
+    paged = select(timings, workload=DECODES)
+    assert paged.choices[0].phase == "attention_paged" and paged.backend.name == "torch_sdpa"
+
+
+def test_an_explicit_backend_is_taken_without_timing(inject) -> None:
+    timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.003})
+    selected = select(timings, name="torch_sdpa")
+    assert selected.backend.name == "torch_sdpa" and timings.calls == []
+    assert [c.source for c in selected.choices] == [ChoiceSource.FORCED_ARGUMENT]
+
+
+def test_the_environment_forces_a_backend(inject, monkeypatch: pytest.MonkeyPatch) -> None:
+    timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.003})
+    monkeypatch.setenv(force_env_var("attention_packed"), "torch_sdpa")
+    selected = select(timings)
+    assert selected.backend.name == "torch_sdpa" and timings.calls == []
+    assert selected.choices[0].source is ChoiceSource.FORCED_ENV
+    # The argument outranks the environment; a name that is not a candidate is an error.
+    assert select(timings, name="cpu_kernels").backend.name == "cpu_kernels"
+    monkeypatch.setenv(force_env_var("attention_packed"), "flash")
+    with pytest.raises(ValueError, match=r"'flash' \(set in VACPACK_CHOICE_ATTENTION_PACKED\)"):
+        select(timings)
+
+
+def test_a_cached_choice_times_nothing_and_a_new_key_retunes(
+    inject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.003})
+    assert select(timings).backend.name == "cpu_kernels"
+    timings.calls.clear()
+    timings.costs = {"cpu_kernels": 0.003, "torch_sdpa": 0.001}  # would now pick torch_sdpa
+    cached = select(timings)
+    assert cached.backend.name == "cpu_kernels" and timings.calls == []
+    assert cached.choices[0].source is ChoiceSource.CACHED
+    # Other heads, another bin, another torch: measured again.
+    other_heads = AttentionShapes(8, 2, 32, torch.bfloat16, max_model_len=128)
+    assert select(timings, shapes=other_heads).backend.name == "torch_sdpa"
+    assert select(timings, workload=PackedBinShape(4, 16)).backend.name == "torch_sdpa"
+    real_machine_key = cache_module.machine_key
+    monkeypatch.setattr(
+        cache_module, "machine_key", lambda: {**real_machine_key(), "torch": "9.9.9"}
+    )
+    new_torch = select(timings)
+    assert new_torch.backend.name == "torch_sdpa"
+    assert new_torch.choices[0].source is ChoiceSource.MEASURED
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"chosen": "torch_sdpa"})])
+def test_a_corrupt_cache_file_is_measured_again(inject, tmp_path: Path, content: str) -> None:
+    timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.003})
+    select(timings)
+    (cache_file,) = tmp_path.glob("attention_packed-*.json")
+    cache_file.write_text(content)
+    timings.calls.clear()
+    again = select(timings)
+    assert again.choices[0].source is ChoiceSource.MEASURED and timings.calls
+    assert again.backend.name == "cpu_kernels"
+    assert json.loads(cache_file.read_text())["chosen"] == "cpu_kernels"
+
+
+def test_a_backend_that_raises_is_skipped(inject) -> None:
+    timings = inject({"cpu_kernels": RuntimeError("no kernel here"), "torch_sdpa": 0.003})
+    selected = select(timings)
+    assert selected.backend.name == "torch_sdpa"
+    assert selected.choices[0].failed == {"cpu_kernels": "RuntimeError: no kernel here"}
+
+
+def test_a_sole_candidate_is_taken_without_timing(inject) -> None:
+    timings = inject({})
+    float32 = AttentionShapes(4, 2, 32, torch.float32, max_model_len=128)  # no C kernel
+    selected = select(timings, shapes=float32)
+    assert selected.backend.name == "torch_sdpa" and selected.choices == ()
+    assert timings.calls == []
+    windowed = AttentionShapes(
+        4, 2, 32, torch.bfloat16, (AttentionSpec(sliding_window=8),), max_model_len=128
+    )
+    assert select(timings, shapes=windowed).backend.name == "torch_sdpa"  # the C kernel can't
+    assert timings.calls == []
+
+
+@pytest.mark.parametrize("fastest", ["sdpa", "blocked"])
+def test_torch_sdpa_runs_long_prefills_as_measured(inject, fastest: str) -> None:
+    costs = {"sdpa": 0.002, "blocked": 0.002, "cpu_kernels": 0.005, "torch_sdpa": 0.001}
+    timings = inject(costs | {fastest: 0.001})
+    selected = select(timings, shapes=PREFILLS)
+    assert selected.backend.name == "torch_sdpa"
+    assert selected.backend.blocked_prefill == (fastest == "blocked")
+    prefill, backend = selected.choices[1], selected.choices[0]
+    assert (prefill.phase, prefill.chosen) == ("sdpa_prefill", fastest)
+    assert backend.phase == "attention_packed"
+    # Decided before the backends were timed, so torch_sdpa competed in its faster form.
+    assert timings.calls.index("torch_sdpa") > max(
+        i for i, name in enumerate(timings.calls) if name in ("sdpa", "blocked")
+    )
+
+
+def test_no_prefill_choice_where_it_never_applies(inject) -> None:
+    timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.002})
+    encoder = select(timings, shapes=LONG, workload=PackedBinShape(2, 16, causal=False))
+    soft_capped = AttentionShapes(
+        4, 2, 32, torch.bfloat16, (AttentionSpec(logit_softcap=30.0),), max_model_len=1024
+    )
+    capped = select(timings, shapes=soft_capped)
+    for selected in (encoder, capped):
+        assert "sdpa_prefill" not in [c.phase for c in selected.choices]
+
+
+@pytest.fixture
+def prefill_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_sdpa's prefill kernel forced (its real candidates are slow in bf16 here)."""
+    monkeypatch.setenv(force_env_var("sdpa_prefill"), "sdpa")
+
+
+@pytest.mark.parametrize("fastest", ["cascade", "no_cascade"])
+def test_decodes_sharing_a_prefix_cascade_as_measured(inject, prefill_forced, fastest: str) -> None:
+    costs = {"cpu_kernels": 0.002, "torch_sdpa": 0.001}
+    timings = inject(costs | {"cascade": 0.002, "no_cascade": 0.002, fastest: 0.001})
+    selected = select(timings, shapes=LONG, workload=DECODES)
+    expected = DEFAULT_CASCADE_POLICY if fastest == "cascade" else None
+    assert selected.backend.cascade == expected
+    assert [c.phase for c in selected.choices] == [
+        "attention_paged",
+        "sdpa_prefill",
+        "attention_cascade",
+    ]
+    cascade = selected.choices[-1]
+    assert cascade.chosen == fastest and "torch_sdpa" in cascade.shape_key
+
+
+def test_the_cascade_is_timed_at_the_shortest_prefix_it_runs_for() -> None:
+    shared = cascade_shape(DECODES, max_model_len=1024)
+    assert shared is not None and shared.num_seqs == DECODES.num_seqs
+    # 8 decodes save 7 reads of the prefix: 4,096 saved tokens need 592 (37 pages) of it.
+    assert shared.shared_prefix_tokens == 592
+    saved = (shared.num_seqs - 1) * shared.shared_prefix_tokens
+    assert saved >= DEFAULT_CASCADE_POLICY.min_saved_tokens
+    assert all(n > shared.shared_prefix_tokens for n in shared.context_lens())
+    assert cascade_shape(DECODES, max_model_len=600) is None  # no such prefix fits
+    assert cascade_shape(DecodeBatchShape(1, 40, 16), max_model_len=1024) is None
+
+
+def test_no_cascade_choice_for_windowed_layers(inject, prefill_forced) -> None:
+    timings = inject({"cpu_kernels": 0.002, "torch_sdpa": 0.001})
+    windowed = AttentionShapes(
+        4, 2, 32, torch.bfloat16, (AttentionSpec(sliding_window=64),), max_model_len=1024
+    )
+    selected = select(timings, shapes=windowed, workload=DECODES)
+    assert "attention_cascade" not in [c.phase for c in selected.choices]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_timed_calls_run_the_candidates_on_the_same_inputs(dtype: torch.dtype) -> None:
+    """The real calls, untouched, for a model alternating windowed and full layers: every
+    candidate's layers give the same attention (each is checked against the float32
+    reference in the attention tests)."""
+    shapes = AttentionShapes(4, 2, 32, dtype, (AttentionSpec(sliding_window=8), AttentionSpec()))
+    shared = DecodeBatchShape(8, 40, 16, shared_prefix_tokens=256)
+    for workload, num_tokens in ((PackedBinShape(1, 300), 300), (shared, 8)):
+        factories = {
+            "sdpa": lambda: selection.create_backend("torch_sdpa", blocked_prefill=False),
+            "blocked": lambda: selection.create_backend("torch_sdpa", blocked_prefill=True),
+            "no_cascade": lambda: selection.create_backend("torch_sdpa", cascade=None),
+        }
+        calls = selection.timed_calls(factories, shapes, workload, CPU)
+        outputs = {name: call() for name, call in calls.items()}
+        reference = outputs.pop("sdpa")
+        assert len(reference) == 2 and reference[0].shape == (num_tokens, 4, 32)
+        for layers in outputs.values():
+            for got, expected in zip(layers, reference, strict=True):
+                torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
+
+
+def test_a_candidate_that_cannot_run_raises_its_error_at_every_call() -> None:
+    def no_backend() -> selection.AttentionBackend:
+        raise RuntimeError("the C library did not build")
+
+    calls = selection.timed_calls(
+        {"broken": no_backend, "sdpa": lambda: selection.create_backend("torch_sdpa")},
+        SHORT,
+        BIN,
+        CPU,
+    )
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="did not build"):
+            calls["broken"]()
+    assert calls["sdpa"]()[0].shape == (BIN.num_seqs * BIN.seq_len, 4, 32)

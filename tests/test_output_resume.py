@@ -1,0 +1,145 @@
+"""Prompt files and corpus outputs: fields honoured, results streamed as they finish, resumed
+after an interruption, a foreign output refused unless --overwrite replaces it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bad_input_files import completion_line, read_records, write_lines
+
+from vacpack import LLM, SamplingParams
+from vacpack.batch.options import BatchOptions
+from vacpack.batch.prompt_file import (
+    GenerateOptions,
+    PromptFileRunner,
+    PromptSource,
+    run_generate_file,
+)
+from vacpack.batch.runner import run_batch
+from vacpack.cli import main
+from vacpack.errors import ExitCode
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("qwen2")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return LLM(
+        str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20,
+        max_num_seqs=8,
+    )  # fmt: skip
+
+
+DEFAULTS = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+def _texts(output) -> list[str]:
+    return [completion.text for completion in output.outputs]
+
+
+def test_per_line_fields_override_the_flags(llm: LLM, tmp_path: Path) -> None:
+    lines = [
+        {"prompt": "hello"},
+        {"prompt": "hello", "max_tokens": 3},
+        {"text": "the sea", "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 7},
+    ]
+    source = PromptSource(write_lines(tmp_path / "in.jsonl", [json.dumps(x) for x in lines]))
+    options = GenerateOptions(tmp_path / "out.jsonl", show_progress=False)
+    run_generate_file(llm, source, DEFAULTS, options)
+    records = {r["index"]: r for r in read_records(tmp_path / "out.jsonl")}
+
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
+    expected = llm.generate(["hello"], greedy, use_tqdm=False)[0]
+    assert [o["text"] for o in records[0]["outputs"]] == _texts(expected)
+    assert records[0]["outputs"][0]["num_tokens"] == 6
+    assert records[1]["outputs"][0]["num_tokens"] == 3
+    assert expected.outputs[0].text.startswith(records[1]["outputs"][0]["text"])
+    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    reference = llm.generate(["the sea"], sampled, use_tqdm=False)[0]
+    assert [o["text"] for o in records[2]["outputs"]] == _texts(reference)
+    assert records[2]["prompt"] == "the sea" and records[2]["line"] == 3
+
+
+class _RecordingSink:
+    """Notes, for each record written, whether the engine was still running other requests."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+        self.writes: list[tuple[int, bool]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.writes.append((record["index"], self._llm.engine.has_unfinished_requests()))
+
+    def close(self) -> None:
+        pass
+
+
+def test_results_are_written_as_they_finish(llm: LLM, tmp_path: Path) -> None:
+    lines = [json.dumps({"prompt": "a long one", "max_tokens": 20})]
+    lines += [json.dumps({"prompt": f"short {i}", "max_tokens": 1}) for i in range(3)]
+    source = PromptSource(write_lines(tmp_path / "in.jsonl", lines))
+    sink = _RecordingSink(llm)
+    runner = PromptFileRunner(llm, DEFAULTS, GenerateOptions(None, show_progress=False))
+    runner.run(source, sink, answered=set())
+    assert [index for index, _ in sink.writes][-1] == 0  # the long one finishes last
+    assert all(still_running for index, still_running in sink.writes if index != 0)
+
+
+def test_generate_resumes_after_a_torn_tail(llm: LLM, tmp_path: Path) -> None:
+    lines = [json.dumps({"prompt": f"prompt {i}", "max_tokens": 2 + i % 3}) for i in range(8)]
+    lines.insert(3, "{not json")
+    source = PromptSource(write_lines(tmp_path / "in.jsonl", lines))
+    options = GenerateOptions(tmp_path / "out.jsonl", show_progress=False)
+    first = run_generate_file(llm, source, DEFAULTS, options)
+    assert (first.num_answered, first.num_failed) == (9, 1)
+    complete = {r["index"]: r for r in read_records(options.output_path)}
+    whole_lines = options.output_path.read_bytes().splitlines(keepends=True)
+    options.output_path.write_bytes(b"".join(whole_lines[:4]) + whole_lines[4][:25])
+
+    resumed = run_generate_file(llm, source, DEFAULTS, options)
+    assert (resumed.num_resumed, resumed.num_answered) == (4, 5)
+    records = read_records(options.output_path)
+    assert sorted(r["index"] for r in records) == list(range(9))
+    assert {r["index"]: r for r in records} == complete  # greedy: the same answers again
+
+
+def test_corpus_command_resumes_in_order(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = write_lines(tmp_path / "in.txt", [f"document number {i}" for i in range(6)])
+    output = tmp_path / "out.jsonl"
+    argv = ["loglikelihood", "--model", str(model_dir), "--dtype", "float32",
+            "--input", str(corpus), "--output", str(output)]  # fmt: skip
+    assert main(argv) == 0
+    complete = read_records(output)
+    assert [r["index"] for r in complete] == list(range(6))
+    whole_lines = output.read_bytes().splitlines(keepends=True)
+    output.write_bytes(b"".join(whole_lines[:2]) + whole_lines[2][:10])
+
+    assert main(argv) == 0
+    resumed = read_records(output)
+    assert [r["index"] for r in resumed] == list(range(6))
+    for got, expected in zip(resumed, complete, strict=True):
+        assert got["logprob"] == pytest.approx(expected["logprob"], rel=1e-5)
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert main([*argv[:-1], str(notes)]) == ExitCode.OUTPUT_EXISTS
+    assert notes.read_text() == "my notes\n"
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_a_foreign_output(llm: LLM, tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("replace me\n")
+    input_path = write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+    options = BatchOptions(input_path, notes, show_progress=False, overwrite=True)
+    assert run_batch(llm, options).num_answered == 1
+    (record,) = read_records(notes)
+    assert record["custom_id"] == "a" and record["response"]["status_code"] == 200

@@ -1,0 +1,122 @@
+"""Tool-call parsing (Hermes, Llama 3 JSON), streaming that adds up to the parse, and the
+grammars that force calls; no model needed."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from vacpack.openai_api.output_constraints import strict_schema
+from vacpack.openai_api.tool_parsers import ToolParser, tool_call_schema, tool_parser
+from vacpack.openai_api.tool_streaming import ToolCallStream
+from vacpack.structured.grammars import check_grammar, with_json_layout
+
+TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "g"}},
+]
+HERMES_TEXT = (
+    "Let me look.\n<tool_call>\n"
+    '{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "g", "arguments": {"b": [2, 3]}}\n</tool_call>'
+)
+LLAMA3_TEXT = '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'
+
+
+@pytest.fixture(scope="module")
+def hermes(bpe) -> ToolParser:
+    return tool_parser("hermes", bpe)
+
+
+@pytest.fixture(scope="module")
+def llama3(bpe) -> ToolParser:
+    return tool_parser("llama3_json", bpe)
+
+
+def _calls(parsed) -> list[tuple[str, dict]]:
+    return [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls]
+
+
+def test_hermes_splits_content_and_calls(hermes: ToolParser) -> None:
+    parsed = hermes.parse(HERMES_TEXT)
+    assert parsed.content == "Let me look.\n"
+    assert _calls(parsed) == [("f", {"a": 1}), ("g", {"b": [2, 3]})]
+    assert len({call.id for call in parsed.tool_calls}) == 2
+    # No block, or blocks that are not calls: all of it is content.
+    assert hermes.parse("just text").tool_calls == []
+    broken = "x <tool_call>\n{not json}\n</tool_call>"
+    assert hermes.parse(broken).content == broken
+
+
+def test_llama3_json_calls(llama3: ToolParser) -> None:
+    parsed = llama3.parse(LLAMA3_TEXT)
+    assert parsed.content is None
+    assert _calls(parsed) == [("f", {"a": 1}), ("g", {})]
+    assert llama3.parse('{"name": "f"} trailing').tool_calls == []
+    assert llama3.parse("Hello there").content == "Hello there"
+
+
+@pytest.mark.parametrize(
+    ("parser_name", "text"),
+    [("hermes", HERMES_TEXT), ("llama3_json", LLAMA3_TEXT), ("hermes", "plain <tool_ text")],
+)
+def test_streamed_pieces_add_up_to_the_parse(bpe, parser_name: str, text: str) -> None:
+    parser = tool_parser(parser_name, bpe)
+    for piece_size in (1, 3, 7):
+        stream = ToolCallStream(parser)
+        content = ""
+        calls = []
+        pieces = [text[i : i + piece_size] for i in range(0, len(text), piece_size)]
+        for index, piece in enumerate(pieces):
+            new_content, new_calls = stream.feed(piece, finished=index == len(pieces) - 1)
+            content += new_content
+            calls += stream.call_deltas(new_calls)
+        parsed = parser.parse(text)
+        assert content == (parsed.content or "")
+        assert [c["index"] for c in calls] == list(range(len(parsed.tool_calls)))
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (call.name, call.arguments) for call in parsed.tool_calls
+        ]
+
+
+def test_without_parallel_calls_a_stream_keeps_the_first(hermes: ToolParser) -> None:
+    stream = ToolCallStream(hermes, max_calls=1)
+    _, calls = stream.feed(HERMES_TEXT, finished=True)
+    assert [call.name for call in calls] == ["f"]
+
+
+def test_hermes_holds_back_a_possible_marker(hermes: ToolParser) -> None:
+    assert hermes.settled("Hi <tool") == (3, [])
+    assert hermes.settled("Hi <b>") == (len("Hi <b>"), [])
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_call_grammars_compile(bpe, parser_name: str, parallel: bool) -> None:
+    parser = tool_parser(parser_name, bpe)
+    grammar = parser.call_grammar(with_json_layout(tool_call_schema(TOOLS)), parallel)
+    check_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), "the tool grammar")
+
+
+def test_auto_parser_follows_the_chat_template(bpe) -> None:
+    assert tool_parser("auto", bpe).name == "hermes"
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        tool_parser("nope", bpe)
+
+
+def test_strict_schema_closes_every_object() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "list": {"type": "array", "items": {"type": "object", "properties": {}}},
+            "open": {"type": "object", "additionalProperties": True},
+        },
+    }
+    strict = strict_schema(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["inner"]["additionalProperties"] is False
+    assert strict["properties"]["list"]["items"]["additionalProperties"] is False
+    assert strict["properties"]["open"]["additionalProperties"] is True

@@ -1,0 +1,250 @@
+"""Which attention backend runs a phase, and with which options: timed at the model's shapes.
+
+`attention_backend="auto"` times every eligible backend that runs all of the model's layers
+(windows, scales, softcaps) on one layer of the phase's own workload (timed_steps.py) and takes
+the fastest, through vacpack.tuning: interleaved rounds, best of, within a time budget, cached
+on disk per CPU, torch, vacpack and shapes, so a later load times nothing. A sole candidate is
+taken without timing; a backend named in `attention_backend`, or in the environment variable
+VACPACK_CHOICE_<PHASE>, is taken as it is.
+
+Two options of a backend are measured the same way, each a phase of its own:
+- sdpa_prefill: whether torch_sdpa runs long causal prefills as SDPA or as blocked matmuls
+  (blocked_prefill.py), on a CPU. Decided before the backends are timed, so that torch_sdpa
+  competes in its faster form.
+- attention_cascade: whether decodes sharing a prefix run as a cascade (cascade.py), for the
+  chosen backend where it takes one, timed on a decode batch sharing the shortest prefix its
+  policy cascades. Timed on the engine's decode batch only.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vacpack.attention.backend import AttentionBackend
+from vacpack.attention.blocked_prefill import MIN_KEYS
+from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy
+from vacpack.attention.registry import (
+    SPECS_BY_NAME,
+    Phase,
+    auto_candidates,
+    create_backend,
+    resolve_backend_name,
+    unsupported_reasons,
+)
+from vacpack.attention.timed_steps import (
+    AttentionShapes,
+    DecodeBatchShape,
+    PackedBinShape,
+    TimedCall,
+    Workload,
+    timed_calls,
+)
+from vacpack.tuning import ChoiceSource, MeasuredChoice, choose
+from vacpack.tuning.timing import Clock
+
+Measure = Callable[..., MeasuredChoice]  # vacpack.tuning.choose, with the cache and clock bound
+
+# Each choice's share of the ~2 s that a first load may spend timing (the dtype takes 0.75 s).
+BACKEND_BUDGET_S = 0.3
+PREFILL_BUDGET_S = 0.25
+CASCADE_BUDGET_S = 0.25
+
+SDPA_PREFILL_PHASE = "sdpa_prefill"
+CASCADE_PHASE = "attention_cascade"
+# The prefill timed for sdpa_prefill: long enough to be past MIN_KEYS, where the choice applies,
+# short enough that a slow candidate's one call stays within the budget.
+PREFILL_TIMED_TOKENS = 512
+# Own tokens of each decode after a shared prefix, at most: a prompt's own part and some output.
+OWN_TOKENS_AFTER_PREFIX = 128
+
+
+@dataclass(frozen=True)
+class SelectedBackend:
+    backend: AttentionBackend
+    # How the backend and its options were chosen (measured, cached or forced), with the
+    # timings that chose them; a choice with a sole candidate is left out.
+    choices: tuple[MeasuredChoice, ...]
+
+
+def backend_phase(workload: Workload) -> str:
+    """The measured-choice phase of a workload: attention_packed, attention_encoder (packed,
+    bidirectional) or attention_paged; VACPACK_CHOICE_<PHASE> forces its backend."""
+    if isinstance(workload, DecodeBatchShape):
+        return "attention_paged"
+    return "attention_packed" if workload.causal else "attention_encoder"
+
+
+def select_backend(
+    name: str,
+    device: torch.device,
+    shapes: AttentionShapes,
+    workload: Workload,
+    *,
+    cache_dir: Path | None = None,
+    clock: Clock = time.perf_counter,
+) -> SelectedBackend:
+    """The backend for `workload`'s phase: `name` ("auto": the fastest eligible one that runs
+    every layer of the model), with its options measured."""
+    phase = Phase.PAGED if isinstance(workload, DecodeBatchShape) else Phase.PACKED
+    eligible = (
+        auto_candidates(device, shapes.dtype, shapes.head_dim, phase)
+        if name == "auto"
+        else [resolve_backend_name(name, device, shapes.dtype, shapes.head_dim, phase)]
+    )
+    runnable: list[str] = []
+    reasons: list[str] = []
+    for candidate in eligible:
+        why_not = unsupported_reasons(create_backend(candidate), shapes.specs)
+        if why_not:
+            reasons.extend(why_not)
+        else:
+            runnable.append(candidate)
+    if name != "auto" and reasons:
+        raise ValueError(
+            f"attention backend {name!r} cannot run this model: {'; '.join(reasons)}. "
+            "Use attention_backend='auto' or 'torch_sdpa'"
+        )
+    if not runnable:
+        raise ValueError(f"no attention backend runs this model here: {'; '.join(reasons)}")
+
+    tuned: list[MeasuredChoice] = []
+    measure: Measure = functools.partial(choose, cache_dir=cache_dir, clock=clock)
+
+    @functools.cache
+    def options_of(backend_name: str) -> tuple[tuple[str, Any], ...]:
+        """The measured options of a backend, measured when first asked for."""
+        if "blocked_prefill" not in SPECS_BY_NAME[backend_name].options:
+            return ()
+        choice = _choose_sdpa_prefill(device, shapes, workload, measure)
+        if choice is None:
+            return ()
+        tuned.append(choice)
+        return (("blocked_prefill", choice.chosen == "blocked"),)
+
+    def build(backend_name: str, **options: Any) -> AttentionBackend:
+        return create_backend(backend_name, **dict(options_of(backend_name)), **options)
+
+    def backend_calls() -> dict[str, TimedCall]:
+        for backend_name in runnable:
+            options_of(backend_name)  # measured first: its timing is not the backends'
+        factories = {n: functools.partial(build, n) for n in runnable}
+        return timed_calls(factories, shapes, workload, device)
+
+    backend_choice = measure(
+        backend_phase(workload),
+        f"{shapes.key()}; {workload.key()}",
+        runnable,
+        backend_calls,
+        forced=None if name == "auto" else name,
+        budget_s=BACKEND_BUDGET_S,
+    )
+    chosen = backend_choice.chosen
+    options_of(chosen)  # measured before the cascade, whose candidates are built with them
+    options: dict[str, Any] = {}
+    if isinstance(workload, DecodeBatchShape):
+        cascade_choice = _choose_cascade(chosen, device, shapes, workload, build, measure)
+        if cascade_choice is not None:
+            tuned.append(cascade_choice)
+            options["cascade"] = _CASCADES[cascade_choice.chosen]
+    backend = build(chosen, **options)
+    choices = [backend_choice, *tuned]
+    sole = ChoiceSource.ONLY_CANDIDATE
+    return SelectedBackend(backend, tuple(c for c in choices if c.source is not sole))
+
+
+def _choose_sdpa_prefill(
+    device: torch.device,
+    shapes: AttentionShapes,
+    workload: Workload,
+    measure: Measure,
+) -> MeasuredChoice | None:
+    """SDPA or blocked matmuls for torch_sdpa's long causal prefills, on a CPU; None where the
+    choice never applies (bidirectional, every layer soft-capped, or sequences too short)."""
+    if device.type != "cpu" or (isinstance(workload, PackedBinShape) and not workload.causal):
+        return None
+    applicable = [spec for spec in shapes.distinct_specs if spec.logit_softcap is None]
+    num_tokens = min(PREFILL_TIMED_TOKENS, shapes.max_model_len)
+    if not applicable or num_tokens < MIN_KEYS:
+        return None
+    prefill = PackedBinShape(1, num_tokens, causal=True)
+    spec = replace(applicable[0], sliding_window=None)  # a window past it runs blocked anyway
+    return measure(
+        SDPA_PREFILL_PHASE,
+        f"{replace(shapes, specs=(spec,)).key()}; {prefill.key()}",
+        ["sdpa", "blocked"],
+        lambda: timed_calls(
+            {
+                option: functools.partial(
+                    create_backend, "torch_sdpa", blocked_prefill=option == "blocked"
+                )
+                for option in ("sdpa", "blocked")
+            },
+            replace(shapes, specs=(spec,)),
+            prefill,
+            device,
+        ),
+        budget_s=PREFILL_BUDGET_S,
+    )
+
+
+_CASCADES: dict[str, CascadePolicy | None] = {
+    "cascade": DEFAULT_CASCADE_POLICY,
+    "no_cascade": None,
+}
+
+
+def cascade_shape(decodes: DecodeBatchShape, max_model_len: int) -> DecodeBatchShape | None:
+    """The engine's decode batch behind the shortest shared prefix the cascade policy runs as
+    a cascade for that many decodes; None where no such prefix fits the model's context."""
+    policy = DEFAULT_CASCADE_POLICY
+    if decodes.num_seqs < 2:
+        return None
+    page_size = decodes.page_size
+    saved_per_seq = -(-policy.min_saved_tokens // (decodes.num_seqs - 1))
+    prefix_tokens = max(policy.min_prefix_tokens, saved_per_seq)
+    prefix_tokens = -(-prefix_tokens // page_size) * page_size
+    own_tokens = min(decodes.longest_context, OWN_TOKENS_AFTER_PREFIX)
+    if prefix_tokens + own_tokens > max_model_len:
+        return None
+    return DecodeBatchShape(decodes.num_seqs, own_tokens, page_size, prefix_tokens)
+
+
+def _choose_cascade(
+    backend_name: str,
+    device: torch.device,
+    shapes: AttentionShapes,
+    decodes: DecodeBatchShape,
+    build: Callable[..., AttentionBackend],
+    measure: Measure,
+) -> MeasuredChoice | None:
+    """Cascade or not for decodes sharing a prefix, where the backend takes the option and
+    the model's full-attention layers could run one (a windowed layer never cascades)."""
+    if "cascade" not in SPECS_BY_NAME[backend_name].options:
+        return None
+    full_layers = tuple(s for s in shapes.distinct_specs if s.sliding_window is None)
+    shared = cascade_shape(decodes, shapes.max_model_len)
+    if not full_layers or shared is None:
+        return None
+    timed_shapes = replace(shapes, specs=full_layers)
+    return measure(
+        CASCADE_PHASE,
+        f"{backend_name}; {timed_shapes.key()}; {shared.key()}",
+        list(_CASCADES),
+        lambda: timed_calls(
+            {
+                option: functools.partial(build, backend_name, cascade=policy)
+                for option, policy in _CASCADES.items()
+            },
+            timed_shapes,
+            shared,
+            device,
+        ),
+        budget_s=CASCADE_BUDGET_S,
+    )

@@ -1,0 +1,234 @@
+"""Tool calls in a model's text: the Hermes / Qwen ``<tool_call>`` format and Llama 3's JSON.
+
+Each parser splits a finished output into content and tool calls, builds the grammar that
+forces a call in its format (tool_choice "required" or a named function), and says how much of
+a growing output is settled, so that streaming (vacpack/openai_api/tool_streaming.py) sends the
+same content and calls a non-streamed answer would have.
+
+- ``hermes`` (Hermes 2 Pro, Qwen 2.5 / 3): ``<tool_call>\\n{"name": ..., "arguments": {...}}
+  \\n</tool_call>``, one block per call; content is the text before the first block.
+- ``llama3_json`` (Llama 3.1 / 3.2): the whole output is ``{"name": ..., "parameters": {...}}``,
+  several separated by ``; ``, optionally after ``<|python_tag|>``.
+
+The parser is picked from the chat template (it names ``<tool_call>`` or ``<|python_tag|>``)
+or by ``--tool-call-parser``, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def new_tool_call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, text)
+
+
+def call_from_json(value: Any) -> ToolCall | None:
+    """A call from {"name": ..., "arguments" or "parameters": {...}}, else None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return new_tool_call(value["name"], arguments)
+
+
+class ToolParser(ABC):
+    name: str
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def parse(self, text: str) -> ParsedOutput:
+        """A finished output's content and tool calls."""
+
+    @abstractmethod
+    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
+        """For a growing output: how many leading characters are content for sure, and the
+        calls complete so far (the same ones parse() would find in them)."""
+
+    @abstractmethod
+    def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
+        """A Lark grammar (llguidance syntax) for one call, or several when parallel, whose
+        JSON matches call_schema: {"name": ..., "arguments": {...}} per allowed tool."""
+
+    def _marker(self, text: str) -> str:
+        """A Lark literal for a marker: its token where the tokenizer has it as a special token
+        (which text literals never match), else its text."""
+        token_id = self.tokenizer.convert_tokens_to_ids(text)
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        if isinstance(token_id, int) and token_id in special:
+            return f"<[{token_id}]>"
+        return json.dumps(text)
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find(self.START)
+        if start < 0:
+            return ParsedOutput(text, [])
+        calls = [c for c in (self._call(m.group(1)) for m in self._BLOCK.finditer(text)) if c]
+        if not calls:
+            return ParsedOutput(text, [])
+        return ParsedOutput(text[:start] or None, calls)
+
+    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
+        start = text.find(self.START)
+        if start < 0:
+            return _without_partial_marker(text, self.START), []
+        closed = text[: text.rfind(self.END) + len(self.END)] if self.END in text else ""
+        calls = [c for c in (self._call(m.group(1)) for m in self._BLOCK.finditer(closed)) if c]
+        return start, calls
+
+    def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
+        call = f'{self._marker(self.START)} "\\n" %json {json.dumps(call_schema)} "\\n" ' + (
+            self._marker(self.END)
+        )
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return f"start: call{repeat}\ncall: {call}\n"
+
+    @staticmethod
+    def _call(block: str) -> ToolCall | None:
+        try:
+            return call_from_json(json.loads(block))
+        except json.JSONDecodeError:
+            return None
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+    SEPARATOR = "; "
+
+    def parse(self, text: str) -> ParsedOutput:
+        body = self._call_text(text)
+        if body is None:
+            return ParsedOutput(text, [])
+        calls = []
+        decoder = json.JSONDecoder()
+        position = 0
+        while True:
+            try:
+                value, end = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return ParsedOutput(text, [])
+            call = call_from_json(value)
+            if call is None:
+                return ParsedOutput(text, [])
+            calls.append(call)
+            rest = body[end:].lstrip()
+            if not rest:
+                return ParsedOutput(None, calls)
+            if not rest.startswith(";"):
+                return ParsedOutput(text, [])
+            position = len(body) - len(rest[1:].lstrip())
+
+    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
+        stripped = text.lstrip()
+        if not stripped or self.PYTHON_TAG.startswith(stripped[: len(self.PYTHON_TAG)]):
+            return 0, []  # may still become a call
+        if stripped.startswith("{"):
+            return 0, []  # a call: its JSON is parsed once the output is finished
+        return len(text), []
+
+    def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
+        call_schema = _renamed_arguments(call_schema, "parameters")
+        repeat = f" ({json.dumps(self.SEPARATOR)} call)*" if parallel else ""
+        return f"start: call{repeat}\ncall: %json {json.dumps(call_schema)}\n"
+
+    def _call_text(self, text: str) -> str | None:
+        body = text.strip()
+        if body.startswith(self.PYTHON_TAG):
+            body = body[len(self.PYTHON_TAG) :].lstrip()
+        return body if body.startswith("{") else None
+
+
+_PARSERS: dict[str, type[ToolParser]] = {
+    HermesToolParser.name: HermesToolParser,
+    Llama3JsonToolParser.name: Llama3JsonToolParser,
+}
+
+
+def tool_parser(name: str, tokenizer: PreTrainedTokenizerBase) -> ToolParser:
+    """The named parser, or with "auto" the one the chat template's format says (Hermes when
+    the template names neither marker)."""
+    if name == "auto":
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        uses_llama3 = "<|python_tag|>" in template and "<tool_call>" not in template
+        name = Llama3JsonToolParser.name if uses_llama3 else HermesToolParser.name
+    if name not in _PARSERS:
+        raise ValueError(
+            f"unknown tool call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    return _PARSERS[name](tokenizer)
+
+
+def tool_call_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call to any of `tools` (OpenAI function tools)."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                "arguments": tool["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def _renamed_arguments(schema: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """The call schema with "arguments" named `key` (Llama 3 calls them "parameters")."""
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [_renamed_arguments(s, key) for s in schema["anyOf"]]}
+    properties = dict(schema["properties"])
+    properties[key] = properties.pop("arguments")
+    return {**schema, "properties": properties, "required": ["name", key]}
+
+
+def _without_partial_marker(text: str, marker: str) -> int:
+    """len(text), less a tail that could be the start of `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return len(text) - length
+    return len(text)
