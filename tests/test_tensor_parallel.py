@@ -5,7 +5,9 @@ weights; a worker that dies fails the call at once; no process outlives its mode
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
@@ -16,6 +18,7 @@ from process_table import is_running
 
 from vacpack import LLM, SamplingParams
 from vacpack.distributed.driver import TensorParallelError
+from vacpack.errors import CorruptWeightsError
 from vacpack.outputs import RequestOutput
 from vacpack.testing.tiny_encoders import build_tiny_bert
 
@@ -139,6 +142,18 @@ def test_a_worker_killed_mid_generation_fails_the_call_in_bounded_time(tiny_chec
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     llm.close()
     _wait_until_gone([worker_pid])
+
+
+def test_a_damaged_checkpoint_gives_the_typed_error_and_stops_the_workers(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "damaged"
+    shutil.copytree(tiny_checkpoint("qwen2"), model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CorruptWeightsError, match="not valid safetensors"):
+        LLM(str(model_dir), dtype="float32", tensor_parallel_size=TP_SIZE)
+    _wait_until_gone([child.pid for child in multiprocessing.active_children()])
 
 
 def test_a_model_that_cannot_split_is_refused_before_any_process_starts(tiny_checkpoint) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from vacpack.distributed.control import Program
 from vacpack.distributed.group import GroupMember
 from vacpack.distributed.workers import WorkerProcesses
+from vacpack.errors import VacpackError
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,12 @@ class Driver:
         workers, and one a worker caused is named."""
         try:
             yield
+        except VacpackError:
+            # Bad input (a missing or damaged checkpoint): every rank reads it alike, and rank
+            # 0's own error, with its exit code, says what is wrong.
+            self._closed = True
+            self.workers.stop(timeout_s=1.0)
+            raise
         except Exception as error:
             failure = self.workers.wait_for_failure(FAILURE_REPORT_S)
             self._closed = True
