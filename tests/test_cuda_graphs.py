@@ -206,7 +206,7 @@ def test_the_engine_runs_decode_steps_through_the_graph_runner(model_dir: Path) 
     prompts = _prompts(reference.loaded.config.vocab_size)
     llm = _engine_llm(model_dir, "cpu", attention_backend="triton", async_scheduling=True)
     engine = llm.engine
-    engine.runner.graph_runner = DecodeGraphRunner(
+    engine.runner.forward.graph_runner = DecodeGraphRunner(
         engine.loaded.model, engine.kv_cache, engine.attention, MAX_NUM_SEQS, MAX_PAGES_PER_SEQ,
         engine.loaded.device, capture=False,
     )  # fmt: skip
@@ -227,6 +227,6 @@ def test_cuda_engine_equals_portable_eager(model_dir: Path, async_scheduling: bo
     prompts = _prompts(reference.loaded.config.vocab_size)
     llm = _engine_llm(model_dir, "cuda", async_scheduling=async_scheduling)
     assert llm.engine.attention.name == "triton"
-    assert llm.engine.runner.graph_runner is not None
+    assert llm.engine.runner.forward.graph_runner is not None
     assert _greedy_tokens(llm, prompts) == _greedy_tokens(reference, prompts)
     assert llm.engine.timeline.summary().num_padded_slots > 0

@@ -32,6 +32,7 @@ FLAG_VALUES = {
     "async_scheduling": ("--async-scheduling", None, True),
     "enable_cuda_graphs": ("--no-enable-cuda-graphs", None, False),
     "num_threads": ("--num-threads", "1", 1),
+    "tensor_parallel_size": ("--tensor-parallel-size", "2", 2),
 }
 
 

@@ -39,7 +39,8 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's random generator (requests may carry their own)."""
     kv_cache_memory_bytes: int | None = None
-    """An explicit KV cache budget in bytes; by default it is measured."""
+    """An explicit KV cache budget in bytes (per tensor-parallel rank); by default it is
+    measured."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the share of the device's memory the engine may use, KV cache included."""
     cpu_kv_cache_fraction: float = 0.4
@@ -53,11 +54,16 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs."""
     num_threads: int | None = None
-    """CPU: torch's intra-op threads (default: all cores)."""
+    """CPU: torch's intra-op threads (default: all cores; with tensor parallelism, each rank's
+    share of them)."""
+    tensor_parallel_size: int = 1
+    """Split the model over this many processes (rank r on GPU r on CUDA; on a CPU, each rank
+    on its share of the cores), each holding 1/N of the weights and KV heads."""
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.max_num_batched_tokens is not None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.config import EngineConfig
+from vacpack.distributed.driver import Driver
 from vacpack.engine.engine import LLMEngine
 from vacpack.outputs import (
     ClassificationRequestOutput,
@@ -40,6 +44,10 @@ class LLM:
 
     Engine arguments are EngineConfig's fields, named as vLLM names them: max_model_len,
     max_num_seqs, max_num_batched_tokens, block_size, seed, tokenizer, ...
+
+    With tensor_parallel_size N > 1 the model is split over N processes, this one being rank
+    0; `close()` (or leaving a `with` block, or the LLM being garbage-collected, or the
+    interpreter exiting) stops the others.
     """
 
     def __init__(
@@ -51,7 +59,19 @@ class LLM:
                 f"unknown engine arguments {sorted(unknown)}; known: {sorted(_ENGINE_ARGS)}"
             )
         self.config = EngineConfig(model=model, dtype=dtype, device=device, **engine_args)
-        self.loaded = load(self.config)
+        self._close_group: weakref.finalize | None = None
+        if self.config.tensor_parallel_size > 1:
+            # Imported here: a single-process LLM never loads the worker machinery.
+            from vacpack.tensor_parallel import load_tensor_parallel
+
+            num_threads = torch.get_num_threads()  # rank 0 takes its share; given back on close
+            self.loaded = load_tensor_parallel(self.config)
+            assert self.loaded.driver is not None
+            self._close_group = weakref.finalize(
+                self, _close_group, self.loaded.driver, num_threads
+            )
+        else:
+            self.loaded = load(self.config)
         self._engine: LLMEngine | None = None
         self._corpus_runner: CorpusRunner | None = None
         self._request_counter = itertools.count()
@@ -75,6 +95,22 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.loaded.tokenizer
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (nothing to do for one process)."""
+        if self._close_group is not None:
+            self._close_group()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def generate(
         self,
@@ -290,6 +326,11 @@ class LLM:
             for request_id in order:  # after an interruption, leave nothing running
                 engine.abort_request(request_id)
         return [r for r in results if r is not None]
+
+
+def _close_group(driver: Driver, num_threads: int) -> None:
+    driver.close()
+    torch.set_num_threads(num_threads)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

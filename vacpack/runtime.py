@@ -17,15 +17,20 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from vacpack.attention import AttentionShapes
 from vacpack.config import EngineConfig
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
+from vacpack.distributed.control import Program
+from vacpack.distributed.driver import Driver
 from vacpack.host_memory import keep_freed_host_memory
 from vacpack.models.base import PackedModel
 from vacpack.models.cpu_dtype import choose_cpu_dtype, timed_linear_shape
 from vacpack.models.forward_context import attention_specs
 from vacpack.models.hub import resolve_model_path
 from vacpack.models.layer_ops_choice import LayerShapes, choose_layer_ops
-from vacpack.models.loader import checkpoint_dtype, load_hf_config, load_model
+from vacpack.models.loader import LoadStats, checkpoint_dtype, load_hf_config, load_model_shard
+from vacpack.models.parallel import SINGLE_RANK, TensorParallel, kv_head_rows
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 from vacpack.tuning import MeasuredChoice
+
+NO_LOAD_STATS = LoadStats(0, 0)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,13 @@ class LoadedModel:
     # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU, the layers'
     # elementwise ops), with the timings that chose it: for job reports and /metrics.
     measured_choices: tuple[MeasuredChoice, ...] = ()
+    # This rank's shard of the model and its group (one rank: the whole model, no group).
+    tp: TensorParallel = SINGLE_RANK
+    # Rank 0 of a tensor-parallel group: runs device work in lockstep with the other ranks.
+    driver: Driver | None = None
+    load_stats: LoadStats = NO_LOAD_STATS
+    # Rank 0 of a group: every rank's load_stats, in rank order.
+    rank_load_stats: tuple[LoadStats, ...] = ()
 
     @property
     def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
@@ -49,11 +61,13 @@ class LoadedModel:
 
     @property
     def attention_shapes(self) -> AttentionShapes:
-        """What attention backends are timed at for this model (attention/selection.py)."""
+        """What attention backends are timed at for this model (attention/selection.py): this
+        rank's heads."""
         config = self.config
+        num_kv_heads = getattr(config, "num_kv_heads", config.num_heads)
         return AttentionShapes(
-            num_heads=config.num_heads,
-            num_kv_heads=getattr(config, "num_kv_heads", config.num_heads),
+            num_heads=config.num_heads // self.tp.size,
+            num_kv_heads=kv_head_rows(num_kv_heads, 1, self.tp).length,
             head_dim=config.head_dim,
             dtype=self.dtype,
             specs=attention_specs(self.model),
@@ -64,16 +78,38 @@ class LoadedModel:
     def is_decoder(self) -> bool:
         return bool(getattr(self.model, "is_decoder", False))
 
+    @property
+    def num_kv_heads(self) -> int:
+        """The key/value heads this rank holds, the KV cache's heads."""
+        return kv_head_rows(self.config.num_kv_heads, 1, self.tp).length
 
-def load(config: EngineConfig) -> LoadedModel:
+    def compute_logits(
+        self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32
+    ) -> torch.Tensor:
+        """The model's logits for `hidden`'s rows, for callers outside an engine step (corpus
+        tasks). With tensor parallelism, rank 0 runs it as an LM_HEAD program: the other ranks
+        receive the rows and project them onto their share of the vocabulary (payload: the
+        number of rows)."""
+        if self.driver is None:
+            return self.model.compute_logits(hidden, dtype)
+        assert self.tp.collectives is not None
+        with self.driver.program(Program.LM_HEAD, [hidden.shape[0]]):
+            self.tp.collectives.broadcast(hidden.to(self.dtype).contiguous())
+            return self.model.compute_logits(hidden, dtype)
+
+
+def load(
+    config: EngineConfig, tp: TensorParallel = SINGLE_RANK, driver: Driver | None = None
+) -> LoadedModel:
+    """The checkpoint loaded on this process's device: the whole model, or with `tp` this
+    rank's shard of it (every rank of the group calls this at once)."""
     device = resolve_device(config.device)
     configure_threads(device, config.num_threads)
     if device.type == "cpu":
         keep_freed_host_memory()
     model_dir = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(model_dir, config.trust_remote_code)
-    dtype_choice = _measured_cpu_dtype(config, hf_config, device)
-    dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device, dtype_choice)
+    dtype, dtype_choice = resolve_load_dtype(config, hf_config, device)
     tokenizer = load_tokenizer(
         config.tokenizer or str(model_dir),
         trust_remote_code=config.trust_remote_code,
@@ -82,7 +118,15 @@ def load(config: EngineConfig) -> LoadedModel:
     layer_ops, layer_ops_choices = choose_layer_ops(
         device, LayerShapes.from_hf(hf_config, dtype), dtype
     )
-    model = load_model(model_dir, hf_config, dtype, device, layer_ops)
+    model, load_stats = load_model_shard(model_dir, hf_config, dtype, device, layer_ops, tp)
+    rank_load_stats: tuple[LoadStats, ...] = ()
+    if tp.size > 1:
+        assert tp.collectives is not None
+        # Every rank takes part; rank 0 keeps the figures (tests and reports read them).
+        gathered = tp.collectives.all_gather_ints(
+            [load_stats.checkpoint_bytes_read, load_stats.parameter_bytes], device
+        )
+        rank_load_stats = tuple(LoadStats(*row) for row in gathered)
     # A RoPE scaling may stretch a decoder's context past max_position_embeddings.
     model_limit = getattr(model.config, "max_context_len", model.config.max_position_embeddings)
     max_model_len = _max_model_len(config, model_limit)
@@ -98,7 +142,19 @@ def load(config: EngineConfig) -> LoadedModel:
         dtype=dtype,
         max_model_len=max_model_len,
         measured_choices=(*([dtype_choice] if dtype_choice else []), *layer_ops_choices),
+        tp=tp,
+        driver=driver,
+        load_stats=load_stats,
+        rank_load_stats=rank_load_stats if tp.rank == 0 else (),
     )
+
+
+def resolve_load_dtype(
+    config: EngineConfig, hf_config: Any, device: torch.device
+) -> tuple[torch.dtype, MeasuredChoice | None]:
+    """The dtype to load in, and the measurement that chose it (dtype auto on a CPU)."""
+    choice = _measured_cpu_dtype(config, hf_config, device)
+    return resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device, choice), choice
 
 
 def _measured_cpu_dtype(

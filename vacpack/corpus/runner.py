@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vacpack.attention import PackedBinShape, select_backend
+from vacpack.attention import PackedBinShape, SelectedBackend, select_backend
 from vacpack.corpus.budget import FIRST_PROBE_TOKENS, BinBudget, measure_bin_budget
 from vacpack.corpus.forward import PackedForward
 from vacpack.corpus.packing import Document, DocumentError, FirstFitDecreasingPacker, PackedBin
@@ -54,6 +54,17 @@ def timed_bin_shape(causal: bool, max_model_len: int) -> PackedBinShape:
     return PackedBinShape(max(1, TIMED_BIN_TOKENS // seq_len), seq_len, causal)
 
 
+def select_corpus_attention(loaded: LoadedModel) -> SelectedBackend:
+    """The packed bins' attention backend. With tensor parallelism every rank calls this: the
+    others after rank 0, reading its measured choice from the on-disk cache."""
+    return select_backend(
+        loaded.engine_config.attention_backend,
+        loaded.device,
+        loaded.attention_shapes,
+        timed_bin_shape(bool(getattr(loaded.model, "is_causal", True)), loaded.max_model_len),
+    )
+
+
 class CorpusRunner:
     def __init__(
         self,
@@ -62,12 +73,7 @@ class CorpusRunner:
         align_to: int | None = None,
     ) -> None:
         self.loaded = loaded
-        selected = select_backend(
-            loaded.engine_config.attention_backend,
-            loaded.device,
-            loaded.attention_shapes,
-            timed_bin_shape(bool(getattr(loaded.model, "is_causal", True)), loaded.max_model_len),
-        )
+        selected = select_corpus_attention(loaded)
         # The model's choices and this runner's (its attention backend and the backend's
         # options), for every job's report.
         self.measured_choices = loaded.measured_choices + selected.choices

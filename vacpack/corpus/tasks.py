@@ -350,7 +350,7 @@ class LoglikelihoodTask(CorpusTask):
         target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
         is_continuation = [doc.payload[1] for doc in documents]
         scores = score_tokens(
-            functools.partial(self.loaded.model.compute_logits, dtype=None),
+            functools.partial(self.loaded.compute_logits, dtype=None),
             hidden,
             row_index,
             target_ids,

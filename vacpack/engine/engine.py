@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from vacpack.config import EngineConfig
+from vacpack.distributed.control import Program
 from vacpack.engine.attention_choice import select_engine_attention
-from vacpack.engine.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
-from vacpack.engine.kv_setup import allocate_kv_cache
+from vacpack.engine.device_setup import setup_engine_device
 from vacpack.engine.model_runner import ModelRunner, PreparedStep
 from vacpack.engine.request import build_request, check_prompt
 from vacpack.engine.request_outputs import make_output
@@ -29,6 +30,7 @@ from vacpack.engine.state import EngineSetup, EngineState
 from vacpack.engine.stats import EngineStats
 from vacpack.engine.step_executor import StepHandle, create_executor
 from vacpack.engine.timeline import StepTimeline, StepTiming
+from vacpack.kvcache import PagePool
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
@@ -72,10 +74,23 @@ class LLMEngine:
             device.type, 2048
         )
         model_config = loaded.config
+        # Chosen before the other ranks set up: they then find rank 0's measured choice in
+        # the on-disk cache instead of timing on their own.
         selected = select_engine_attention(config, loaded, self.max_num_batched_tokens)
-        self.attention = selected.backend
-        self.kv_sizing, self.kv_cache, self.page_pool = allocate_kv_cache(
-            config, loaded, self.attention, self.max_num_batched_tokens
+        # With tensor parallelism every rank sets up its own shard's cache and graphs alongside.
+        setup_program = (
+            loaded.driver.program(Program.ENGINE_SETUP, [self.max_num_batched_tokens])
+            if loaded.driver is not None
+            else nullcontext()
+        )
+        with setup_program:
+            engine_device = setup_engine_device(
+                config, loaded, self.max_num_batched_tokens, selected.backend
+            )
+        self.attention = engine_device.attention
+        self.kv_sizing, self.kv_cache = engine_device.kv_sizing, engine_device.kv_cache
+        self.page_pool = PagePool(
+            self.kv_sizing.num_pages, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -86,31 +101,19 @@ class LLMEngine:
             ),
             self.page_pool,
         )
-        graph_runner: DecodeGraphRunner | None = None
-        graph_memory_bytes = 0
-        if device.type == "cuda" and config.enable_cuda_graphs:
-            graph_runner, graph_memory_bytes = capture_decode_graphs(
-                loaded.model,
-                self.kv_cache,
-                self.attention,
-                config.max_num_seqs,
-                loaded.max_model_len,
-                device,
-            )
         self.sampler = Sampler(model_config.vocab_size, device, seed=config.seed)
         self.structured = StructuredOutputManager(
             loaded.tokenizer, model_config.vocab_size, loaded.eos_token_ids, device
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            self.kv_cache,
-            self.attention,
-            self.sampler,
-            device,
-            config.max_num_seqs,
-            graph_runner,
-        )
         self.async_scheduling = _resolve_async_scheduling(config.async_scheduling, device)
+        self.runner = ModelRunner(
+            engine_device.forward,
+            self.sampler,
+            loaded.driver,
+            # Later steps' placeholders name tokens only rank 0 sampled: every rank needs them.
+            shares_sampled_tokens=loaded.driver is not None and self.async_scheduling,
+        )
+        graph_runner = engine_device.graph_runner
         self.executor = create_executor(device, self.async_scheduling)
         self.stats = EngineStats()
         self.timeline = StepTimeline()
@@ -126,7 +129,7 @@ class LLMEngine:
             kv_cache_bytes=self.kv_cache.num_bytes,
             kv_cache_source=self.kv_sizing.source,
             cuda_graph_batch_sizes=tuple(graph_runner.buckets) if graph_runner else (),
-            cuda_graph_memory_bytes=graph_memory_bytes,
+            cuda_graph_memory_bytes=engine_device.graph_memory_bytes,
             measured_choices=selected.choices,
         )
         self._in_flight: _LaunchedStep | None = None
@@ -281,6 +284,7 @@ class LLMEngine:
                 num_preempted=len(launched.schedule.preempted),
                 kv_pages_used=self.page_pool.num_used_pages,
                 kv_pages_total=self.page_pool.num_pages,
+                collective_s=result.collective_s,
                 mask_fill_start_s=masks.fill_start_s if masks else 0.0,
                 mask_fill_end_s=masks.fill_end_s if masks else 0.0,
             )

@@ -2,15 +2,21 @@
 
 On CUDA the size comes from a profile forward at the largest step shape (its peak activation
 memory stays free); on a CPU from the RAM still available; an explicit budget wins over both.
+
+With tensor parallelism every rank sizes its own cache (its share of the KV heads, its own
+device's memory; on a CPU the ranks share the RAM, so each takes 1/N of the fraction), and all
+use the smallest page count any rank can hold: rank 0 schedules one page table for all.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from vacpack.attention.backend import AttentionBackend, BatchLayout
 from vacpack.config import EngineConfig
-from vacpack.kvcache import PagedKVCache, PagePool, kv_bytes_per_token
+from vacpack.kvcache import PagedKVCache, kv_bytes_per_token
 from vacpack.kvcache.sizing import KVSizing, size_kv_cache
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext, attention_windows
@@ -22,20 +28,20 @@ def allocate_kv_cache(
     loaded: LoadedModel,
     attention: AttentionBackend,
     max_num_batched_tokens: int,
-) -> tuple[KVSizing, PagedKVCache, PagePool]:
+) -> tuple[KVSizing, PagedKVCache]:
     model_config = loaded.config
     num_profile_tokens = min(max_num_batched_tokens, loaded.max_model_len)
     sizing = size_kv_cache(
         device=loaded.device,
         bytes_per_token=kv_bytes_per_token(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, loaded.dtype
+            model_config.num_layers, loaded.num_kv_heads, model_config.head_dim, loaded.dtype
         ),
         page_size=config.block_size,
         max_model_len=loaded.max_model_len,
         max_num_seqs=config.max_num_seqs,
         explicit_budget_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        cpu_kv_cache_fraction=config.cpu_kv_cache_fraction,
+        cpu_kv_cache_fraction=config.cpu_kv_cache_fraction / loaded.tp.size,
         profile_forward=lambda: profile_forward(
             loaded.model,
             attention,
@@ -44,17 +50,19 @@ def allocate_kv_cache(
             loaded.device,
         ),
     )
+    if loaded.tp.collectives is not None:
+        agreed = loaded.tp.collectives.min_int(sizing.num_pages, loaded.device)
+        sizing = dataclasses.replace(sizing, num_pages=agreed)
     kv_cache = PagedKVCache(
         model_config.num_layers,
         sizing.num_pages,
         config.block_size,
-        model_config.num_kv_heads,
+        loaded.num_kv_heads,
         model_config.head_dim,
         loaded.dtype,
         loaded.device,
     )
-    page_pool = PagePool(sizing.num_pages, config.block_size, config.enable_prefix_caching)
-    return sizing, kv_cache, page_pool
+    return sizing, kv_cache
 
 
 @torch.inference_mode()

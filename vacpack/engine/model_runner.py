@@ -7,8 +7,11 @@ rows of requests that asked for prompt logprobs.
 A step goes through three calls: `prepare` (host: lists and attention metadata), `run` (the
 device work, handed to a StepExecutor: input copy, forward, sampling, result copies; nothing in
 it waits for the device) and `result` (host values, once the device work is done). Sampled ids
-also stay on the device in `future_tokens`, so the next step can be launched before the host
-has read them: its input ids name them by placeholder (see PreparedStep.token_ids).
+also stay on the device (StepForward.future_tokens), so the next step can be launched before
+the host has read them: its input ids name them by placeholder (see StepInputs.token_ids).
+
+With tensor parallelism this is rank 0's runner: `run` sends the step's StepInputs to the other
+ranks (one ENGINE_STEP broadcast), which run StepForward.run_as_worker; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from vacpack.attention.backend import AttentionBackend, BatchLayout
-from vacpack.engine.cuda_graphs import DecodeGraphRunner
+from vacpack.attention.backend import BatchLayout
+from vacpack.distributed.control import Program
+from vacpack.distributed.driver import Driver
+from vacpack.engine import step_inputs
 from vacpack.engine.request import Sequence
 from vacpack.engine.sampler import (
     Sampler,
@@ -30,15 +35,10 @@ from vacpack.engine.sampler import (
     gather_logprobs,
 )
 from vacpack.engine.step import PromptLogprobResult, ScheduledChunk, StepResult
-from vacpack.kvcache.paged_cache import PagedKVCache
+from vacpack.engine.step_forward import StepForward
+from vacpack.engine.step_inputs import StepInputs, prompt_passes
 from vacpack.models.base import PackedModel
-from vacpack.models.forward_context import ForwardContext, attention_windows
-from vacpack.pinned_staging import PinnedStager
 from vacpack.structured.token_masks import StepTokenMasks
-
-# Prompt-logprob rows go through the LM head and log-softmax this many at a time, so a long
-# prompt chunk never materialises [chunk, vocab] float32 logits at once.
-PROMPT_LOGPROB_ROWS_PER_PASS = 512
 
 
 @dataclass(frozen=True)
@@ -56,27 +56,16 @@ class PreparedStep:
     """A step's inputs, built on the host before it is launched."""
 
     chunks: list[ScheduledChunk]
-    # Token ids; a negative id -(slot + 1) is a token sampled by an earlier step that the host
-    # has not read yet: the device takes it from slot `slot` of the runner's future buffer.
-    token_ids: list[int]
-    positions: list[int]
-    layout: BatchLayout
+    inputs: StepInputs  # what every rank needs to run it
     metadata: Any  # the attention backend's, already on the device; None for a graph replay
-    use_graph: bool  # a decode-only step that replays a captured CUDA graph
-    sample_rows: list[int]  # stream rows whose logits are sampled
     sampled_sequences: list[Sequence]
     sampling_rows: list[SamplingRow]
-    future_slots: list[int]  # where each sampled token goes in the future buffer
     prompt_spans: list[PromptLogprobSpan]
-
-    @property
-    def has_placeholders(self) -> bool:
-        return any(t < 0 for t in self.token_ids[: self.layout.num_decodes])
 
     @property
     def placeholders(self) -> list[int]:
         """The ids by which later steps refer to the tokens this step samples, row by row."""
-        return [-(slot + 1) for slot in self.future_slots]
+        return [-(slot + 1) for slot in self.inputs.future_slots]
 
 
 @dataclass(frozen=True)
@@ -87,33 +76,27 @@ class _DeviceOutput:
     sampler_output: SamplerOutput | None
     prompt_logprobs: list[tuple[PromptLogprobSpan, TokenLogprobs]]
     num_padded_slots: int
+    collective_s: float | None = None  # tensor parallel on gloo: host time in collectives
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: PackedModel,
-        kv_cache: PagedKVCache,
-        attention: AttentionBackend,
+        forward: StepForward,
         sampler: Sampler,
-        device: torch.device,
-        max_num_seqs: int,
-        graph_runner: DecodeGraphRunner | None = None,
+        driver: Driver | None = None,
+        shares_sampled_tokens: bool = False,
     ) -> None:
-        self.model = model
-        self.attention_windows = attention_windows(model)
-        self.graph_runner = graph_runner
-        self.kv_cache = kv_cache
-        self.attention = attention
+        self.forward = forward
         self.sampler = sampler
-        self.device = device
-        self.stager = PinnedStager(device)
-        # Sampled token ids stay on the device here so that the next step can read them
-        # before the host has. A placeholder lives at most two steps (launched with one step,
-        # read back after the next is launched), and a step samples at most max_num_seqs rows,
-        # so three steps' worth of slots used round-robin never overwrite a live one.
-        self.future_tokens = torch.zeros(3 * max_num_seqs, dtype=torch.int64, device=device)
+        # Rank 0 of a tensor-parallel group: each step runs as an ENGINE_STEP program.
+        self.driver = driver
+        self.shares_sampled_tokens = shares_sampled_tokens
         self._next_future_slot = 0
+
+    @property
+    def model(self) -> PackedModel:
+        return self.forward.model
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
         """Host work: the step's inputs as lists, and the attention metadata."""
@@ -146,68 +129,82 @@ class ModelRunner:
                 sample_rows.append(row_start + chunk.num_new_tokens - 1)
                 sampled_sequences.append(sequence)
 
+        forward = self.forward
         layout = BatchLayout(
             query_lens,
             context_lens,
             page_tables,
-            self.kv_cache.page_size,
-            attention_windows=self.attention_windows,
+            forward.kv_cache.page_size,
+            attention_windows=forward.attention_windows,
         )
-        use_graph = self.graph_runner is not None and self.graph_runner.can_run(layout)
-        num_slots = self.future_tokens.shape[0]
+        num_slots = forward.future_tokens.shape[0]
         future_slots = [(self._next_future_slot + i) % num_slots for i in range(len(sample_rows))]
         self._next_future_slot = (self._next_future_slot + len(sample_rows)) % num_slots
-        return PreparedStep(
-            chunks=chunks,
+        inputs = StepInputs(
             token_ids=token_ids,
             positions=positions,
             layout=layout,
-            metadata=None if use_graph else self.attention.build_metadata(layout, self.device),
-            use_graph=use_graph,
+            use_graph=forward.graph_runner is not None and forward.graph_runner.can_run(layout),
             sample_rows=sample_rows,
+            future_slots=future_slots,
+            prompt_passes=[
+                part
+                for span in prompt_spans
+                for part in prompt_passes(span.row_start, span.num_rows)
+            ],
+            shares_sampled_tokens=self.shares_sampled_tokens and bool(sample_rows),
+        )
+        return PreparedStep(
+            chunks=chunks,
+            inputs=inputs,
+            metadata=forward.build_metadata(inputs),
             sampled_sequences=sampled_sequences,
             sampling_rows=[_sampling_row(sequence) for sequence in sampled_sequences],
-            future_slots=future_slots,
             prompt_spans=prompt_spans,
         )
 
-    @torch.inference_mode()
     def run(self, step: PreparedStep, masks: StepTokenMasks | None = None) -> _DeviceOutput:
         """Device work: copy inputs, run the model, sample, start the copies of the results to
         the host. Nothing here waits for the device; with token masks the host has not filled
-        yet, sampling waits for them after the forward."""
-        token_ids, positions, sample_rows, future_slots = self.stager.stage(
-            [step.token_ids, step.positions, step.sample_rows, step.future_slots]
-        )
-        if step.has_placeholders:
-            from_future = self.future_tokens[(-token_ids - 1).clamp_(min=0)]
-            token_ids = torch.where(token_ids < 0, from_future, token_ids)
-        num_padded_slots = 0
-        if step.use_graph:
-            assert self.graph_runner is not None
-            replayed = self.graph_runner.run(token_ids, positions, step.layout)
-            assert replayed is not None, "prepare checked that the graph runner can run it"
-            hidden, num_padded_slots = replayed
-        else:
-            ctx = ForwardContext(self.attention, step.metadata, self.kv_cache)
-            hidden = self.model(token_ids, positions, ctx)
+        yet, sampling waits for them after the forward. With tensor parallelism the step's
+        inputs go to the other ranks first (one broadcast) and they run it alongside."""
+        if self.driver is None:
+            return self._run(step, masks)
+        collectives = self.forward.tp.collectives
+        assert collectives is not None
+        with self.driver.program(Program.ENGINE_STEP, step_inputs.encode(step.inputs)):
+            blocked_before_s = collectives.blocked_s
+            output = self._run(step, masks)
+        collective_s = collectives.blocked_s - blocked_before_s if collectives.blocks_host else None
+        return dataclasses.replace(output, collective_s=collective_s)
 
+    @torch.inference_mode()
+    def _run(self, step: PreparedStep, masks: StepTokenMasks | None) -> _DeviceOutput:
+        forward = self.forward
+        hidden, num_padded_slots, sample_rows, future_slots = forward.forward(
+            step.inputs, step.metadata
+        )
         sampler_output = None
         if step.sampled_sequences:
             # In the model's dtype: the sampler widens them to float32 only where it needs to
             # (greedy rows without penalties or logprobs take the argmax as they are).
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows), dtype=None)
             sampler_output = self.sampler(logits, step.sampling_rows, masks)
-            self.future_tokens.index_copy_(0, future_slots, sampler_output.sampled_token_ids)
+            sampled = sampler_output.sampled_token_ids
+            if step.inputs.shares_sampled_tokens:
+                sampled = forward.share_sampled(sampled.contiguous())
+            forward.store_sampled(sampled, future_slots)
             sampler_output = _to_host(sampler_output)
         prompt_logprobs = [
             (span, _to_host(self._prompt_logprobs(hidden, span))) for span in step.prompt_spans
         ]
         return _DeviceOutput(sampler_output, prompt_logprobs, num_padded_slots)
 
-    @staticmethod
-    def result(step: PreparedStep, output: _DeviceOutput) -> StepResult:
+    def result(self, step: PreparedStep, output: _DeviceOutput) -> StepResult:
         """The step's results as host values; call once the device work is done."""
+        if self.driver is not None:
+            # On CUDA a failed rank shows after the launch: its results are not to be trusted.
+            self.driver.raise_if_failed()
         sampler_output = output.sampler_output
         return StepResult(
             sampled_sequences=step.sampled_sequences,
@@ -219,23 +216,25 @@ class ModelRunner:
                 PromptLogprobResult(span.sequence, span.first_position, logprobs)
                 for span, logprobs in output.prompt_logprobs
             ],
-            num_tokens=len(step.token_ids),
-            num_decode_tokens=step.layout.num_decodes,
+            num_tokens=len(step.inputs.token_ids),
+            num_decode_tokens=step.inputs.layout.num_decodes,
             num_padded_slots=output.num_padded_slots,
+            collective_s=output.collective_s,
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> TokenLogprobs:
         sequence = span.sequence
         num_topk = sequence.params.prompt_logprobs or 0
-        next_tokens = sequence.prompt_token_ids[
-            span.first_position + 1 : span.first_position + 1 + span.num_rows
-        ]
         parts = []
-        for offset in range(0, span.num_rows, PROMPT_LOGPROB_ROWS_PER_PASS):
-            count = min(PROMPT_LOGPROB_ROWS_PER_PASS, span.num_rows - offset)
-            rows = hidden[span.row_start + offset : span.row_start + offset + count]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            targets = torch.tensor(next_tokens[offset : offset + count], device=self.device)
+        for row_start, num_rows in prompt_passes(span.row_start, span.num_rows):
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[row_start : row_start + num_rows]), dim=-1
+            )
+            first_target = span.first_position + 1 + row_start - span.row_start
+            targets = torch.tensor(
+                sequence.prompt_token_ids[first_target : first_target + num_rows],
+                device=self.forward.device,
+            )
             parts.append(gather_logprobs(logprobs, targets, num_topk))
         return TokenLogprobs(
             *(torch.cat([getattr(p, f) for p in parts]) for f in TokenLogprobs.__dataclass_fields__)

@@ -40,3 +40,5 @@ class StepResult:
     num_tokens: int
     num_decode_tokens: int
     num_padded_slots: int = 0
+    # Tensor parallel on gloo: rank 0's host seconds inside collectives during the step.
+    collective_s: float | None = None

@@ -31,6 +31,10 @@ class StepTiming:
     kv_pages_used: int
     kv_pages_total: int
     num_preempted: int = 0  # sequences preempted when the step was scheduled
+    # Tensor parallel on a CPU (gloo): seconds rank 0's device work spent inside collectives
+    # (all-reduces, LM-head gathers), waiting for the slower rank included. None without
+    # tensor parallelism, and on NCCL, whose collectives run on the device without the host.
+    collective_s: float | None = None
     # When the host filled the step's token masks (structured outputs); both 0 when it had none.
     # With async scheduling this runs after launch, while the device computes the forward.
     mask_fill_start_s: float = 0.0

@@ -55,13 +55,26 @@ class SequenceClassifier(Protocol):
     def classify(self, hidden: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor: ...
 
 
+class TensorSource(Protocol):
+    """A checkpoint tensor not read yet: a layer reads only the part its rank keeps."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """`length` entries from `start` along `dim` (all of it by default), in the model's
+        dtype and on its device."""
+        ...
+
+
 @runtime_checkable
 class ShardedParameters(Protocol):
     """A layer that places (a shard of) a checkpoint tensor itself: merged projections such as
     qkv, and tensor-parallel slices."""
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
-        """The shape the checkpoint tensor must have, checked before it is read."""
+        """The full shape the checkpoint tensor must have (all ranks' parts), checked before
+        it is read."""
         ...
 
-    def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None: ...
+    def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None: ...

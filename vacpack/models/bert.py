@@ -103,9 +103,9 @@ class EncoderConfig:
 
 
 class EncoderEmbeddings(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.word_embeddings = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.word_embeddings = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.position_embeddings = nn.Embedding(
             config.max_position_embeddings + config.position_offset, config.hidden_size
         )
@@ -223,7 +223,7 @@ class BertModel(PackedModel):
     def __init__(self, config: EncoderConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
-        self.embeddings = EncoderEmbeddings(config)
+        self.embeddings = EncoderEmbeddings(config, tp)
         self.layers = nn.ModuleList(EncoderLayer(config, i, tp) for i in range(config.num_layers))
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int] | None:

@@ -31,6 +31,7 @@ from vacpack.models.parallel import (
     RowParallelLinear,
     TensorParallel,
     VocabEmbedding,
+    kv_head_rows,
 )
 from vacpack.models.rotary import RotaryEmbedding
 
@@ -56,7 +57,7 @@ class LlamaAttention(nn.Module):
         self.layer_index = layer_index
         self.spec = config.attention_spec(layer_index)
         self.num_heads = tp.split(config.num_heads, "attention heads")
-        self.num_kv_heads = tp.split(config.num_kv_heads, "key/value heads")
+        self.num_kv_heads = kv_head_rows(config.num_kv_heads, 1, tp).length
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -180,7 +181,7 @@ class LlamaForCausalLM(PackedModel):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             self.make_layer(config, i, tp) for i in range(config.num_layers)
         )
@@ -188,7 +189,7 @@ class LlamaForCausalLM(PackedModel):
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else LMHead(config.vocab_size, config.hidden_size)
+            else LMHead(config.vocab_size, config.hidden_size, tp)
         )
         self.rotary = RotaryEmbedding(config.rope)
 
@@ -239,6 +240,7 @@ class LlamaForCausalLM(PackedModel):
     ) -> torch.Tensor:
         """Logits for the given rows only: float32 by default, or the model's dtype for None
         (as the reference computes them; a scorer that converts small slices itself saves
-        writing and re-reading a float32 copy of [rows, vocab])."""
+        writing and re-reading a float32 copy of [rows, vocab]). With tensor parallelism every
+        rank calls it and rank 0 gets the logits (VocabEmbedding.project)."""
         logits = self.lm_head.project(hidden)
         return logits if dtype is None else logits.to(dtype)

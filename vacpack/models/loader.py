@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,7 +20,7 @@ from vacpack.errors import (
 )
 from vacpack.models.base import PackedModel, ShardedParameters
 from vacpack.models.layer_ops import LayerOps, select_layer_ops, use_layer_ops
-from vacpack.models.parallel import prepack_linear_weights
+from vacpack.models.parallel import SINGLE_RANK, TensorParallel, prepack_linear_weights
 from vacpack.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -81,51 +83,56 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(
+@dataclass(frozen=True)
+class LoadStats:
+    """What loading took on this rank: bytes read from the checkpoint files (only this rank's
+    slices of sharded tensors) and bytes of parameters allocated."""
+
+    checkpoint_bytes_read: int
+    parameter_bytes: int
+
+
+class _CheckpointTensor:
+    """One checkpoint tensor, read lazily and only in the part a layer asks for."""
+
+    def __init__(
+        self, checkpoint: Any, name: str, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self._checkpoint = checkpoint
+        self._name = name
+        self._slice = checkpoint.get_slice(name)
+        self._dtype = dtype
+        self._device = device
+        self.bytes_read = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        full_length = self.shape[dim] if self.shape else 1
+        length = full_length - start if length is None else length
+        if start == 0 and length == full_length:
+            tensor = self._checkpoint.get_tensor(self._name)
+        else:
+            assert start >= 0 and start + length <= full_length, (self._name, start, length)
+            tensor = self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor.to(device=self._device, dtype=self._dtype)
+
+
+def build_model(
     model_dir: Path,
-    hf_config,
+    hf_config: Any,
     dtype: torch.dtype,
     device: torch.device,
     layer_ops: LayerOps | None = None,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> PackedModel:
-    """Builds the model on the meta device, then streams each checkpoint tensor into place.
-
-    Nothing is materialised twice: parameters are allocated once on the target device and each
-    tensor is read from its file, cast, and copied into its (merged, sharded) slot. A tensor
-    whose shape disagrees with config.json is refused before it is read. The layers run
-    `layer_ops` (default: the preferred ops for the device and dtype).
-    """
-    model = _empty_model(model_dir, hf_config, dtype, device, layer_ops)
-    expected = {name for name, _ in model.named_parameters()}
-    loaded: set[str] = set()
-    for path in safetensors_files(model_dir):
-        try:
-            loaded |= _load_weights_file(model, path, dtype, device)
-        except SafetensorError as error:
-            raise CorruptWeightsError(
-                f"weights file {str(path)!r} is not valid safetensors (truncated or damaged?): "
-                f"{error}"
-            ) from error
-    missing = expected - loaded
-    if missing:
-        raise WeightsMismatchError(
-            f"the weights in {str(model_dir)!r} do not match its config.json: no tensors for "
-            f"{len(missing)} parameters, such as {sorted(missing)[:4]}"
-        )
-    model.finish_loading()
-    num_packed = prepack_linear_weights(model)
-    if num_packed:
-        logger.info("%d linear weights prepacked for oneDNN", num_packed)
-    return model.eval()
-
-
-def _empty_model(
-    model_dir: Path,
-    hf_config,
-    dtype: torch.dtype,
-    device: torch.device,
-    layer_ops: LayerOps | None,
-) -> PackedModel:
+    """The model for `hf_config` (this rank's shard of it), on the meta device: its shapes, no
+    memory. Raises InvalidConfigError where it cannot be built, ValueError where it cannot be
+    split over tp.size ranks. The layers run `layer_ops` (default: the preferred ops for the
+    device and dtype)."""
     config_path = str(model_dir / "config.json")
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
@@ -137,15 +144,71 @@ def _empty_model(
         raise InvalidConfigError(f"{config_path!r}: {error}") from None
     layer_ops = layer_ops or select_layer_ops(device, dtype)
     with torch.device("meta"), use_layer_ops(layer_ops):
-        model = model_class(config).to(dtype)
-    return model.to_empty(device=device)
+        return model_class(config, tp).to(dtype)
+
+
+def load_model(
+    model_dir: Path,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_ops: LayerOps | None = None,
+) -> PackedModel:
+    """The whole model on one device (see load_model_shard)."""
+    return load_model_shard(model_dir, hf_config, dtype, device, layer_ops)[0]
+
+
+def load_model_shard(
+    model_dir: Path,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    layer_ops: LayerOps | None = None,
+    tp: TensorParallel = SINGLE_RANK,
+) -> tuple[PackedModel, LoadStats]:
+    """Builds this rank's part of the model on the meta device, then streams each checkpoint
+    tensor's slice for this rank into place.
+
+    Nothing is materialised twice: parameters are allocated once on the target device and each
+    layer reads from the file only the rows or columns it keeps, casts them, and copies them
+    into its (merged, sharded) slot. A tensor whose shape disagrees with config.json is refused
+    before it is read.
+    """
+    model = build_model(model_dir, hf_config, dtype, device, layer_ops, tp).to_empty(device=device)
+    expected = {name for name, _ in model.named_parameters()}
+    loaded: set[str] = set()
+    bytes_read = 0
+    for path in safetensors_files(model_dir):
+        try:
+            file_loaded, file_bytes_read = _load_weights_file(model, path, dtype, device)
+        except SafetensorError as error:
+            raise CorruptWeightsError(
+                f"weights file {str(path)!r} is not valid safetensors (truncated or damaged?): "
+                f"{error}"
+            ) from error
+        loaded |= file_loaded
+        bytes_read += file_bytes_read
+    missing = expected - loaded
+    if missing:
+        raise WeightsMismatchError(
+            f"the weights in {str(model_dir)!r} do not match its config.json: no tensors for "
+            f"{len(missing)} parameters, such as {sorted(missing)[:4]}"
+        )
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.finish_loading()
+    num_packed = prepack_linear_weights(model)
+    if num_packed:
+        logger.info("%d linear weights prepacked for oneDNN", num_packed)
+    return model.eval(), LoadStats(bytes_read, parameter_bytes)
 
 
 def _load_weights_file(
     model: PackedModel, path: Path, dtype: torch.dtype, device: torch.device
-) -> set[str]:
-    """Copies one file's tensors into the model; returns the parameter names it filled."""
+) -> tuple[set[str], int]:
+    """Copies this rank's part of one file's tensors into the model; returns the parameter
+    names it filled and the bytes it read."""
     loaded: set[str] = set()
+    bytes_read = 0
     with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
         for hf_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
             target = model.checkpoint_name(hf_name)
@@ -158,22 +221,22 @@ def _load_weights_file(
             except AttributeError:
                 logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
                 continue
+            source = _CheckpointTensor(checkpoint, hf_name, dtype, device)
             # Checked first: a narrow() into a merged or sharded slot would take a wrong-sized
             # tensor silently, and copy_() would broadcast one.
-            shape = tuple(checkpoint.get_slice(hf_name).get_shape())
             if isinstance(module, ShardedParameters):
                 expected_shape = tuple(module.checkpoint_shape(attr, shard_index))
             else:
                 expected_shape = tuple(getattr(module, attr).shape)
-            if shape != expected_shape:
+            if source.shape != expected_shape:
                 raise WeightsMismatchError(
-                    f"tensor {hf_name!r} in {str(path)!r} has shape {list(shape)}, but config.json "
-                    f"implies {list(expected_shape)}"
+                    f"tensor {hf_name!r} in {str(path)!r} has shape {list(source.shape)}, but "
+                    f"config.json implies {list(expected_shape)}"
                 )
-            tensor = checkpoint.get_tensor(hf_name).to(device=device, dtype=dtype)
             if isinstance(module, ShardedParameters):
-                module.load_shard(attr, tensor, shard_index)
+                module.load_shard(attr, source, shard_index)
             else:  # a plain torch layer, never sharded
-                getattr(module, attr).data.copy_(tensor)
+                getattr(module, attr).data.copy_(source.read())
+            bytes_read += source.bytes_read
             loaded.add(name)
-    return loaded
+    return loaded, bytes_read

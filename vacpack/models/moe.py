@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from vacpack.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -120,9 +119,7 @@ class SparseMoeBlock(nn.Module):
             assert self.shared_expert_gate is not None  # built together
             gate = torch.sigmoid(self.shared_expert_gate(hidden))
             out = out + gate * self.shared_expert(hidden)
-        if self.tp.size > 1:
-            dist.all_reduce(out)
-        return out
+        return self.tp.all_reduce(out)
 
     def run_experts(
         self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor

@@ -15,12 +15,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.ops = current_layer_ops()
 
-    def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
-
-    def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
-        self.weight.data.copy_(tensor)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 

@@ -1,29 +1,38 @@
-"""Tensor-parallel layout of the linear layers.
+"""Tensor-parallel layout of the linear layers and the vocabulary.
 
 Every linear layer is either column-parallel (its output features are split across ranks) or
 row-parallel (its input features are split, and the partial products are summed with one
 all-reduce). A transformer block then needs exactly one all-reduce after attention and one after
-the MLP. With a single rank every layer is a plain dense linear and no collective runs.
+the MLP. The vocabulary (token embedding and LM head) is split by rows: each rank looks up the
+tokens it holds and the rows are summed, and each rank projects onto its share of the
+vocabulary, which rank 0 gathers. With a single rank every layer is a plain dense layer and no
+collective runs.
+
+Each layer reads only its own slice of a checkpoint tensor (`load_shard` with a TensorSource):
+no rank ever holds a whole sharded weight, even while loading.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from vacpack.distributed.collectives import Collectives
+from vacpack.models.base import TensorSource
 from vacpack.models.cpu_prepack import meta_like, packed_linear, prepack
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Which shard of each layer this process holds."""
+    """Which shard of each layer this process holds, and the collectives of its group."""
 
     rank: int = 0
     size: int = 1
+    # None with one rank, or for a model built only to check that it can be sharded.
+    collectives: Collectives | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -31,11 +40,63 @@ class TensorParallel:
 
     def split(self, num_features: int, what: str) -> int:
         if num_features % self.size:
-            raise ValueError(f"{what} ({num_features}) is not divisible by tp size {self.size}")
+            raise ValueError(
+                f"{what} ({num_features}) is not divisible by tensor_parallel_size {self.size}"
+            )
         return num_features // self.size
+
+    def even_rows(self, num_rows: int, what: str) -> RowRange:
+        local = self.split(num_rows, what)
+        return RowRange(num_rows, self.rank * local, local)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums `tensor` over the ranks in place (nothing with one rank); returns it."""
+        if self.size > 1:
+            assert self.collectives is not None, "a sharded model runs inside its group"
+            self.collectives.all_reduce(tensor)
+        return tensor
+
+    def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0: every rank's columns side by side, in rank order. Other ranks: `tensor`."""
+        if self.size == 1:
+            return tensor
+        assert self.collectives is not None, "a sharded model runs inside its group"
+        parts = self.collectives.gather(tensor.contiguous())
+        return torch.cat(parts, dim=-1) if self.rank == 0 else tensor
 
 
 SINGLE_RANK = TensorParallel()
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows [start, start + length) of a checkpoint tensor of `full_size` rows."""
+
+    full_size: int
+    start: int
+    length: int
+
+
+def kv_head_rows(num_kv_heads: int, head_dim: int, tp: TensorParallel) -> RowRange:
+    """The key (or value) projection rows one rank holds.
+
+    With at least as many KV heads as ranks, each rank takes an equal share. With fewer, each
+    head is replicated on size / num_kv_heads consecutive ranks, as vLLM does: the query heads
+    of rank r then use exactly head r // (size / num_kv_heads). Counts that neither divide nor
+    are divided by the ranks are refused.
+    """
+    if num_kv_heads >= tp.size:
+        heads = tp.even_rows(num_kv_heads, "key/value heads")
+        return RowRange(num_kv_heads * head_dim, heads.start * head_dim, heads.length * head_dim)
+    if tp.size % num_kv_heads:
+        raise ValueError(
+            f"{num_kv_heads} key/value heads can neither be split over nor replicated on "
+            f"tensor_parallel_size {tp.size} ranks: choose a size that divides or is a "
+            f"multiple of {num_kv_heads}"
+        )
+    head = tp.rank // (tp.size // num_kv_heads)
+    return RowRange(num_kv_heads * head_dim, head * head_dim, head_dim)
+
 
 # The shard index of a checkpoint tensor that holds all of a merged layer's shards already
 # concatenated (Phi-3's qkv_proj and gate_up_proj): each rank takes its slice of every part.
@@ -46,7 +107,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks; each rank keeps its own slice of y.
 
     `shard_sizes` lists the full output sizes of the checkpoint tensors merged into this layer
-    (for example q, k and v), so one matmul replaces several.
+    (for example q, k and v), so one matmul replaces several; `row_ranges` says which rows of
+    each this rank keeps (default: an equal share).
     """
 
     def __init__(
@@ -55,11 +117,14 @@ class ColumnParallelLinear(nn.Module):
         shard_sizes: list[int],
         bias: bool,
         tp: TensorParallel = SINGLE_RANK,
+        row_ranges: list[RowRange] | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.local_shard_sizes = [tp.split(size, "output features") for size in shard_sizes]
-        output_size = sum(self.local_shard_sizes)
+        self.row_ranges = row_ranges or [
+            tp.even_rows(size, "output features") for size in shard_sizes
+        ]
+        output_size = sum(part.length for part in self.row_ranges)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
@@ -67,31 +132,23 @@ class ColumnParallelLinear(nn.Module):
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         """The full shape checkpoint tensor `shard_index` must have: all ranks' rows, of every
         shard for a fused tensor (ALL_SHARDS)."""
-        shards = (
-            self.local_shard_sizes
-            if shard_index == ALL_SHARDS
-            else [self.local_shard_sizes[shard_index]]
-        )
-        num_rows = sum(shards) * self.tp.size
+        indices = range(len(self.row_ranges)) if shard_index == ALL_SHARDS else [shard_index]
+        num_rows = sum(self.row_ranges[i].full_size for i in indices)
         return (num_rows, self.weight.shape[1]) if name == "weight" else (num_rows,)
 
-    def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
-        """Copies this rank's slice of checkpoint tensor `shard_index` into its place."""
-        if shard_index == ALL_SHARDS:
-            full_sizes = [size * self.tp.size for size in self.local_shard_sizes]
-            if tensor.shape[0] != sum(full_sizes):
-                raise ValueError(
-                    f"a fused {name} of {tensor.shape[0]} rows does not split into {full_sizes}"
-                )
-            for index, part in enumerate(tensor.split(full_sizes)):
-                self.load_shard(name, part, index)
-            return
+    def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None:
+        """Reads this rank's rows of checkpoint tensor `shard_index` into their place (its
+        shape was checked against checkpoint_shape)."""
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"checkpoint has a {name} this layer does not"
-        local_size = self.local_shard_sizes[shard_index]
-        offset = sum(self.local_shard_sizes[:shard_index])
-        rank_slice = tensor.narrow(0, self.tp.rank * local_size, local_size)
-        param.data.narrow(0, offset, local_size).copy_(rank_slice)
+        indices = range(len(self.row_ranges)) if shard_index == ALL_SHARDS else [shard_index]
+        source_offset = 0
+        for index in indices:
+            part = self.row_ranges[index]
+            local_offset = sum(p.length for p in self.row_ranges[:index])
+            rows = source.read(0, source_offset + part.start, part.length)
+            param.data.narrow(0, local_offset, part.length).copy_(rows)
+            source_offset += part.full_size
 
     def prepack_for_cpu(self) -> None:
         """Call once loading is done: the weight in oneDNN's layout (cpu_prepack.py)."""
@@ -104,7 +161,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Query, key and value projections merged into one column-parallel matmul."""
+    """Query, key and value projections merged into one column-parallel matmul; key and value
+    heads are replicated where there are fewer than ranks (kv_head_rows)."""
 
     def __init__(
         self,
@@ -115,8 +173,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         tp: TensorParallel = SINGLE_RANK,
     ) -> None:
+        queries = tp.even_rows(num_heads, "attention heads")
+        kv_rows = kv_head_rows(num_kv_heads, head_dim, tp)
+        q_rows = RowRange(num_heads * head_dim, queries.start * head_dim, queries.length * head_dim)
         kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], bias, tp)
+        super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], bias, tp,
+                         [q_rows, kv_rows, kv_rows])  # fmt: skip
 
 
 class RowParallelLinear(nn.Module):
@@ -137,9 +199,9 @@ class RowParallelLinear(nn.Module):
             raise ValueError("a bias must be added once, after the reduction")
         self.tp = tp
         self.reduce_results = reduce_results
-        self.local_input_size = tp.split(input_size, "input features")
+        self.columns = tp.even_rows(input_size, "input features")
         self.weight = nn.Parameter(
-            torch.empty(output_size, self.local_input_size), requires_grad=False
+            torch.empty(output_size, self.columns.length), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
@@ -147,17 +209,14 @@ class RowParallelLinear(nn.Module):
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         """The full shape of the checkpoint tensor (all ranks' input columns)."""
         num_outputs = self.weight.shape[0]
-        if name == "weight":
-            return (num_outputs, self.local_input_size * self.tp.size)
-        return (num_outputs,)
+        return (num_outputs, self.columns.full_size) if name == "weight" else (num_outputs,)
 
-    def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
+    def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None:
         if name == "bias":
             assert self.bias is not None, "checkpoint has a bias this layer does not"
-            self.bias.data.copy_(tensor)
+            self.bias.data.copy_(source.read())
             return
-        start = self.tp.rank * self.local_input_size
-        self.weight.data.copy_(tensor.narrow(1, start, self.local_input_size))
+        self.weight.data.copy_(source.read(1, self.columns.start, self.columns.length))
 
     def prepack_for_cpu(self) -> None:
         """Call once loading is done: the weight in oneDNN's layout (cpu_prepack.py)."""
@@ -169,38 +228,65 @@ class RowParallelLinear(nn.Module):
             y = packed_linear(x, self.packed_weight, None)
         else:
             y = F.linear(x, self.weight)
-        if self.tp.size > 1 and self.reduce_results:
-            dist.all_reduce(y)
+        if self.reduce_results:
+            self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table, which may double as the LM head (tied embeddings); sharding it by
-    vocabulary is left to the tensor-parallel issue."""
+    """Token embedding table, which may double as the LM head (tied embeddings).
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    Split by vocabulary rows: each rank holds ceil(vocab / size) rows (the last rank's tail
+    zero-filled), looks up only the tokens in its rows, and the ranks' rows are summed; its
+    projection gives logits for its rows, which rank 0 gathers and trims to the vocabulary.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.first_row = tp.rank * self.rows_per_rank
+        self.num_real_rows = max(0, min(self.rows_per_rank, vocab_size - self.first_row))
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size), requires_grad=False
+        )
         self.packed_weight: torch.Tensor | None = None
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
+        return (self.vocab_size, self.weight.shape[1])
 
-    def load_shard(self, name: str, tensor: torch.Tensor, shard_index: int = 0) -> None:
-        self.weight.data.copy_(tensor)
+    def load_shard(self, name: str, source: TensorSource, shard_index: int = 0) -> None:
+        if self.num_real_rows < self.rows_per_rank:
+            self.weight.data[self.num_real_rows :].zero_()
+        if self.num_real_rows:
+            rows = source.read(0, self.first_row, self.num_real_rows)
+            self.weight.data[: self.num_real_rows].copy_(rows)
 
     def prepack_for_cpu(self) -> None:
         """A packed copy for `project`; the plain table stays for the lookups."""
         self.packed_weight = prepack(self.weight)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local_ids = token_ids - self.first_row
+        outside = (local_ids < 0) | (local_ids >= self.num_real_rows)
+        rows = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the vocabulary: hidden @ table^T, in the table's dtype."""
+        """Logits over the vocabulary: hidden @ table^T, in the table's dtype. With several
+        ranks, rank 0 gets them all; the others get their own columns (for nothing but the
+        gather: their callers drop them)."""
         if self.packed_weight is not None:
-            return packed_linear(hidden, self.packed_weight, None)
-        return F.linear(hidden, self.weight)
+            logits = packed_linear(hidden, self.packed_weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather_columns(logits)
+        return logits[..., : self.vocab_size] if self.tp.rank == 0 else logits
 
 
 class LMHead(VocabEmbedding):
