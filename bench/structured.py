@@ -1,12 +1,14 @@
 """Structured outputs' cost: a G1-sized batch with a JSON schema on every request, against the
-same batch unconstrained, on one engine in one run.
+same batch unconstrained, on one engine in one run; and the same two batches on vLLM's CPU build.
 
 G1's model (random weights with Qwen2.5-0.5B's shapes, bf16) and prompts (64 random-token
 prompts, lengths uniform in [32, 1024], seed 0), 128 sampled output tokens each (temperature 1,
 seeded per request, EOS ignored). The schema (an invoice with at least 60 line items) is longer
 than 128 tokens, so every constrained output runs to max_tokens too and both runs generate the
-same number of tokens: the throughput ratio is the cost of the constraint. A warm-up, untimed,
-builds llguidance's view of the tokenizer and compiles the schema first.
+same number of tokens: the throughput ratio is the cost of the constraint. Both batches run the
+same prompts on one engine, so its prefix cache is off: the second batch would otherwise reuse
+the first's prompt KV. A warm-up, untimed, on G1's warm-up prompts (not the timed ones) runs
+both kinds of batch: it builds llguidance's view of the tokenizer and compiles the schema.
 
 The G1 checkpoint carries the bundled 2,048-token tokenizer; its grammar masks are cheap to
 fill. `--tokenizer python-bpe` runs with a realistic one instead: a 128,000-token byte-level
@@ -14,15 +16,24 @@ BPE trained on the first 120 MB of this Python installation's sources (standard 
 installed packages; built once, cached under bench/.cache, a few minutes), which makes
 llguidance's mask work that of a real model.
 
-Reported: wall time and output tokens/s of both runs, the cost, the decode steps' median time,
-the host's mask-filling time per step, and where it ran (before launch, or after it while the
-device ran the step's forward: async scheduling), from the step timeline, which is saved as
-JSON and as a chart with the mask spans on the host lane.
+`--systems vacpack vllm_cpu` adds vLLM's CPU build (installed by `make bench` into its own
+environment, run with its documented settings: bench/vllm_cpu.py, bench/structured_vllm.py):
+the same token ids, sampling, max_tokens, schema (vLLM's structured outputs with
+xgrammar, the engine vLLM picks for it, or `--vllm-structured-outputs-backend guidance`; JSON in
+a fixed layout as in vacpack), dtype and step budget, prefix caching off and the same warm-up.
 
-Full run (several minutes on a 2-core CPU):
-    python bench/structured.py [--tokenizer python-bpe] [--async-scheduling]
+Reported: wall time and output tokens/s of both runs per system, the cost, how many constrained
+outputs start as an invoice, vacpack's speed-up over vLLM per batch; for vacpack also the decode
+steps' median time, the host's mask-filling time per step, and where it ran (before launch, or
+after it while the device ran the step's forward: async scheduling), from the step timeline,
+which is saved as JSON and as a chart with the mask spans on the host lane.
+
+Full run (several minutes on a 2-core CPU; vLLM's first load compiles the model):
+    python bench/structured.py [--tokenizer python-bpe] [--async-scheduling] \
+        [--systems vacpack vllm_cpu] [--dtype float32]
 Quick check that everything works:
-    python bench/structured.py --tiny --output bench/results/tmp/structured_tiny.json
+    python bench/structured.py --tiny --systems vacpack vllm_cpu \
+        --output bench/results/tmp/structured_tiny.json
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from g1_workload import RESULTS_DIR, make_prompts, read_model_config
+import vllm_cpu
+from g1_workload import RESULTS_DIR, make_prompts, make_warmup_prompts, read_model_config
 from harness import heartbeat, machine_description, save_vacpack_timeline, timed_section
+from structured_vllm import STRUCTURED_OUTPUTS_BACKENDS, VLLM_SYSTEM, run_vllm_structured
 
 SYSTEMS = ("vacpack", "vllm_cpu")
 TOKENIZERS = ("bundled", "python-bpe")
@@ -47,6 +60,15 @@ PYTHON_BPE_DIR = harness.CHECKPOINT_CACHE_DIR / "python-bpe-128k-tokenizer"
 PYTHON_BPE_VOCAB_SIZE = 128_000
 PYTHON_BPE_TRAINING_CHARS = 120_000_000
 TIMELINE_STEPS = 24
+BATCHES = ("unconstrained", "json_schema")
+# Constrained outputs kept in the results, to show what each system generated.
+NUM_SAMPLE_TEXTS = 2
+# Seeds of the warm-up's requests: apart from the timed batches' (0, 1, ...).
+WARMUP_SEED_OFFSET = 10_000
+# The tiny check's vLLM KV cache: its model needs a few MiB.
+TINY_VLLM_KV_CACHE_GIB = 0.25
+# The tiny model's heads of 32: vLLM's CPU attention has no kernel for smaller ones.
+TINY_SHAPE_OVERRIDES = {"hidden_size": 128, "head_dim": 32, "intermediate_size": 256}
 
 INVOICE_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -133,11 +155,18 @@ def python_bpe_tokenizer() -> Path:
 # ---------------------------------------------------------------------------- vacpack
 
 
-def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+def run_vacpack(
+    args: argparse.Namespace, prompts: list[list[int]], warmup_prompts: list[list[int]]
+) -> dict[str, Any]:
     from vacpack import LLM, SamplingParams
     from vacpack.structured.params import StructuredOutputsParams
 
-    engine_args: dict[str, Any] = {"async_scheduling": args.async_scheduling}
+    engine_args: dict[str, Any] = {
+        "async_scheduling": args.async_scheduling,
+        # Both batches run the same prompts on one engine: with a prefix cache the second
+        # would reuse the first's prompt KV, skip its prefill and look faster.
+        "enable_prefix_caching": False,
+    }
     if args.tokenizer_dir is not None:
         engine_args["tokenizer"] = str(args.tokenizer_dir)
     if args.tiny:
@@ -147,7 +176,9 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     log(f"engine {engine_fields}")
     constraint = StructuredOutputsParams(json=INVOICE_SCHEMA)
 
-    def params(structured: StructuredOutputsParams | None, seed_offset: int) -> list[Any]:
+    def params(
+        structured: StructuredOutputsParams | None, seed_offset: int, count: int
+    ) -> list[Any]:
         return [
             SamplingParams(
                 temperature=1.0,
@@ -156,24 +187,26 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
                 ignore_eos=True,
                 structured_outputs=structured,
             )
-            for index in range(len(prompts))
+            for index in range(count)
         ]
 
+    batches = dict(zip(BATCHES, (None, constraint), strict=True))
+    # Other prompts than the timed ones, so that nothing the warm-up leaves behind is theirs;
+    # both kinds of batch, so that neither timed batch pays for a first time.
     log("warm-up (not timed): the tokenizer for llguidance, the schema's compilation")
-    llm.generate(prompts[:4], params(constraint, 10_000)[:4], use_tqdm=False)
+    for structured in batches.values():
+        warmup_params = params(structured, WARMUP_SEED_OFFSET, len(warmup_prompts))
+        llm.generate(warmup_prompts, warmup_params, use_tqdm=False)
     runs = {}
-    for name, structured in (("unconstrained", None), ("json_schema", constraint)):
+    for name, structured in batches.items():
         llm.engine.timeline.reset()
         stats = llm.engine.stats
         log(f"{name}: {len(prompts)} prompts x {args.max_tokens} tokens")
         status = lambda s=stats: f"{s.num_generated_tokens} tokens"  # noqa: E731
         with heartbeat(name, status), timed_section() as section:
-            outputs = llm.generate(prompts, params(structured, 0), use_tqdm=False)
+            outputs = llm.generate(prompts, params(structured, 0, len(prompts)), use_tqdm=False)
         runs[name] = _run_fields(llm, name, section, outputs, structured is not None, args)
-    speed_ratio = (
-        runs["json_schema"]["output_tokens_per_s"] / runs["unconstrained"]["output_tokens_per_s"]
-    )
-    return {"engine": engine_fields, "runs": runs, "throughput_cost": 1.0 - speed_ratio}
+    return {"engine": engine_fields, "runs": runs, "throughput_cost": _throughput_cost(runs)}
 
 
 def _run_fields(
@@ -197,7 +230,9 @@ def _run_fields(
         "mask_fill_after_launch_share": len(after_launch) / max(len(masked), 1),
     }
     if constrained:
-        fields["num_valid_prefixes"] = sum(_is_json_prefix(o.outputs[0].text) for o in outputs)
+        texts = [o.outputs[0].text for o in outputs]
+        fields["num_valid_prefixes"] = sum(_is_json_prefix(text) for text in texts)
+        fields["sample_texts"] = texts[:NUM_SAMPLE_TEXTS]
     png_path = args.output.with_name(f"{args.output.stem}_{name}_timeline.png")
     fields.update(
         save_vacpack_timeline(
@@ -213,19 +248,78 @@ def _run_fields(
 
 
 def _is_json_prefix(text: str) -> bool:
-    """The outputs run to max_tokens mid-document: they must at least start as an invoice."""
-    return text.startswith('{"invoice_id": "INV-')
+    """The outputs run to max_tokens mid-document: they must at least start as an invoice, or
+    stop (a short max_tokens) before its id, in either system's layout (vacpack's puts a space
+    after ":" and ",", vLLM's none)."""
+    compact = "".join(text.split())
+    start = '{"invoice_id":"INV-'
+    return compact.startswith(start) or (compact != "" and start.startswith(compact))
 
 
 # ---------------------------------------------------------------------------- vLLM CPU
 
 
-def run_vllm_cpu(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    """PLACE FOR THE vLLM CPU SYSTEM: the same prompts, schema (guided decoding with
-    `StructuredOutputsParams(json=INVOICE_SCHEMA)`), sampling and max_tokens through `vllm-cpu`,
-    run in its own environment by the CPU benchmark support in bench/ once it lands. Until
-    then this system reports that it did not run."""
-    return {"skipped": "vLLM CPU is not wired into this benchmark yet"}
+def run_vllm_cpu(
+    args: argparse.Namespace, prompts: list[list[int]], warmup_prompts: list[list[int]]
+) -> dict[str, Any]:
+    raw = run_vllm_structured(
+        model_dir=args.model_dir,
+        prompts=prompts,
+        warmup_prompts=warmup_prompts,
+        warmup_seed_offset=WARMUP_SEED_OFFSET,
+        schema=INVOICE_SCHEMA,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+        kv_cache_gib=args.vllm_kv_cache_gib,
+        backend=args.vllm_structured_outputs_backend,
+        tokenizer_dir=args.tokenizer_dir,
+    )
+    if "error" in raw:
+        return raw
+    from transformers import AutoTokenizer
+
+    # Decoded here rather than taken from vLLM's text: its incremental detokenizer starts from
+    # the prompt's last tokens, and random-token prompts leave their stray bytes in front.
+    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer_dir or args.model_dir))
+    runs = {}
+    for name, run in raw["runs"].items():
+        section = vllm_cpu.timed_section_of(run)
+        num_output_tokens = sum(len(tokens) for tokens in run["output_token_ids"])
+        runs[name] = {
+            **section.fields(),
+            "num_output_tokens": num_output_tokens,
+            "output_tokens_per_s": num_output_tokens / section.wall_s,
+            # 0 with prefix caching off: every prompt token was computed in both batches.
+            "num_cached_prompt_tokens": sum(run["num_cached_prompt_tokens"]),
+        }
+        if name == "json_schema":
+            texts = tokenizer.batch_decode(run["output_token_ids"], skip_special_tokens=True)
+            runs[name]["num_valid_prefixes"] = sum(_is_json_prefix(text) for text in texts)
+            runs[name]["sample_texts"] = texts[:NUM_SAMPLE_TEXTS]
+    return {
+        "runs": runs,
+        "throughput_cost": _throughput_cost(runs),
+        "structured_outputs_backend": raw["structured_outputs_backend"],
+        **vllm_cpu.system_fields(raw),
+    }
+
+
+def _throughput_cost(runs: dict[str, Any]) -> float:
+    speed_ratio = (
+        runs["json_schema"]["output_tokens_per_s"] / runs["unconstrained"]["output_tokens_per_s"]
+    )
+    return 1.0 - speed_ratio
+
+
+def _speedups_over_vllm(results: dict[str, Any]) -> dict[str, float]:
+    """vacpack's output tokens/s over vLLM's, per batch (both generate the same token count)."""
+    vacpack_runs = results.get("vacpack", {}).get("runs", {})
+    vllm_runs = results.get(VLLM_SYSTEM, {}).get("runs", {})
+    return {
+        name: vacpack_runs[name]["output_tokens_per_s"] / vllm_runs[name]["output_tokens_per_s"]
+        for name in BATCHES
+        if name in vacpack_runs and name in vllm_runs
+    }
 
 
 # ---------------------------------------------------------------------------- main
@@ -236,9 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tiny:
         from vacpack.testing.tiny_models import build_tiny_checkpoint
 
-        args.model_dir = build_tiny_checkpoint("qwen2", Path(tempfile.mkdtemp()) / "tiny")
+        tiny_dir = Path(tempfile.mkdtemp()) / "tiny"
+        args.model_dir = build_tiny_checkpoint("qwen2", tiny_dir, **TINY_SHAPE_OVERRIDES)
         args.num_prompts, args.max_prompt_len, args.max_tokens = 4, 64, 16
         args.dtype = "float32"
+        args.vllm_kv_cache_gib = TINY_VLLM_KV_CACHE_GIB
     else:
         args.model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(
             harness.QWEN2_5_0_5B_SHAPES_DIR, "structured"
@@ -246,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.tokenizer_dir = python_bpe_tokenizer() if args.tokenizer == "python-bpe" else None
     vocab_size = int(read_model_config(args.model_dir)["vocab_size"])
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size)
+    warmup_prompts = make_warmup_prompts(args, vocab_size)
     results: dict[str, Any] = {
         "machine": machine_description(),
         "workload": {
@@ -260,21 +357,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     runners = {"vacpack": run_vacpack, "vllm_cpu": run_vllm_cpu}
     for system in args.systems:
         log(f"running {system}")
-        results[system] = runners[system](args, prompts)
+        results[system] = runners[system](args, prompts, warmup_prompts)
+    results["vacpack_speedup_over_vllm_cpu"] = _speedups_over_vllm(results)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    vacpack_runs = results.get("vacpack", {}).get("runs", {})
-    for name, run in vacpack_runs.items():
-        print(
-            f"{name:>14}: {run['wall_s']:.1f} s, {run['output_tokens_per_s']:.1f} output tok/s, "
-            f"decode step {run['decode_step_median_ms'] or 0:.1f} ms, token masks "
-            f"{run['mask_fill_ms_per_step']:.2f} ms/step "
-            f"({run['mask_fill_after_launch_share']:.0%} filled after launch)"
-        )
-    if "vacpack" in results:
-        print(f"throughput cost of the schema: {results['vacpack']['throughput_cost']:.1%}")
+    print(_table(results))
     print(f"results: {harness.repo_relative(args.output)}")
     return 0
+
+
+def _table(results: dict[str, Any]) -> str:
+    num_prompts = results["workload"]["num_prompts"]
+    lines = []
+    for system in SYSTEMS:
+        system_results = results.get(system, {})
+        if "error" in system_results:
+            lines.append(f"{system:>8}: {system_results['error']}")
+        for name, run in system_results.get("runs", {}).items():
+            line = (
+                f"{system:>8} {name:>14}: {run['wall_s']:.1f} s, "
+                f"{run['output_tokens_per_s']:.1f} output tok/s"
+            )
+            if "decode_step_median_ms" in run:
+                line += (
+                    f", decode step {run['decode_step_median_ms'] or 0:.1f} ms, token masks "
+                    f"{run['mask_fill_ms_per_step']:.2f} ms/step "
+                    f"({run['mask_fill_after_launch_share']:.0%} filled after launch)"
+                )
+            if "num_valid_prefixes" in run:
+                line += f", {run['num_valid_prefixes']}/{num_prompts} start as an invoice"
+            lines.append(line)
+        if "throughput_cost" in system_results:
+            cost = system_results["throughput_cost"]
+            lines.append(f"{system:>8} throughput cost of the schema: {cost:.1%}")
+    for name, speedup in results["vacpack_speedup_over_vllm_cpu"].items():
+        lines.append(f"vacpack over vLLM CPU, {name}: {speedup:.2f}x")
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -291,6 +409,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="fill step N+1's masks while the device runs it (default: the engine's: off on CPU)",
+    )
+    parser.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=vllm_cpu.DEFAULT_KV_CACHE_GIB,
+        help="vllm_cpu's KV cache size",
+    )
+    parser.add_argument(
+        "--vllm-structured-outputs-backend",
+        choices=STRUCTURED_OUTPUTS_BACKENDS,
+        default=STRUCTURED_OUTPUTS_BACKENDS[0],
+        help="vllm_cpu's grammar engine (xgrammar: what vLLM picks for this schema; guidance: "
+        "llguidance, vacpack's)",
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model: checks the script")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "structured_cpu.json")

@@ -9,6 +9,9 @@ Tasks:
 - generate: greedy generation from token ids, EOS ignored (G1, the shared-prompt workload).
 - score: each sequence's log-likelihood after its first token, from `prompt_logprobs=0` (P1).
 - embed: `LLM(runner="pooling").embed(texts)` (E1); the embeddings go to an .npy file.
+- structured: the same prompts twice, unconstrained and then constrained by a JSON schema through
+  vLLM's structured outputs, each timed; sampled at temperature 1 with a seed per request, EOS
+  ignored (the structured-outputs benchmark).
 
 vLLM's engine computes in child processes, so CPU time and peak memory are summed over this
 process's whole tree.
@@ -146,7 +149,55 @@ def run_embed(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-TASKS = {"generate": run_generate, "score": run_score, "embed": run_embed}
+def run_structured(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Both batches on one engine: prefix caching must be off in the job's engine arguments, or
+    the second batch reuses the first's prompt KV."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def params(schema: Any, seed_offset: int, count: int, max_tokens: int) -> list[Any]:
+        return [
+            SamplingParams(
+                temperature=1.0,
+                seed=seed_offset + index,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                structured_outputs=None if schema is None else StructuredOutputsParams(json=schema),
+            )
+            for index in range(count)
+        ]
+
+    def generate(prompts: list[list[int]], batch_params: list[Any]) -> list[Any]:
+        requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+        return llm.generate(requests, batch_params, use_tqdm=False)
+
+    batches = (("unconstrained", None), ("json_schema", job["schema"]))
+    warmup_prompts, warmup_seed = job["warmup_prompts"], job["warmup_seed_offset"]
+    log(f"warm-up, {len(warmup_prompts)} other prompts, both batches' kinds (not timed)")
+    for _, schema in batches:
+        count, max_tokens = len(warmup_prompts), job["warmup_max_tokens"]
+        generate(warmup_prompts, params(schema, warmup_seed, count, max_tokens))
+    runs = {}
+    for name, schema in batches:
+        batch_params = params(schema, 0, len(job["prompts"]), job["max_tokens"])
+        log(f"{name}: {len(job['prompts'])} prompts x {job['max_tokens']} tokens")
+        with timed_section(process_tree_cpu_s) as section:
+            outputs = generate(job["prompts"], batch_params)
+        runs[name] = {
+            "timed": section.fields(),
+            "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "num_cached_prompt_tokens": [o.num_cached_tokens or 0 for o in outputs],
+        }
+    config = llm.llm_engine.vllm_config.structured_outputs_config
+    return {"runs": runs, "structured_outputs_backend": config.backend}
+
+
+TASKS = {
+    "generate": run_generate,
+    "score": run_score,
+    "embed": run_embed,
+    "structured": run_structured,
+}
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
