@@ -98,19 +98,19 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         with harness.timed_section() as section:
             llm.generate(prompts, params, use_tqdm=False)
         engine = llm.engine
-        steps = engine.stats.steps
+        steps = engine.timeline.steps
         page_bytes = engine.kv_cache.num_bytes // engine.kv_cache.num_pages
-        decode_steps = [s for s in steps if s.num_decode_tokens == s.num_tokens]
-        decode_s = sum(s.end_s - s.start_s for s in decode_steps)
+        decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
+        decode_s = sum(s.device_end_s - s.device_start_s for s in decode_steps)
         return {
             **section.fields(),
-            "sliding_window": engine.model_config.kv_window,
+            "sliding_window": llm.loaded.config.kv_window,
             "kv_page_bytes": page_bytes,
             "peak_kv_pages": max(s.kv_pages_used for s in steps),
             "peak_kv_bytes": max(s.kv_pages_used for s in steps) * page_bytes,
             "last_step_kv_pages": steps[-1].kv_pages_used,
-            "decode_tokens_per_s": sum(s.num_tokens for s in decode_steps) / decode_s,
-            "num_preemptions": engine.stats.num_preemptions,
+            "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode_steps) / decode_s,
+            "num_preemptions": engine.state().num_preemptions,
             **harness.vacpack_engine_fields(llm),
         }
 
