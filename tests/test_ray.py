@@ -134,6 +134,24 @@ def test_loglikelihood_command_on_two_replicas_equals_the_single_process_command
     assert "padding 0.00%" in total and "device busy" in total
 
 
+def test_a_single_parquet_file_comes_in_blocks_for_every_replica_in_order(
+    local_ray: None, documents: list[str], tmp_path: Path
+) -> None:
+    """A small Parquet file holds one row group, which Ray Data reads as one block: without a
+    split, one replica would run the whole job."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vacpack.ray.files import read_dataset
+
+    path = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"text": documents}), path)
+    assert pq.ParquetFile(path).num_row_groups == 1
+    dataset = read_dataset(str(path), min_num_blocks=4).materialize()
+    assert dataset.num_blocks() == 4
+    assert [row["text"] for row in dataset.take_all()] == documents
+
+
 def test_ray_commands_refuse_what_cannot_run(
     local_ray: None, decoder_dir: Path, tmp_path: Path, capsys
 ) -> None:

@@ -31,9 +31,14 @@ def read_dataset(path: str, min_num_blocks: int) -> ray.data.Dataset:
     if stripped.endswith(JSON_SUFFIXES):
         return ray.data.read_json(path, num_cpus=IO_TASK_CPUS, override_num_blocks=min_num_blocks)
     if stripped.endswith(PARQUET_SUFFIX) or _is_parquet_directory(path):
-        return ray.data.read_parquet(
+        dataset = ray.data.read_parquet(
             path, num_cpus=IO_TASK_CPUS, override_num_blocks=min_num_blocks
         )
+        if stripped.endswith(PARQUET_SUFFIX):
+            # A file is read in whole row groups, and a small one often holds one: it would
+            # come as one block, and one replica would run the whole job. Split in order.
+            dataset = dataset.repartition(min_num_blocks)
+        return dataset
     return ray.data.read_text(
         path,
         drop_empty_lines=False,
