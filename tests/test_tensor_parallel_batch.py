@@ -87,6 +87,10 @@ def test_run_batch_on_two_ranks_writes_what_one_process_writes(
         assert item["embedding"] == pytest.approx(expected_item["embedding"], abs=TOLERANCE)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_run_ends_run_batch_and_its_worker(tiny_checkpoint, tmp_path: Path) -> None:
     # The first answer is written early; the others keep the ranks generating.
     lines = [_line("short", "/v1/completions", {"prompt": "hello", "max_tokens": 2})]
@@ -96,7 +100,14 @@ def test_ctrl_c_mid_run_ends_run_batch_and_its_worker(tiny_checkpoint, tmp_path:
     input_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     output_path = tmp_path / "out.jsonl"
     command = _command(tiny_checkpoint("qwen2"), input_path, output_path)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        # A child inherits an ignored SIGINT (an earlier test in this process may have left it
+        # ignored), and Python then never turns Ctrl-C into KeyboardInterrupt: as from a shell.
+        preexec_fn=_default_sigint,
+    )
     try:
         deadline = time.monotonic() + 60
         workers: list[int] = []
