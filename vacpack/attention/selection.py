@@ -7,7 +7,7 @@ on disk per CPU, torch, vacpack and shapes, so a later load times nothing. A sol
 taken without timing; a backend named in `attention_backend`, or in the environment variable
 VACPACK_CHOICE_<PHASE>, is taken as it is.
 
-Two options of a backend are measured the same way, each a phase of its own:
+Options of a backend are measured the same way, each a phase of its own:
 - sdpa_prefill: whether torch_sdpa runs long causal prefills as SDPA or as blocked matmuls
   (blocked_prefill.py), on a CPU. Decided before the backends are timed, so that torch_sdpa
   competes in its faster form.
