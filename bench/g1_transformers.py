@@ -44,7 +44,7 @@ def run_hf_generate(args: argparse.Namespace, prompts: list[list[int]]) -> dict[
     from transformers import AutoModelForCausalLM
 
     log("hf_generate: loading the model (not timed)")
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
     # No EOS at all: min_new_tokens alone would keep rows going by masking EOS out of the
     # logits, which changes what greedy picks; without an EOS every row simply runs to the end.
@@ -162,7 +162,7 @@ def run_hf_generate_batch(args: argparse.Namespace, prompts: list[list[int]]) ->
     # ("paged|sdpa"/"sdpa_paged" are deprecated aliases of sdpa, which now reads the paged cache
     # itself). It switches to flash attention by itself where a flash package is installed.
     model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+        args.model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
     )
     model = model.to(args.device).eval()
     # eos_token_id=-1 leaves the request's EOS set empty, so every request runs to max_new_tokens.

@@ -32,7 +32,7 @@ def run_vllm_cpu(
         "task": "generate",
         "model_dir": str(args.model_dir),
         "engine_args": vllm_cpu.engine_args(
-            dtype="bfloat16",
+            dtype=args.dtype,
             max_model_len=args.max_prompt_len + args.max_tokens,
             kv_cache_gib=args.vllm_kv_cache_gib,
             # vacpack's step budget and concurrency, and its prefix cache (on by default).

@@ -93,8 +93,10 @@ def best_linear_tflops(
     out_features: int,
     generator: torch.Generator,
     device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, Any]:
-    """Best bfloat16 linear-layer TFLOPS over MATMUL_TIMED_REPS runs at one shape.
+    """Best linear-layer TFLOPS (bfloat16 unless `dtype` says) over MATMUL_TIMED_REPS runs at
+    one shape.
 
     On a CPU both ways of running the layer are timed, `F.linear` and oneDNN on a prepacked
     weight (what vacpack runs), and the faster counts: the peak is the best this machine does.
@@ -102,8 +104,8 @@ def best_linear_tflops(
     launch: each repetition is timed with CUDA events around MATMUL_CUDA_CALLS_PER_REP calls,
     after a synchronize, and read after the end event has completed.
     """
-    x = torch.randn(num_rows, in_features, generator=generator).to(device, torch.bfloat16)
-    weight = torch.randn(out_features, in_features, generator=generator).to(device, torch.bfloat16)
+    x = torch.randn(num_rows, in_features, generator=generator).to(device, dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(device, dtype)
     flops = 2 * num_rows * in_features * out_features
     result: dict[str, Any] = {
         "shape": f"[{num_rows}, {in_features}] x [{in_features}, {out_features}]",

@@ -1,11 +1,12 @@
 """Workload P1: scoring a skewed corpus, vacpack's packed bins against padded transformers batches.
 
-P1 is a random-weight model with the exact shapes of Qwen2.5-0.5B in bfloat16 (G1's
-checkpoint), scoring the log-likelihood of every token of 128 random-token documents (400 on a
-GPU): short ones (45..130 tokens) alternating with long ones (1800..2000 tokens), then shuffled
-(seed 0), so that almost every batch of 8 in input order holds a long document and pads to it.
-Every document is scored after one prefix token (the tokenizer's BOS, else its EOS), as
-`LLM.loglikelihood` does, so all systems compute the same numbers:
+P1 is a random-weight model with the exact shapes of Qwen2.5-0.5B in bfloat16 (`--dtype float32`
+for CPUs whose bf16 matmuls are slow; G1's checkpoint), scoring the log-likelihood of every
+token of 128 random-token documents (400 on a GPU): short ones (45..130 tokens) alternating with
+long ones (1800..2000 tokens), then shuffled (seed 0), so that almost every batch of 8 in input
+order holds a long document and pads to it. Every document is scored after one prefix token (the
+tokenizer's BOS, else its EOS), as `LLM.loglikelihood` does, so all systems compute the same
+numbers:
 
 - vacpack: `LLM.loglikelihood` over token-id lists (padding-free packed bins).
 - hf_padded: transformers `AutoModelForCausalLM` forwards over right-padded batches of 8 in
@@ -130,7 +131,7 @@ def run_vacpack(args: argparse.Namespace, documents: list[list[int]]) -> dict[st
     # max_num_batched_tokens=None: the bin budget is measured by probe forwards on first use.
     llm = LLM(
         str(args.model_dir),
-        dtype="bfloat16",
+        dtype=args.dtype,
         device=args.device,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -199,7 +200,7 @@ def run_hf(
 
     name = "hf_sorted" if sort_by_length else "hf_padded"
     log(f"{name}: loading the model (not timed)")
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
     prefix = prefix_token_id(args.model_dir)
     sequences = [[prefix, *doc] for doc in documents]
@@ -274,7 +275,7 @@ def worker_main(args: argparse.Namespace) -> int:
 # The options a worker gets from the orchestrating run.
 WORKER_OPTIONS: tuple[str, ...] = (
     "device", "num_docs", "short_min", "short_max", "long_min", "long_max", "hf_batch_size",
-    "model_dir", "max_num_batched_tokens",
+    "model_dir", "max_num_batched_tokens", "dtype",
 )  # fmt: skip
 
 
@@ -426,7 +427,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "workload": {
             "name": "P1",
-            "model": "random weights, Qwen2.5-0.5B shapes, bfloat16",
+            "model": f"random weights, Qwen2.5-0.5B shapes, {args.dtype}",
             "model_dir": str(model_dir),
             "device": args.device,
             "num_docs": args.num_docs,
@@ -477,6 +478,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
     parser.add_argument(
         "--num-docs", type=int, default=None, help="default 128 on CPU, 400 on a GPU"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="every system's dtype (float32 where this CPU's bf16 matmuls are slow)",
     )
     parser.add_argument("--short-min", type=int, default=45, help="short documents' min tokens")
     parser.add_argument("--short-max", type=int, default=130)

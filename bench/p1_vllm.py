@@ -23,7 +23,7 @@ def run_vllm_cpu(
         "task": "score",
         "model_dir": str(args.model_dir),
         "engine_args": vllm_cpu.engine_args(
-            dtype="bfloat16",
+            dtype=args.dtype,
             max_model_len=max(len(s) for s in sequences) + 1,
             kv_cache_gib=args.vllm_kv_cache_gib,
             # vacpack's bin budget where one is given; else vLLM's own default (reported).

@@ -1,8 +1,8 @@
 """Prefix caching on vs off, side by side in one run: a shared system prompt, and multi-choice
 scoring after a shared few-shot context.
 
-Both on a random-weight model with the exact shapes of Qwen2.5-0.5B in bfloat16 (G1's
-checkpoint), random-token prompts (seed 0):
+Both on a random-weight model with the exact shapes of Qwen2.5-0.5B in bfloat16 (`--dtype
+float32` for CPUs whose bf16 matmuls are slow; G1's checkpoint), random-token prompts (seed 0):
 
 - shared_prompt: requests sharing a 1,024-token system prompt, each with a unique suffix of
   32..128 tokens, 64 greedy output tokens each (EOS ignored). 128 requests (the issue's number).
@@ -80,7 +80,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     from vacpack import LLM, SamplingParams
 
     enable = args.cache == "on"
-    llm = LLM(str(args.model_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=enable)
+    llm = LLM(str(args.model_dir), dtype=args.dtype, device="cpu", enable_prefix_caching=enable)
     vocab_size = llm.loaded.config.vocab_size
     if args.worker == "shared_prompt":
         prompts = shared_prompt_requests(args, vocab_size)
@@ -149,7 +149,9 @@ def add_vllm_run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     log(f"shared_prompt, {VLLM_SYSTEM}, prefix cache on")
     vocab_size = int(json.loads((args.model_dir / "config.json").read_text())["vocab_size"])
     prompts = shared_prompt_requests(args, vocab_size)
-    run = run_vllm_shared_prompt(args.model_dir, prompts, args.max_tokens, args.vllm_kv_cache_gib)
+    run = run_vllm_shared_prompt(
+        args.model_dir, prompts, args.max_tokens, args.vllm_kv_cache_gib, args.dtype
+    )
     summary[VLLM_SYSTEM] = run
     if "wall_s" in run and "wall_s" in summary["on"]:
         summary[f"vacpack_on/{VLLM_SYSTEM}"] = run["wall_s"] / summary["on"]["wall_s"]
@@ -239,6 +241,7 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
 # The options a worker gets from the orchestrating run.
 WORKER_OPTIONS: tuple[str, ...] = (
     "model_dir",
+    "dtype",
     "num_requests",
     "system_len",
     "max_tokens",
@@ -256,6 +259,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="both systems' dtype (float32 where this CPU's bf16 matmuls are slow)",
+    )
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--system-len", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -18,13 +18,17 @@ WARMUP_OUTPUT_TOKENS = 2
 
 
 def run_vllm_shared_prompt(
-    model_dir: Path, prompts: list[list[int]], max_tokens: int, kv_cache_gib: float
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_cache_gib: float,
+    dtype: str = "bfloat16",
 ) -> dict[str, Any]:
     job = {
         "task": "generate",
         "model_dir": str(model_dir),
         "engine_args": vllm_cpu.engine_args(
-            dtype="bfloat16",
+            dtype=dtype,
             max_model_len=max(len(p) for p in prompts) + max_tokens,
             kv_cache_gib=kv_cache_gib,
             max_num_batched_tokens=DEFAULT_BATCHED_TOKENS["cpu"],

@@ -266,7 +266,6 @@ def run_vllm_cpu(
         model_dir=args.model_dir,
         prompts=prompts,
         warmup_prompts=warmup_prompts,
-        warmup_seed_offset=WARMUP_SEED_OFFSET,
         schema=INVOICE_SCHEMA,
         dtype=args.dtype,
         max_tokens=args.max_tokens,

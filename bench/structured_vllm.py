@@ -1,7 +1,7 @@
 """The structured-outputs benchmark on vLLM's CPU build: the same prompts (token ids), sampling
-(temperature 1, a seed per request, EOS ignored), max_tokens, JSON schema, dtype and step budget
-as vacpack's, unconstrained and then constrained, run in vLLM's own environment
-(bench/vllm_cpu.py)."""
+(temperature 1, EOS ignored; vLLM samples from its engine seed, since its CPU sampler refuses
+per-request seeds), max_tokens, JSON schema, dtype and step budget as vacpack's, unconstrained
+and then constrained, run in vLLM's own environment (bench/vllm_cpu.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ def run_vllm_structured(
     model_dir: Path,
     prompts: list[list[int]],
     warmup_prompts: list[list[int]],
-    warmup_seed_offset: int,
     schema: dict[str, Any],
     dtype: str,
     max_tokens: int,
@@ -59,7 +58,6 @@ def run_vllm_structured(
         ),
         "prompts": prompts,
         "warmup_prompts": warmup_prompts,
-        "warmup_seed_offset": warmup_seed_offset,
         "warmup_max_tokens": max_tokens,
         "max_tokens": max_tokens,
         "schema": schema,

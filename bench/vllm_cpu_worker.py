@@ -10,7 +10,8 @@ Tasks:
 - score: each sequence's log-likelihood after its first token, from `prompt_logprobs=0` (P1).
 - embed: `LLM(runner="pooling").embed(texts)` (E1); the embeddings go to an .npy file.
 - structured: the same prompts twice, unconstrained and then constrained by a JSON schema through
-  vLLM's structured outputs, each timed; sampled at temperature 1 with a seed per request, EOS
+  vLLM's structured outputs, each timed; sampled at temperature 1 from the engine's one seed
+  (vLLM's CPU sampler refuses per-request seeds: "CPU Generator does not use offset"), EOS
   ignored (the structured-outputs benchmark).
 
 vLLM's engine computes in child processes, so CPU time and peak memory are summed over this
@@ -155,16 +156,15 @@ def run_structured(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    def params(schema: Any, seed_offset: int, count: int, max_tokens: int) -> list[Any]:
+    def params(schema: Any, count: int, max_tokens: int) -> list[Any]:
         return [
             SamplingParams(
                 temperature=1.0,
-                seed=seed_offset + index,
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 structured_outputs=None if schema is None else StructuredOutputsParams(json=schema),
             )
-            for index in range(count)
+            for _ in range(count)
         ]
 
     def generate(prompts: list[list[int]], batch_params: list[Any]) -> list[Any]:
@@ -172,14 +172,14 @@ def run_structured(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
         return llm.generate(requests, batch_params, use_tqdm=False)
 
     batches = (("unconstrained", None), ("json_schema", job["schema"]))
-    warmup_prompts, warmup_seed = job["warmup_prompts"], job["warmup_seed_offset"]
+    warmup_prompts = job["warmup_prompts"]
     log(f"warm-up, {len(warmup_prompts)} other prompts, both batches' kinds (not timed)")
     for _, schema in batches:
         count, max_tokens = len(warmup_prompts), job["warmup_max_tokens"]
-        generate(warmup_prompts, params(schema, warmup_seed, count, max_tokens))
+        generate(warmup_prompts, params(schema, count, max_tokens))
     runs = {}
     for name, schema in batches:
-        batch_params = params(schema, 0, len(job["prompts"]), job["max_tokens"])
+        batch_params = params(schema, len(job["prompts"]), job["max_tokens"])
         log(f"{name}: {len(job['prompts'])} prompts x {job['max_tokens']} tokens")
         with timed_section(process_tree_cpu_s) as section:
             outputs = generate(job["prompts"], batch_params)

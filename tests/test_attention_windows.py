@@ -20,7 +20,9 @@ from vacpack.attention import (
 )
 from vacpack.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionSpec
 from vacpack.attention.cascade import CascadePolicy
+from vacpack.attention.paged_decode import DECODE_FORMS
 from vacpack.attention.torch_sdpa import TorchSdpaBackend, build_slot_mapping
+from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.engine.window_pages import RELEASED_PAGE
 from vacpack.kvcache.paged_cache import PagedKVCache
 
@@ -151,15 +153,19 @@ def _run(
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("release_dead_pages", [False, True])
-@pytest.mark.parametrize("sdpa_decode", [False, True], ids=["matmul_decode", "sdpa_decode"])
+@pytest.mark.parametrize("decode_form", DECODE_FORMS)
 def test_portable_backend_equals_reference(
-    spec: AttentionSpec, release_dead_pages: bool, sdpa_decode: bool
+    spec: AttentionSpec, release_dead_pages: bool, decode_form: str
 ) -> None:
-    """Decodes (as matmuls, or through SDPA where no softcap asks for matmuls), prefill chunks
-    over cached pages and fresh prompts; with a window, also with the pages before every window
-    given back (their table entries RELEASED_PAGE, never read)."""
+    """Decodes (as matmuls, or through SDPA or the C kernel where no softcap asks for matmuls),
+    prefill chunks over cached pages and fresh prompts; with a window, also with the pages
+    before every window given back (their table entries RELEASED_PAGE, never read)."""
+    if decode_form == "kernel" and not paged_decode_supported(
+        CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    ):
+        pytest.skip("the paged decode C kernel does not build here (no C compiler)")
     step = _step(spec, release_dead_pages)
-    backend = TorchSdpaBackend(sdpa_decode=sdpa_decode)
+    backend = TorchSdpaBackend(decode_form=decode_form)
     torch.testing.assert_close(
         _run("torch_sdpa", step, spec, backend), _reference(step, spec), atol=1e-5, rtol=1e-5
     )

@@ -10,6 +10,7 @@ import pytest
 
 from vacpack import LLM
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
+from vacpack.cpu_kernels.build import load_kernel_library
 from vacpack.tuning import ChoiceSource
 
 ENGINE_PHASES = ["sdpa_prefill", "sdpa_decode", "attention_cascade"]
@@ -26,13 +27,14 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     assert all(c.source is ChoiceSource.MEASURED for c in setup.measured_choices)
     prefill, decode, cascade = setup.measured_choices
     assert set(prefill.best_time_s) == {"sdpa", "blocked"}
-    assert set(decode.best_time_s) == {"sdpa", "matmuls"}
+    kernel = {"kernel"} if load_kernel_library("paged_decode", portable=True) else set()
+    assert set(decode.best_time_s) == {"sdpa", "matmuls"} | kernel
     assert set(cascade.best_time_s) == {"cascade", "no_cascade"}
     # The engine runs what was chosen.
     attention = llm.engine.attention
     assert attention.name == setup.attention_backend == "torch_sdpa"
     assert attention.blocked_prefill == (prefill.chosen == "blocked")
-    assert attention.sdpa_decode == (decode.chosen == "sdpa")
+    assert attention.decode_form == decode.chosen
     assert attention.cascade == (DEFAULT_CASCADE_POLICY if cascade.chosen == "cascade" else None)
 
     llm.embed(["a short text", "another one"], use_tqdm=False)

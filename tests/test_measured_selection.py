@@ -8,6 +8,7 @@ candidate is a fake with the injected cost.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,8 +27,10 @@ from vacpack.attention import (
 )
 from vacpack.attention.backend import AttentionSpec
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
+from vacpack.attention.paged_decode import DECODE_FORMS
 from vacpack.attention.selection import cascade_shape
 from vacpack.attention.timed_steps import TimedCall, Workload
+from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.tuning import ChoiceSource, force_env_var
 from vacpack.tuning import cache as cache_module
 
@@ -248,22 +251,28 @@ def test_decodes_sharing_a_prefix_cascade_as_measured(inject, prefill_forced, fa
     assert cascade.chosen == fastest and "torch_sdpa" in cascade.shape_key
 
 
-@pytest.mark.parametrize("fastest", ["sdpa", "matmuls"])
+@pytest.mark.parametrize("fastest", DECODE_FORMS)
 def test_torch_sdpa_runs_decodes_as_measured(
     inject, monkeypatch: pytest.MonkeyPatch, fastest: str
 ) -> None:
+    kernel_builds = paged_decode_supported(CPU, LONG.dtype, 4, 2, 32)
+    if fastest == "kernel" and not kernel_builds:
+        pytest.skip("the paged decode C kernel does not build here (no C compiler)")
     monkeypatch.setenv(force_env_var("sdpa_prefill"), "blocked")
     costs = {"cpu_kernels": 0.002, "torch_sdpa": 0.001, "cascade": 0.001, "no_cascade": 0.002}
-    timings = inject(costs | {"sdpa": 0.002, "matmuls": 0.002, fastest: 0.001})
+    forms = {form: 0.002 for form in DECODE_FORMS}
+    timings = inject(costs | forms | {fastest: 0.001})
     selected = select(timings, shapes=LONG, workload=DECODES)
     assert selected.backend.name == "torch_sdpa"
-    assert selected.backend.sdpa_decode == (fastest == "sdpa")
+    assert selected.backend.decode_form == fastest
     decode = next(c for c in selected.choices if c.phase == "sdpa_decode")
     assert decode.chosen == fastest and decode.source is ChoiceSource.MEASURED
     assert "decode 8 seqs" in decode.shape_key
+    # The kernel competes wherever it builds.
+    assert ("kernel" in decode.best_time_s) == kernel_builds
     # Decided before the backends were timed, so torch_sdpa competed in its faster form.
     assert timings.calls.index("torch_sdpa") > max(
-        i for i, name in enumerate(timings.calls) if name in ("sdpa", "matmuls")
+        i for i, name in enumerate(timings.calls) if name in DECODE_FORMS
     )
 
 
@@ -276,7 +285,7 @@ def test_no_decode_choice_for_packed_bins_or_soft_capped_layers(inject, monkeypa
     for shapes, workload in ((LONG, BIN), (soft_capped, DECODES)):
         selected = select(timings, shapes=shapes, workload=workload)
         assert "sdpa_decode" not in [c.phase for c in selected.choices]
-        assert not selected.backend.sdpa_decode
+        assert selected.backend.decode_form == "matmuls"
 
 
 def test_the_cascade_is_timed_at_the_shortest_prefix_it_runs_for() -> None:
@@ -312,9 +321,13 @@ def test_the_timed_calls_run_the_candidates_on_the_same_inputs(dtype: torch.dtyp
             "sdpa": lambda: selection.create_backend("torch_sdpa", blocked_prefill=False),
             "blocked": lambda: selection.create_backend("torch_sdpa", blocked_prefill=True),
             "no_cascade": lambda: selection.create_backend("torch_sdpa", cascade=None),
-            "sdpa_decode": lambda: selection.create_backend(
-                "torch_sdpa", cascade=None, sdpa_decode=True
-            ),
+            **{
+                f"{form}_decode": functools.partial(
+                    selection.create_backend, "torch_sdpa", cascade=None, decode_form=form
+                )
+                for form in DECODE_FORMS
+                if form != "kernel" or paged_decode_supported(CPU, dtype, 4, 2, 32)
+            },
         }
         calls = selection.timed_calls(factories, shapes, workload, CPU)
         outputs = {name: call() for name, call in calls.items()}

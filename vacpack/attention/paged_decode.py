@@ -1,18 +1,22 @@
-"""Decode attention over paged keys and values: plain batched matmuls, or SDPA.
+"""Decode attention over paged keys and values: plain batched matmuls, SDPA, or a C kernel.
 
 A decode has one query token, so each KV head meets only its few grouped query heads (7 for
-Qwen2.5-0.5B). Two ways to run that shape, and neither wins on every CPU: plain batched matmuls
-around a softmax (scores by `baddbmm` to float32 precision, softmax in float32, probabilities
-times values by `bmm` in the cache's dtype), measured several times faster than torch's SDPA
-kernel on a Zen 4 with AVX512-BF16; and SDPA over the gathered keys, whose fused kernel
-measured 3x (float32) to 15x (bfloat16) faster than the matmuls on a Zen 3 without AVX-512,
-where bf16 matmuls are emulated. So the backend's `sdpa_decode` option is measured at the
-model's shapes (attention/selection.py); the matmuls stay where something needs the
-log-sum-exp (a cascade) or soft-capped scores.
+Qwen2.5-0.5B). Three ways to run that shape (DECODE_FORMS), and none wins on every CPU:
+- "matmuls": plain batched matmuls around a softmax over the gathered keys (scores by
+  `baddbmm` to float32 precision, softmax in float32, probabilities times values by `bmm` in
+  the cache's dtype), measured several times faster than torch's SDPA kernel on a Zen 4 with
+  AVX512-BF16;
+- "sdpa": SDPA over the gathered keys, whose fused kernel measured 3x (float32) to 15x
+  (bfloat16) faster than the matmuls on a Zen 3 without AVX-512, where bf16 matmuls are
+  emulated;
+- "kernel": vacpack/cpu_kernels/paged_decode.c, which reads each key and value once from its
+  page, with no gather, vectorised for the CPU it was built on; where it builds.
+So the backend's decode form is measured at the model's shapes (attention/selection.py); the
+matmuls stay where something needs the log-sum-exp (a cascade) or soft-capped scores.
 
-Decodes are gathered in chunks, longest context first, each padded to its longest member and
-capped at a budget of padded key tokens: a chunk's gathered keys and values stay in the CPU's
-caches between the gather and the matmuls that read them, and sorting keeps the padding small.
+Decodes run in chunks, longest context first, each padded to its longest member and capped at
+a budget of padded key tokens: a chunk's gathered keys and values stay in the CPU's caches
+between the gather and the matmuls that read them, and sorting keeps the padding small.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
+from vacpack.cpu_kernels.paged_decode import paged_decode_attention
 from vacpack.kvcache.paged_cache import KVLayer
+
+DECODE_FORMS = ("matmuls", "sdpa", "kernel")
 
 # Padded key tokens per chunk. A 2-KV-head, 64-dim bf16 token is 256 bytes of keys and as much
 # of values, so 8,192 tokens gather 4 MiB, which the matmuls then read from cache. On the 2-core
@@ -54,6 +61,8 @@ class DecodeChunk:
     padding: KeyPadding | None  # None when all members have num_keys keys
     # SDPA's form of the padding: [seqs, 1, 1, num_keys], True where a row sees the key.
     visible: torch.Tensor | None = None
+    # The C kernel's: [seqs, 2] int64, each member's first visible key and its number of keys.
+    key_ranges: torch.Tensor | None = None
 
 
 def plan_chunks(
@@ -100,12 +109,15 @@ def build_chunk(
         padding = KeyPadding(first, mask.unsqueeze(1).to(device))
         hidden = torch.cat([torch.zeros(len(num_keys), first, dtype=torch.bool), mask], dim=1)
         visible = hidden.logical_not_().view(len(num_keys), 1, 1, longest).to(device)
+    hidden_keys = num_hidden_keys if num_hidden_keys is not None else [0] * len(num_keys)
+    key_ranges = torch.tensor(list(zip(hidden_keys, num_keys, strict=True)), dtype=torch.int64)
     return DecodeChunk(
         rows=torch.tensor(rows, dtype=torch.int64).to(device),
         pages=torch.tensor(padded_runs, dtype=torch.int64).to(device),
         num_keys=longest,
         padding=padding,
         visible=visible,
+        key_ranges=key_ranges.to(device),
     )
 
 
@@ -184,19 +196,32 @@ def chunk_attention(
     chunk: DecodeChunk,
     with_lse: bool = False,
     spec: AttentionSpec = FULL_ATTENTION,
-    sdpa: bool = False,
+    form: str = "matmuls",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q: [seqs, heads, head_dim], the chunk's query rows. Returns the attention output shaped
     like q and, when asked, the float32 log-sum-exp of each head's scores, [seqs, heads]. The
     chunk's keys are already cut to each row's sliding window; spec gives scale and softcap.
-    `sdpa` runs torch's SDPA kernel instead of the matmuls where it can (no log-sum-exp asked
-    for, no softcap)."""
+    `form` (one of DECODE_FORMS) runs SDPA or the C kernel instead of the matmuls where it can
+    (no log-sum-exp asked for, no softcap)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
     page_size = kv_layer.page_size
+    plain = not with_lse and spec.logit_softcap is None
+    if form == "kernel" and plain:
+        assert chunk.key_ranges is not None, "built by build_chunk"
+        out = paged_decode_attention(
+            q,
+            kv_layer.keys,
+            kv_layer.values,
+            chunk.pages.view(num_seqs, -1),
+            chunk.key_ranges,
+            page_size,
+            spec.scale_for(head_dim),
+        )
+        return out, None
     keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys)
     values = gather_pages(kv_layer.values, chunk.pages, page_size, num_seqs, chunk.num_keys)
-    if sdpa and not with_lse and spec.logit_softcap is None:
+    if form == "sdpa" and plain:
         # Each KV head's grouped query heads are its query block: [seqs, kv_heads, group, dim].
         out = F.scaled_dot_product_attention(
             q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),

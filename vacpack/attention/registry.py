@@ -43,8 +43,8 @@ class BackendSpec:
     # Where "auto" may pick it (default: everywhere it runs); it runs elsewhere only if forced.
     auto_devices: frozenset[str] | None = None
     # Constructor options that measured selection may set (cascade: a CascadePolicy or None;
-    # blocked_prefill: long causal prefills as blocked matmuls or not; sdpa_decode: decodes
-    # through SDPA's kernel or plain matmuls).
+    # blocked_prefill: long causal prefills as blocked matmuls or not; decode_form: decodes as
+    # plain matmuls, through SDPA's kernel or through the C paged-decode kernel).
     options: frozenset[str] = frozenset()
 
     def supports(
@@ -107,7 +107,7 @@ BACKEND_SPECS: tuple[BackendSpec, ...] = (
         target="vacpack.attention.torch_sdpa:TorchSdpaBackend",
         devices=frozenset({"cpu", "cuda"}),
         phases=BOTH_PHASES,
-        options=frozenset({"cascade", "blocked_prefill", "sdpa_decode"}),
+        options=frozenset({"cascade", "blocked_prefill", "decode_form"}),
     ),
 )
 SPECS_BY_NAME = {spec.name: spec for spec in BACKEND_SPECS}

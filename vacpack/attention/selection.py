@@ -11,9 +11,9 @@ Options of a backend are measured the same way, each a phase of its own:
 - sdpa_prefill: whether torch_sdpa runs long causal prefills as SDPA or as blocked matmuls
   (blocked_prefill.py), on a CPU. Decided before the backends are timed, so that torch_sdpa
   competes in its faster form.
-- sdpa_decode: whether torch_sdpa runs decodes through SDPA's kernel or as plain matmuls
-  (paged_decode.py), timed on the engine's decode batch. Also decided before the backends are
-  timed.
+- sdpa_decode: how torch_sdpa runs decodes: as plain matmuls, through SDPA's kernel, or
+  through the C kernel that reads pages in place where it builds (paged_decode.py), timed on
+  the engine's decode batch. Also decided before the backends are timed.
 - attention_cascade: whether decodes sharing a prefix run as a cascade (cascade.py), for the
   chosen backend where it takes one, timed on a decode batch sharing the shortest prefix its
   policy cascades. Timed on the engine's decode batch only.
@@ -49,6 +49,7 @@ from vacpack.attention.timed_steps import (
     Workload,
     timed_calls,
 )
+from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.tuning import ChoiceSource, MeasuredChoice, choose
 from vacpack.tuning.timing import Clock
 
@@ -132,11 +133,11 @@ def select_backend(
             if prefill is not None:
                 tuned.append(prefill)
                 options.append(("blocked_prefill", prefill.chosen == "blocked"))
-        if "sdpa_decode" in declared and isinstance(workload, DecodeBatchShape):
-            decode = _choose_sdpa_decode(device, shapes, workload, measure)
+        if "decode_form" in declared and isinstance(workload, DecodeBatchShape):
+            decode = _choose_decode_form(device, shapes, workload, measure)
             if decode is not None:
                 tuned.append(decode)
-                options.append(("sdpa_decode", decode.chosen == "sdpa"))
+                options.append(("decode_form", decode.chosen))
         return tuple(options)
 
     def build(backend_name: str, **options: Any) -> AttentionBackend:
@@ -205,29 +206,34 @@ def _choose_sdpa_prefill(
     )
 
 
-def _choose_sdpa_decode(
+def _choose_decode_form(
     device: torch.device,
     shapes: AttentionShapes,
     decodes: DecodeBatchShape,
     measure: Measure,
 ) -> MeasuredChoice | None:
-    """SDPA or matmuls for torch_sdpa's decodes; None where every layer is soft-capped (those
-    always run as matmuls). Timed without a cascade: the cascade is chosen afterwards, with
-    this option set."""
+    """Matmuls, SDPA or the C kernel for torch_sdpa's decodes; None where every layer is
+    soft-capped (those always run as matmuls). Timed without a cascade: the cascade is chosen
+    afterwards, with this option set."""
     applicable = tuple(spec for spec in shapes.distinct_specs if spec.logit_softcap is None)
     if not applicable:
         return None
     timed_shapes = replace(shapes, specs=applicable)
+    forms = ["sdpa", "matmuls"]
+    if paged_decode_supported(
+        device, shapes.dtype, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+    ):
+        forms.append("kernel")
     return measure(
         SDPA_DECODE_PHASE,
         f"{timed_shapes.key()}; {decodes.key()}",
-        ["sdpa", "matmuls"],
+        forms,
         lambda: timed_calls(
             {
-                option: functools.partial(
-                    create_backend, "torch_sdpa", cascade=None, sdpa_decode=option == "sdpa"
+                form: functools.partial(
+                    create_backend, "torch_sdpa", cascade=None, decode_form=form
                 )
-                for option in ("sdpa", "matmuls")
+                for form in forms
             },
             timed_shapes,
             decodes,

@@ -1,14 +1,15 @@
 """Portable attention in plain PyTorch, for CPU and CUDA alike.
 
-Decodes (one query token each) run in chunks of similar context length, as paged matmuls or
-through SDPA's kernel, whichever was measured faster at the model's decode step
-(paged_decode.py); decodes whose page tables start with the same pages (a cached prefix) attend
-to that prefix together, once, and to their own pages apart (cascade.py). Grouped-query heads
-are folded into the query rows, so keys and values are never repeated per query head. Prefill
-segments run one SDPA call each: causal over their own tokens, or over their gathered pages
-with an offset causal mask when earlier chunks of the sequence are already cached; long
-segments run as blocked matmuls instead where those were measured faster at the model's shapes
-(blocked_prefill.py; when nothing was measured, long bf16 segments on a CPU).
+Decodes (one query token each) run in chunks of similar context length, as paged matmuls,
+through SDPA's kernel, or through a C kernel that reads the pages in place, whichever was
+measured fastest at the model's decode step (paged_decode.py); decodes whose page tables start
+with the same pages (a cached prefix) attend to that prefix together, once, and to their own
+pages apart (cascade.py). Grouped-query heads are folded into the query rows, so keys and values
+are never repeated per query head. Prefill segments run one SDPA call each: causal over their
+own tokens, or over their gathered pages with an offset causal mask when earlier chunks of the
+sequence are already cached; long segments run as blocked matmuls instead where those were
+measured faster at the model's shapes (blocked_prefill.py; when nothing was measured, long bf16
+segments on a CPU).
 
 Sliding-window layers get their own view of the step (`attention_windows` in the layout): a
 decode gathers only the pages its window reaches, with the keys before the window masked; a
@@ -41,7 +42,13 @@ from vacpack.attention.cascade import (
     cascade_attention,
 )
 from vacpack.attention.packed_groups import PackedGroup, packed_attention, packed_group
-from vacpack.attention.paged_decode import DecodeChunk, build_chunk, chunk_attention, plan_chunks
+from vacpack.attention.paged_decode import (
+    DECODE_FORMS,
+    DecodeChunk,
+    build_chunk,
+    chunk_attention,
+    plan_chunks,
+)
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.kvcache.paged_cache import KVLayer
 
@@ -230,15 +237,17 @@ class TorchSdpaBackend(AttentionBackend):
         self,
         cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY,
         blocked_prefill: bool | None = None,
-        sdpa_decode: bool = False,
+        decode_form: str = "matmuls",
     ) -> None:
         self.cascade = cascade  # None: every decode reads its whole context itself
         # Long causal prefills as blocked matmuls (True) or SDPA (False), as measured at the
         # model's shapes; None: blocked for bf16 on a CPU (use_blocked_prefill).
         self.blocked_prefill = blocked_prefill
-        # Decodes through SDPA's kernel (True) or plain matmuls (False, where nothing was
-        # measured), as measured at the model's decode step (paged_decode.py).
-        self.sdpa_decode = sdpa_decode
+        # Decodes as plain matmuls (where nothing was measured), through SDPA's kernel, or
+        # through the C kernel, as measured at the model's decode step (paged_decode.py).
+        if decode_form not in DECODE_FORMS:
+            raise ValueError(f"decode_form must be one of {DECODE_FORMS}, got {decode_form!r}")
+        self.decode_form = decode_form
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         return None  # every window, scale and softcap
@@ -332,7 +341,7 @@ class TorchSdpaBackend(AttentionBackend):
         for chunk in view.decode_chunks:
             assert kv_layer is not None
             attn, _ = chunk_attention(
-                q.index_select(0, chunk.rows), kv_layer, chunk, spec=spec, sdpa=self.sdpa_decode
+                q.index_select(0, chunk.rows), kv_layer, chunk, spec=spec, form=self.decode_form
             )
             out.index_copy_(0, chunk.rows, attn)
         if view.cascade is not None:

@@ -26,9 +26,12 @@ logger = logging.getLogger(__name__)
 # AVX-512 with the bf16 dot product (VDPBF16PS): Intel Cooper Lake and Sapphire Rapids on,
 # AMD Zen 4 on.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
-PORTABLE_COMPILE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
+BASE_COMPILE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
+# A portable kernel is plain C vectorised by the compiler for the CPU it is built on (AVX-512,
+# AVX2, NEON): built per machine, and the CPU is part of its cache key.
+PORTABLE_COMPILE_FLAGS = (*BASE_COMPILE_FLAGS, "-march=native")
 COMPILE_FLAGS = (
-    *PORTABLE_COMPILE_FLAGS,
+    *BASE_COMPILE_FLAGS,
     "-mavx512f",
     "-mavx512bw",
     "-mavx512vl",
@@ -89,7 +92,7 @@ def _compile(compiler: str, source: Path, target: Path, flags: tuple[str, ...]) 
 def load_kernel_library(name: str, portable: bool = False) -> ctypes.CDLL | None:
     """The compiled library of `name`.c in this folder, or None where it cannot run here.
 
-    portable: plain C that any x86 or ARM CPU runs (no AVX-512 instructions or CPU check)."""
+    portable: plain C that any x86 or ARM CPU runs, vectorised for this one (no CPU check)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     flags = PORTABLE_COMPILE_FLAGS if portable else COMPILE_FLAGS
@@ -103,8 +106,11 @@ def load_kernel_library(name: str, portable: bool = False) -> ctypes.CDLL | None
         return None
     source = Path(__file__).with_name(f"{name}.c")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    # The CPU's flags too: a library built with -march=native on one CPU may not run on another
+    # that shares this cache (a home directory on a cluster).
+    cpu = " ".join(sorted(cpu_flags()))
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join(flags).encode() + version.encode()
+        source.read_bytes() + " ".join(flags).encode() + version.encode() + cpu.encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists():

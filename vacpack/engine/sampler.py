@@ -11,8 +11,8 @@ Order of operations, as in vLLM V1:
 3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
 4. greedy rows take the argmax; the other rows get temperature, min_p, top_k, then top_p
    (over the distribution renormalised to what top_k kept, as vLLM does), and are sampled
-   with the exponential race (argmax of probs / Exp(1) noise), which is exact categorical
-   sampling with no host sync (``torch.multinomial`` syncs).
+   by placing one uniform draw per row on its cumulative distribution, which is exact
+   categorical sampling with no host sync (``torch.multinomial`` syncs).
 
 Every decision about which stage to run is made from the Python-side params, never from
 tensor values, so nothing here waits on the device; the engine's ``.tolist()`` on the result
@@ -311,7 +311,7 @@ class Sampler:
         if any(p.top_k != 0 or p.top_p < 1.0 for p in params):
             logits = self._apply_top_k_top_p(logits, row_params[_TOP_K], row_params[_TOP_P])
         probs = torch.softmax(logits, dim=-1)
-        return self._exponential_race(probs, rows)
+        return self._inverse_cdf(probs, rows)
 
     @staticmethod
     def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -343,17 +343,24 @@ class Sampler:
 
         return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
-    def _exponential_race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        # argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i (the smallest of
-        # independent Exp(p_i)-distributed E_i / p_i wins with probability p_i / sum p).
-        noise = torch.empty_like(probs)
+    def _inverse_cdf(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One uniform draw per row, placed on the row's cumulative distribution: exact
+        categorical sampling from one random number per row. The exponential race (argmax of
+        probs / Exp(1) noise, what GPU engines use) needs one draw per vocabulary entry, and a
+        CPU generator makes those one at a time: 52 ms per step for 16 rows of a
+        151,936-token vocabulary on a 2-core Zen 3, against 4 ms for this."""
+        # float64: summed in float32, 151,936 terms could drift by a percent of the mass.
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        uniform = torch.empty_like(total)
         if any(row.generator is None for row in rows):
-            noise.exponential_(generator=self._shared_generator)
+            uniform.uniform_(generator=self._shared_generator)
         for row_index, row in enumerate(rows):
             if row.generator is not None:
-                # One [vocab_size] draw per step from the request's own generator, so a seeded
-                # request gets the same tokens whatever else shares its batch.
-                noise[row_index].exponential_(generator=row.generator)
-        # An exact 0 draw would make 0 / 0 = nan, and argmax would pick that forbidden token.
-        noise = noise.clamp_min(torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+                # The request's own generator, so a seeded request gets the same tokens
+                # whatever else shares its batch.
+                uniform[row_index].uniform_(generator=row.generator)
+        # Kept strictly below the total: the first entry whose cumulative mass exceeds the
+        # target then always has a probability above zero, so a forbidden token never wins.
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -1,0 +1,112 @@
+"""The portable paged-decode C kernel against a float64 reference: every sequence attends to
+its visible keys, read from shuffled pages, in float32 and bf16, for grouped-query and
+multi-head shapes, past a sliding window's start, and split over threads when few sequences
+are long (split-K)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vacpack.cpu_kernels.paged_decode import paged_decode_attention, paged_decode_supported
+
+CPU = torch.device("cpu")
+PAGE_SIZE = 16
+# (query heads, KV heads, head_dim)
+SHAPES = [
+    pytest.param((14, 2, 64), id="gqa7-d64"),
+    pytest.param((12, 12, 32), id="mha-d32"),
+    pytest.param((8, 1, 128), id="mqa-d128"),
+]
+
+pytestmark = pytest.mark.skipif(
+    not paged_decode_supported(CPU, torch.float32, 2, 1, 64),
+    reason="the paged decode C kernel does not build here (no C compiler)",
+)
+
+
+def _case(
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    key_ranges: list[tuple[int, int]],
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    num_heads, num_kv_heads, head_dim = shape
+    generator = torch.Generator().manual_seed(seed)
+    pages_per_seq = max(-(-n // PAGE_SIZE) for _, n in key_ranges)
+    num_pages = pages_per_seq * len(key_ranges) + 3
+    order = torch.randperm(num_pages, generator=generator)
+    pages = torch.zeros(len(key_ranges), pages_per_seq, dtype=torch.int64)  # padding: page 0
+    used = 0
+    for index, (_, num_keys) in enumerate(key_ranges):
+        count = -(-num_keys // PAGE_SIZE)
+        pages[index, :count] = order[used : used + count]
+        used += count
+    cache_shape = (num_pages * PAGE_SIZE, num_kv_heads, head_dim)
+    keys = torch.randn(cache_shape, generator=generator).to(dtype)
+    values = torch.randn(cache_shape, generator=generator).to(dtype)
+    q = torch.randn(len(key_ranges), num_heads, head_dim, generator=generator).to(dtype)
+    return q, keys, values, pages, torch.tensor(key_ranges, dtype=torch.int64)
+
+
+def _reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pages: torch.Tensor,
+    key_ranges: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_heads, num_kv_heads = q.shape[1], keys.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for seq, (first, num_keys) in enumerate(key_ranges.tolist()):
+        positions = torch.arange(first, num_keys)
+        slots = pages[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        k, v = keys[slots].double(), values[slots].double()
+        for head in range(num_heads):
+            scores = k[:, head // group] @ q[seq, head].double() * scale
+            out[seq, head] = torch.softmax(scores, dim=0) @ v[:, head // group]
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_equals_reference(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """One key, a page and one, many pages, a window's start inside a page, and a long
+    sequence; scale not head_dim ** -0.5."""
+    key_ranges = [(0, 1), (0, 17), (3, 40), (100, 300), (0, 1500)]
+    q, keys, values, pages, ranges = _case(shape, dtype, key_ranges)
+    got = paged_decode_attention(q, keys, values, pages, ranges, PAGE_SIZE, scale=0.2)
+    assert got.dtype == dtype and got.shape == q.shape
+    expected = _reference(q, keys, values, pages, ranges, scale=0.2)
+    # bf16: the output's own rounding (8 bits) dominates.
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_split_keys_merge_to_the_same_result(threads: int) -> None:
+    """One long sequence behind a window's start: with more threads its visible keys are split
+    over tasks and merged by their log-sum-exp."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, keys, values, pages, ranges = _case((4, 2, 64), torch.float32, [(700, 3000), (0, 9)])
+        got = paged_decode_attention(q, keys, values, pages, ranges, PAGE_SIZE, scale=0.125)
+    finally:
+        torch.set_num_threads(previous)
+    expected = _reference(q, keys, values, pages, ranges, scale=0.125)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_a_cache_in_another_dtype() -> None:
+    q, keys, values, pages, ranges = _case((4, 2, 32), torch.float32, [(0, 5)])
+    with pytest.raises(ValueError, match="cache"):
+        paged_decode_attention(q, keys.bfloat16(), values, pages, ranges, PAGE_SIZE, 0.1)
+
+
+def test_shapes_past_its_buffers_are_not_supported() -> None:
+    assert not paged_decode_supported(CPU, torch.float32, 32, 1, 64)  # 32 heads per KV head
+    assert not paged_decode_supported(CPU, torch.float32, 4, 2, 512)  # head_dim 512
+    assert not paged_decode_supported(CPU, torch.float16, 4, 2, 64)

@@ -1,0 +1,102 @@
+"""Decode attention read in place from a paged KV cache, from paged_decode.c: plain C that the
+compiler vectorises for the CPU at hand, so it runs on every CPU (see paged_decode.c)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
+
+_LIBRARY_NAME = "paged_decode"
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+# The kernel's fixed per-task buffers (paged_decode.c).
+MAX_GROUP = 16
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernel() -> KernelFunction | None:
+    library = load_kernel_library(_LIBRARY_NAME, portable=True)
+    if library is None:
+        return None
+    function = library.paged_decode_attention
+    if function.argtypes is None:
+        function.argtypes = [
+            *[_POINTER] * 6,  # q, keys, values, pages, key ranges, out
+            *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
+            ctypes.c_float,  # scale
+            ctypes.c_int,  # bf16 (else float32)
+            ctypes.c_int,  # threads
+        ]
+        function.restype = ctypes.c_int
+    return function
+
+
+def paged_decode_supported(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the kernel runs these decodes here (CPU, float32 or bf16, within its buffers)."""
+    return (
+        device.type == "cpu"
+        and dtype in _DTYPES
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and head_dim <= MAX_HEAD_DIM
+        and _kernel() is not None
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pages: torch.Tensor,
+    key_ranges: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of decode queries q [seqs, heads, head_dim] over their cached keys.
+
+    keys and values: one layer's cache, [slots, kv_heads, head_dim], in q's dtype. pages:
+    [seqs, pages per seq] int64 page ids (padding past a sequence's keys is never read).
+    key_ranges: [seqs, 2] int64, each sequence's first visible key (past a sliding window's
+    start, else 0) and its number of keys; at least one key is visible. Query head h reads KV
+    head h // (heads // kv_heads).
+    """
+    kernel = _kernel()
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    if kernel is None or not paged_decode_supported(
+        q.device, q.dtype, num_heads, num_kv_heads, head_dim
+    ):
+        raise RuntimeError("the paged decode kernel cannot run these decodes here")
+    if keys.dtype != q.dtype or values.dtype != q.dtype:
+        raise ValueError(f"queries are {q.dtype}, the cache {keys.dtype} / {values.dtype}")
+    for name, tensor in (("keys", keys), ("values", values), ("pages", pages)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    q = q.contiguous()
+    key_ranges = key_ranges.contiguous()
+    out = torch.empty_like(q)
+    status = kernel(
+        q.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        pages.data_ptr(),
+        key_ranges.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        pages.shape[1],
+        scale,
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the paged decode kernel could not allocate its task buffers")
+    return out
