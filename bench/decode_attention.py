@@ -1,10 +1,10 @@
 """Decode attention alone: the SDPA decode path this backend had before, against the paged
-matmul path, cascade attention and the C paged kernel, in ms per decode step of a 24-layer
-model, on CPU.
+matmul path, cascade attention, SDPA over gathered pages, the portable paged-decode C kernel
+(any CPU) and the AVX512-BF16 C paged kernel, in ms per decode step of a 24-layer model, on CPU.
 
 Two decode batches with Qwen2.5-0.5B's attention shapes (14 query heads, 2 KV heads, head_dim
-64, bf16, 24 layers, 16-token pages), each layer with its own KV cache so that a step reads
-its keys and values from memory, not from a warm cache:
+64, bf16 or `--dtype float32`, 24 layers, 16-token pages), each layer with its own KV cache so
+that a step reads its keys and values from memory, not from a warm cache:
 
 - g1: 64 sequences with contexts uniform in 32..1024 plus 0..128 generated tokens, the middle of
   G1's decode (bench/g1_generation.py).
@@ -51,6 +51,7 @@ from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy
 from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.cpu_kernels import varlen_attention_supported
+from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +61,9 @@ NUM_HEADS = 14
 NUM_KV_HEADS = 2
 HEAD_DIM = 64
 PAGE_SIZE = 16
-DTYPE = torch.bfloat16
 CPU = torch.device("cpu")
 C_KERNEL = "C paged kernel"  # vacpack/cpu_kernels, where this CPU has AVX512-BF16
+PORTABLE_KERNEL = "portable C decode kernel"  # cpu_kernels/paged_decode.c, any CPU
 # The copy that measures the machine's memory bandwidth: far larger than any CPU's caches.
 COPY_BYTES = 512 * 2**20
 # wall: elapsed time, what a step costs. cpu: this process's CPU time, which other processes
@@ -226,12 +227,14 @@ class Step:
     new_values: list[torch.Tensor]
 
 
-def make_step(batch: DecodeBatch, num_layers: int, generator: torch.Generator) -> Step:
+def make_step(
+    batch: DecodeBatch, num_layers: int, generator: torch.Generator, dtype: torch.dtype
+) -> Step:
     num_seqs = len(batch.context_lens)
     slots = batch.num_pages * PAGE_SIZE
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(DTYPE)
+        return torch.randn(*shape, generator=generator).to(dtype)
 
     return Step(
         kv_layers=[
@@ -270,7 +273,14 @@ def step_runners(
         ("paged matmul", TorchSdpaBackend(cascade=None)),
         ("paged matmul + cascade", TorchSdpaBackend(cascade_policy)),
     ]
-    if varlen_attention_supported(CPU, DTYPE, HEAD_DIM):
+    dtype = step.queries[0].dtype
+    backends.append(("paged sdpa", TorchSdpaBackend(cascade=None, decode_form="sdpa")))
+    if paged_decode_supported(CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
+        backends.append((PORTABLE_KERNEL, TorchSdpaBackend(cascade=None, decode_form="kernel")))
+        backends.append(
+            (f"{PORTABLE_KERNEL} + cascade", TorchSdpaBackend(cascade_policy, decode_form="kernel"))
+        )
+    if varlen_attention_supported(CPU, dtype, HEAD_DIM):
         backends.append((C_KERNEL, CpuKernelBackend()))
     for name, backend in backends:
         metadata = backend.build_metadata(batch.layout, CPU)
@@ -303,7 +313,7 @@ def interleaved_best_ms(
     }
 
 
-def kv_bytes_per_step(batch: DecodeBatch, num_layers: int) -> int:
+def kv_bytes_per_step(batch: DecodeBatch, num_layers: int, dtype: torch.dtype) -> int:
     """Keys and values of every distinct cached token the step attends to, in every layer:
     what a step must read at least once."""
     slots = {
@@ -312,7 +322,7 @@ def kv_bytes_per_step(batch: DecodeBatch, num_layers: int) -> int:
         for position in range(context_len)
         for page, offset in [(table[position // PAGE_SIZE], position % PAGE_SIZE)]
     }
-    bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # keys and values
+    bytes_per_token = 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize  # keys and values
     return len(slots) * bytes_per_token * num_layers
 
 
@@ -360,11 +370,11 @@ def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
 def run_workload(
     batch: DecodeBatch, args: argparse.Namespace, generator: torch.Generator
 ) -> dict[str, Any]:
-    step = make_step(batch, args.layers, generator)
+    step = make_step(batch, args.layers, generator, args.dtype)
     runners = step_runners(batch, step)
     outputs = {name: run()[0].float() for name, run in runners.items()}  # also warms up
     reference = outputs["sdpa (before)"]
-    kv_bytes = kv_bytes_per_step(batch, args.layers)
+    kv_bytes = kv_bytes_per_step(batch, args.layers, args.dtype)
     timings = {}
     for setting in SETTINGS:
         torch.set_num_threads(setting.threads)
@@ -406,10 +416,10 @@ def run_sweep(args: argparse.Namespace, generator: torch.Generator) -> list[dict
             prefix_ids = [i // group_seqs for i in range(num_seqs)]
             prompts = torch.randint(32, 129, (num_seqs,), generator=generator).tolist()
             batch = make_batch(prefix_ids, prefix_pages * PAGE_SIZE, prompts, [0] * num_seqs)
-            step = make_step(batch, args.sweep_layers, generator)
+            step = make_step(batch, args.sweep_layers, generator, args.dtype)
             runners = step_runners(batch, step, always)
-            del runners["sdpa (before)"]
-            runners.pop(C_KERNEL, None)
+            # The sweep behind the policy times the portable matmul paths alone.
+            runners = {n: r for n, r in runners.items() if n.startswith("paged matmul")}
             timings = interleaved_best_ms(runners, args.rounds, CLOCKS[SWEEP_SETTING.clock])
             plain = timings["paged matmul"]["best_ms"] / args.sweep_layers
             cascade = timings["paged matmul + cascade"]["best_ms"] / args.sweep_layers
@@ -435,10 +445,21 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-layers", type=int, default=4)
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the KV cache's dtype (float32 where this CPU's bf16 is slow)",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT_PATH)
     args = parser.parse_args()
+    args.dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
-    results: dict[str, Any] = {"machine": harness.machine_description(), "workloads": {}}
+    results: dict[str, Any] = {
+        "machine": harness.machine_description(),
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "workloads": {},
+    }
     for name, make in (("g1", g1_batch), ("shared_prefix", shared_prefix_batch)):
         harness.log(f"{name}: timing", "decode_attention")
         results["workloads"][name] = run_workload(make(generator), args, generator)

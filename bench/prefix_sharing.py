@@ -124,10 +124,14 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def orchestrate(args: argparse.Namespace) -> int:
     harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "prefix")
-    results: dict[str, Any] = {"machine": harness.machine_description(), "workloads": {}}
+    results: dict[str, Any] = {
+        "machine": harness.machine_description(),
+        "dtype": args.dtype,
+        "workloads": {},
+    }
     for workload in args.workloads.split(","):
         runs = {}
-        for cache in ("off", "on"):
+        for cache in args.caches.split(","):
             log(f"{workload}, prefix cache {cache}")
             runs[cache] = harness.run_worker(
                 lambda output, w=workload, c=cache: worker_command(args, w, c, output),
@@ -158,6 +162,8 @@ def add_vllm_run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
 
 
 def summarize(workload: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    if set(runs) != {"off", "on"}:  # one setting alone (--caches): nothing to compare
+        return dict(runs)
     off, on = runs["off"], runs["on"]
     if "error" in off or "error" in on:
         return {"off": off, "on": on}
@@ -186,7 +192,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     ]
     for workload, summary in results["workloads"].items():
         for cache in ("off", "on"):
-            run = summary[cache]
+            run = summary.get(cache)
+            if run is None:
+                continue
             if "error" in run:
                 error = harness.markdown_cell(run["error"])
                 lines.append(f"| {workload} | {cache} | failed: {error} | | | |")
@@ -224,7 +232,7 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
         f"{workload}\ncache {cache}": summary[cache]["wall_s"]
         for workload, summary in results["workloads"].items()
         for cache in ("off", "on")
-        if "wall_s" in summary[cache]
+        if "wall_s" in summary.get(cache, {})
     }
     for workload, summary in results["workloads"].items():
         if "wall_s" in summary.get(VLLM_SYSTEM, {}):
@@ -234,7 +242,7 @@ def save_plot(results: dict[str, Any], plot_path: Path) -> None:
         values,
         plot_path,
         ylabel="wall seconds (lower is better)",
-        title=f"Prefix caching off vs on, Qwen2.5-0.5B shapes, bf16\n{machine}",
+        title=f"Prefix caching off vs on, Qwen2.5-0.5B shapes, {results['dtype']}\n{machine}",
     )
 
 
@@ -264,6 +272,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["bfloat16", "float32"],
         default="bfloat16",
         help="both systems' dtype (float32 where this CPU's bf16 matmuls are slow)",
+    )
+    parser.add_argument(
+        "--caches",
+        default="off,on",
+        help="the prefix-cache settings vacpack runs (on alone skips the slow uncached run)",
     )
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--system-len", type=int, default=1024)

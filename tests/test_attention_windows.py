@@ -180,13 +180,20 @@ def test_triton_equals_reference(spec: AttentionSpec) -> None:
     )
 
 
-@pytest.mark.parametrize("spec", SPECS[1:3])
-def test_decodes_sharing_a_prefix_equal_reference(spec: AttentionSpec) -> None:
+@pytest.mark.parametrize("spec", [*SPECS[1:3], SPECS[3]])
+@pytest.mark.parametrize("decode_form", DECODE_FORMS)
+def test_decodes_sharing_a_prefix_equal_reference(spec: AttentionSpec, decode_form: str) -> None:
     """Decodes whose tables start with the same three pages: with full attention a cascade
-    (shared prefix attended once, merged by log-sum-exp; scale and softcap in both parts), with
-    a window plain windowed chunks."""
+    (shared prefix attended once, merged by log-sum-exp; scale and softcap in both parts; the
+    own pages through the decode form where it gives a log-sum-exp), with a window plain
+    windowed chunks."""
+    if decode_form == "kernel" and not paged_decode_supported(
+        CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    ):
+        pytest.skip("the paged decode C kernel does not build here (no C compiler)")
     step = _step(spec, query_lens=(1,) * 4, context_lens=(13, 17, 22, 30), num_shared_pages=3)
-    backend = TorchSdpaBackend(CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1))
+    policy = CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1)
+    backend = TorchSdpaBackend(policy, decode_form=decode_form)
     metadata = backend.build_metadata(step.layout, CPU)
     assert (metadata.view(spec.sliding_window).cascade is None) == (spec.sliding_window is not None)
     torch.testing.assert_close(

@@ -56,10 +56,12 @@ def _reference(
     pages: torch.Tensor,
     key_ranges: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's output and the log-sum-exp of its scaled scores, in float64."""
     num_heads, num_kv_heads = q.shape[1], keys.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
+    lse = torch.empty(q.shape[:2], dtype=torch.float64)
     for seq, (first, num_keys) in enumerate(key_ranges.tolist()):
         positions = torch.arange(first, num_keys)
         slots = pages[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
@@ -67,7 +69,8 @@ def _reference(
         for head in range(num_heads):
             scores = k[:, head // group] @ q[seq, head].double() * scale
             out[seq, head] = torch.softmax(scores, dim=0) @ v[:, head // group]
-    return out
+            lse[seq, head] = torch.logsumexp(scores, dim=0)
+    return out, lse
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -77,12 +80,18 @@ def test_equals_reference(shape: tuple[int, int, int], dtype: torch.dtype) -> No
     sequence; scale not head_dim ** -0.5."""
     key_ranges = [(0, 1), (0, 17), (3, 40), (100, 300), (0, 1500)]
     q, keys, values, pages, ranges = _case(shape, dtype, key_ranges)
-    got = paged_decode_attention(q, keys, values, pages, ranges, PAGE_SIZE, scale=0.2)
+    got, lse = paged_decode_attention(
+        q, keys, values, pages, ranges, PAGE_SIZE, scale=0.2, with_lse=True
+    )
     assert got.dtype == dtype and got.shape == q.shape
-    expected = _reference(q, keys, values, pages, ranges, scale=0.2)
+    assert lse is not None and lse.dtype == torch.float32
+    expected, expected_lse = _reference(q, keys, values, pages, ranges, scale=0.2)
     # bf16: the output's own rounding (8 bits) dominates.
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
+    without, no_lse = paged_decode_attention(q, keys, values, pages, ranges, PAGE_SIZE, 0.2)
+    assert no_lse is None and torch.equal(without, got)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -93,11 +102,15 @@ def test_split_keys_merge_to_the_same_result(threads: int) -> None:
     torch.set_num_threads(threads)
     try:
         q, keys, values, pages, ranges = _case((4, 2, 64), torch.float32, [(700, 3000), (0, 9)])
-        got = paged_decode_attention(q, keys, values, pages, ranges, PAGE_SIZE, scale=0.125)
+        got, lse = paged_decode_attention(
+            q, keys, values, pages, ranges, PAGE_SIZE, scale=0.125, with_lse=True
+        )
     finally:
         torch.set_num_threads(previous)
-    expected = _reference(q, keys, values, pages, ranges, scale=0.125)
+    expected, expected_lse = _reference(q, keys, values, pages, ranges, scale=0.125)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert lse is not None
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
 
 
 def test_rejects_a_cache_in_another_dtype() -> None:
@@ -109,4 +122,5 @@ def test_rejects_a_cache_in_another_dtype() -> None:
 def test_shapes_past_its_buffers_are_not_supported() -> None:
     assert not paged_decode_supported(CPU, torch.float32, 32, 1, 64)  # 32 heads per KV head
     assert not paged_decode_supported(CPU, torch.float32, 4, 2, 512)  # head_dim 512
+    assert not paged_decode_supported(CPU, torch.float32, 4, 2, 20)  # not a multiple of 8
     assert not paged_decode_supported(CPU, torch.float16, 4, 2, 64)

@@ -108,13 +108,21 @@ def cascade_attention(
     plan: CascadePlan,
     out: torch.Tensor,
     spec: AttentionSpec = FULL_ATTENTION,
+    suffix_form: str = "matmuls",
 ) -> None:
     """Writes into `out` ([tokens, heads, head_dim]) the attention of every row in the plan
-    (full attention: a sliding-window layer never runs a cascade)."""
+    (full attention: a sliding-window layer never runs a cascade). suffix_form: how the rows'
+    own pages are attended (paged_decode.DECODE_FORMS; SDPA gives no log-sum-exp, so it runs
+    as matmuls)."""
     suffix_lse = q.new_empty(q.shape[:2], dtype=torch.float32)
     for chunk in plan.suffix_chunks:
         attn, lse = chunk_attention(
-            q.index_select(0, chunk.rows), kv_layer, chunk, with_lse=True, spec=spec
+            q.index_select(0, chunk.rows),
+            kv_layer,
+            chunk,
+            with_lse=True,
+            spec=spec,
+            form=suffix_form,
         )
         assert lse is not None  # asked for
         out.index_copy_(0, chunk.rows, attn)

@@ -201,15 +201,14 @@ def chunk_attention(
     """q: [seqs, heads, head_dim], the chunk's query rows. Returns the attention output shaped
     like q and, when asked, the float32 log-sum-exp of each head's scores, [seqs, heads]. The
     chunk's keys are already cut to each row's sliding window; spec gives scale and softcap.
-    `form` (one of DECODE_FORMS) runs SDPA or the C kernel instead of the matmuls where it can
-    (no log-sum-exp asked for, no softcap)."""
+    `form` (one of DECODE_FORMS) runs the C kernel instead of the matmuls where it can (no
+    softcap), SDPA where it can (no softcap, no log-sum-exp asked for)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
     page_size = kv_layer.page_size
-    plain = not with_lse and spec.logit_softcap is None
-    if form == "kernel" and plain:
+    if form == "kernel" and spec.logit_softcap is None:
         assert chunk.key_ranges is not None, "built by build_chunk"
-        out = paged_decode_attention(
+        return paged_decode_attention(
             q,
             kv_layer.keys,
             kv_layer.values,
@@ -217,11 +216,11 @@ def chunk_attention(
             chunk.key_ranges,
             page_size,
             spec.scale_for(head_dim),
+            with_lse,
         )
-        return out, None
     keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys)
     values = gather_pages(kv_layer.values, chunk.pages, page_size, num_seqs, chunk.num_keys)
-    if form == "sdpa" and plain:
+    if form == "sdpa" and not with_lse and spec.logit_softcap is None:
         # Each KV head's grouped query heads are its query block: [seqs, kv_heads, group, dim].
         out = F.scaled_dot_product_attention(
             q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),

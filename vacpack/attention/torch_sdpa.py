@@ -346,7 +346,7 @@ class TorchSdpaBackend(AttentionBackend):
             out.index_copy_(0, chunk.rows, attn)
         if view.cascade is not None:
             assert kv_layer is not None
-            cascade_attention(q, kv_layer, view.cascade, out, spec)
+            cascade_attention(q, kv_layer, view.cascade, out, spec, self.decode_form)
         for group in view.packed_groups:
             out.index_copy_(0, group.out_rows, packed_attention(q, k, v, group, spec))
         for seg in view.prefills:

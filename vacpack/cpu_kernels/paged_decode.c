@@ -34,6 +34,7 @@
 #define TASKS_PER_THREAD 4
 #define MAX_SPLITS 64
 #define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
 
 typedef uint16_t bf16;
 
@@ -143,7 +144,10 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
         memset(running_acc, 0, pr->num_heads * dim * sizeof(float));                          \
         int64_t slots[KEY_BLOCK];                                                             \
         float scores[MAX_GROUP][KEY_BLOCK];                                                   \
-        v8f value_rows[KEY_BLOCK][MAX_HEAD_DIM / 8];                                          \
+        /* Rows `chunks` apart (not MAX_HEAD_DIM): a 1 KiB stride would map every fourth */   \
+        /* row to the same L1 sets. */                                                        \
+        v8f value_rows[KEY_BLOCK * MAX_HEAD_DIM / 8];                                         \
+        v8f queries[MAX_GROUP * MAX_HEAD_DIM / 8];                                            \
         for (int64_t start = key_start; start < key_end; start += KEY_BLOCK) {                \
             const int64_t count = key_end - start < KEY_BLOCK ? key_end - start : KEY_BLOCK;  \
             for (int64_t j = 0; j < count; ++j) slots[j] = slot_of(pr, pages, start + j);    \
@@ -163,24 +167,26 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
                 const int64_t first_head = kv_head * group;                                   \
                 const T* keys = (const T*)pr->keys + kv_head * dim;                           \
                 const T* values = (const T*)pr->values + kv_head * dim;                       \
-                v8f queries[MAX_GROUP][MAX_HEAD_DIM / 8];                                     \
                 for (int64_t h = 0; h < group; ++h)                                           \
                     for (int64_t c = 0; c < chunks; ++c)                                      \
-                        queries[h][c] = LOAD8(q + (first_head + h) * dim + 8 * c) * scale;    \
+                        queries[h * chunks + c] =                                             \
+                            LOAD8(q + (first_head + h) * dim + 8 * c) * scale;                \
                 for (int64_t j = 0; j < count; ++j) {                                         \
                     const T* k = keys + slots[j] * slot_stride;                               \
                     v8f row[MAX_HEAD_DIM / 8];                                                \
                     for (int64_t c = 0; c < chunks; ++c) row[c] = LOAD8(k + 8 * c);           \
                     for (int64_t h = 0; h < group; ++h) {                                     \
-                        v8f dot = queries[h][0] * row[0];                                     \
-                        for (int64_t c = 1; c < chunks; ++c) dot += queries[h][c] * row[c];   \
+                        const v8f* query = &queries[h * chunks];                              \
+                        v8f dot = query[0] * row[0];                                          \
+                        for (int64_t c = 1; c < chunks; ++c) dot += query[c] * row[c];        \
                         scores[h][j] = sum8(dot);                                             \
                     }                                                                         \
                 }                                                                             \
                 /* The block's value rows as float32, once for the whole group. */           \
                 for (int64_t j = 0; j < count; ++j) {                                         \
                     const T* v = values + slots[j] * slot_stride;                             \
-                    for (int64_t c = 0; c < chunks; ++c) value_rows[j][c] = LOAD8(v + 8 * c); \
+                    for (int64_t c = 0; c < chunks; ++c)                                      \
+                        value_rows[j * chunks + c] = LOAD8(v + 8 * c);                        \
                 }                                                                             \
                 for (int64_t h = 0; h < group; ++h) {                                         \
                     float* max = &running_max[first_head + h];                                \
@@ -206,7 +212,7 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
                     for (int64_t j = 0; j < count; ++j) {                                     \
                         const float weight = scores[h][j];                                    \
                         for (int64_t c = 0; c < chunks; ++c)                                  \
-                            acc[c] += weight * value_rows[j][c];                              \
+                            acc[c] += weight * value_rows[j * chunks + c];                    \
                     }                                                                         \
                     memcpy(acc_out, acc, chunks * sizeof(v8f));                               \
                 }                                                                             \
@@ -229,9 +235,10 @@ static AttendFunction attend_for(int64_t head_dim, int is_bf16) {
     return is_bf16 ? attend_bf16 : attend_f32;
 }
 
-// Writes sequence `seq`'s result, merged from its `num_parts` consecutive partials, to out.
+// Writes sequence `seq`'s result, merged from its `num_parts` consecutive partials, to out,
+// and where lse is given each head's log-sum-exp of its scaled scores (natural log).
 static void merge_and_store(const Problem* pr, const float* parts, int64_t num_parts,
-                            int64_t seq, void* out, int is_bf16) {
+                            int64_t seq, void* out, float* lse, int is_bf16) {
     const int64_t dim = pr->head_dim, stride = partial_floats(pr);
     for (int64_t h = 0; h < pr->num_heads; ++h) {
         float top = -INFINITY;
@@ -247,6 +254,7 @@ static void merge_and_store(const Problem* pr, const float* parts, int64_t num_p
             weights[p] = part_max == -INFINITY ? 0.0f : exp2_nonpositive(part_max - top);
             total += weights[p] * parts[p * stride + pr->num_heads + h];
         }
+        if (lse) lse[seq * pr->num_heads + h] = (top + log2f(total)) * LN2;
         const int64_t first = (seq * pr->num_heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d) {
             float value = 0.0f;
@@ -273,8 +281,8 @@ static int64_t splits_for(int64_t num_keys, int64_t num_seqs, int threads) {
 
 // Returns 0, or -1 where a shape is past the kernel's fixed buffers (the caller checks first)
 // or memory runs out.
-static int paged_decode(const Problem* pr, void* out, int64_t num_seqs, int is_bf16,
-                        int threads) {
+static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_seqs,
+                        int is_bf16, int threads) {
     const int64_t group = pr->num_heads / pr->num_kv_heads;
     if (group > MAX_GROUP || pr->head_dim > MAX_HEAD_DIM || pr->head_dim % 8) return -1;
     const AttendFunction attend = attend_for(pr->head_dim, is_bf16);
@@ -306,7 +314,7 @@ static int paged_decode(const Problem* pr, void* out, int64_t num_seqs, int is_b
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t seq = 0; seq < num_seqs; ++seq)
         merge_and_store(pr, parts + first_task[seq] * partial_floats(pr),
-                        first_task[seq + 1] - first_task[seq], seq, out, is_bf16);
+                        first_task[seq + 1] - first_task[seq], seq, out, lse, is_bf16);
     free(parts);
     free(first_task);
     return 0;
@@ -314,10 +322,10 @@ static int paged_decode(const Problem* pr, void* out, int64_t num_seqs, int is_b
 
 int paged_decode_attention(const void* q, const void* keys, const void* values,
                            const int64_t* pages, const int64_t* key_range, void* out,
-                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           float* lse, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t page_size, int64_t pages_per_seq,
                            float scale, int is_bf16, int threads) {
     const Problem problem = {q, keys, values, pages, key_range, num_heads, num_kv_heads,
                              head_dim, page_size, pages_per_seq, scale};
-    return paged_decode(&problem, out, num_seqs, is_bf16, threads);
+    return paged_decode(&problem, out, lse, num_seqs, is_bf16, threads);
 }

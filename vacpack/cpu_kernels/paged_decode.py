@@ -24,7 +24,7 @@ def _kernel() -> KernelFunction | None:
     function = library.paged_decode_attention
     if function.argtypes is None:
         function.argtypes = [
-            *[_POINTER] * 6,  # q, keys, values, pages, key ranges, out
+            *[_POINTER] * 7,  # q, keys, values, pages, key ranges, out, lse (or NULL)
             *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
             ctypes.c_float,  # scale
             ctypes.c_int,  # bf16 (else float32)
@@ -37,13 +37,15 @@ def _kernel() -> KernelFunction | None:
 def paged_decode_supported(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
-    """Whether the kernel runs these decodes here (CPU, float32 or bf16, within its buffers)."""
+    """Whether the kernel runs these decodes here (CPU, float32 or bf16, head_dim a multiple of
+    8 for its 8-lane vectors, within its buffers)."""
     return (
         device.type == "cpu"
         and dtype in _DTYPES
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
+        and head_dim % 8 == 0
         and _kernel() is not None
     )
 
@@ -56,8 +58,11 @@ def paged_decode_attention(
     key_ranges: torch.Tensor,
     page_size: int,
     scale: float,
-) -> torch.Tensor:
-    """Softmax attention of decode queries q [seqs, heads, head_dim] over their cached keys.
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention of decode queries q [seqs, heads, head_dim] over their cached keys;
+    with_lse: also each head's float32 log-sum-exp of its scaled scores, [seqs, heads] (what a
+    cascade merges by).
 
     keys and values: one layer's cache, [slots, kv_heads, head_dim], in q's dtype. pages:
     [seqs, pages per seq] int64 page ids (padding past a sequence's keys is never read).
@@ -80,6 +85,7 @@ def paged_decode_attention(
     q = q.contiguous()
     key_ranges = key_ranges.contiguous()
     out = torch.empty_like(q)
+    lse = torch.empty(num_seqs, num_heads, dtype=torch.float32) if with_lse else None
     status = kernel(
         q.data_ptr(),
         keys.data_ptr(),
@@ -87,6 +93,7 @@ def paged_decode_attention(
         pages.data_ptr(),
         key_ranges.data_ptr(),
         out.data_ptr(),
+        None if lse is None else lse.data_ptr(),
         num_seqs,
         num_heads,
         num_kv_heads,
@@ -99,4 +106,4 @@ def paged_decode_attention(
     )
     if status != 0:
         raise MemoryError("the paged decode kernel could not allocate its task buffers")
-    return out
+    return out, lse
