@@ -11,8 +11,9 @@ Qwen2.5-0.5B). Three ways to run that shape (DECODE_FORMS), and none wins on eve
   emulated;
 - "kernel": vacpack/cpu_kernels/paged_decode.c, which reads each key and value once from its
   page, with no gather, vectorised for the CPU it was built on; where it builds.
-So the backend's decode form is measured at the model's shapes (attention/selection.py); the
-matmuls stay where something needs the log-sum-exp (a cascade) or soft-capped scores.
+So the backend's decode form is measured at the model's shapes (attention/selection.py). The
+matmuls stay where scores are soft-capped, and stand in for SDPA where a cascade needs the
+log-sum-exp (the kernel returns one).
 
 Decodes run in chunks, longest context first, each padded to its longest member and capped at
 a budget of padded key tokens: a chunk's gathered keys and values stay in the CPU's caches
