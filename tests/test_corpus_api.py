@@ -39,7 +39,7 @@ def minilm() -> LLM:
 
 
 def test_minilm_embed_equals_sentence_transformers(minilm: LLM) -> None:
-    texts = _passages(120, seed=0)
+    texts = _passages(48, seed=0)
     ours = embeddings_array(minilm.embed(texts, use_tqdm=False))
     reference = SentenceTransformer(str(MINILM_DIR), device="cpu").encode(texts, batch_size=32)
     cosine = (

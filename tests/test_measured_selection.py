@@ -28,7 +28,7 @@ from vacpack.attention import (
 from vacpack.attention.backend import AttentionSpec
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
 from vacpack.attention.paged_decode import DECODE_FORMS
-from vacpack.attention.selection import cascade_shape
+from vacpack.attention.selection import PREFIX_BAND_FACTOR, cascade_shapes
 from vacpack.attention.timed_steps import TimedCall, Workload
 from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.tuning import ChoiceSource, force_env_var
@@ -251,6 +251,53 @@ def test_decodes_sharing_a_prefix_cascade_as_measured(inject, prefill_forced, fa
     assert cascade.chosen == fastest and "torch_sdpa" in cascade.shape_key
 
 
+@pytest.mark.parametrize(
+    ("cascade_wins", "min_prefix_tokens"),
+    [
+        ((True, True), 256),  # everywhere: the default policy
+        ((False, True), 256 * PREFIX_BAND_FACTOR),  # only behind the longer prefix
+        ((True, False), None),  # a win the longer prefix contradicts is not taken
+        ((False, False), None),
+    ],
+)
+def test_the_cascade_runs_from_the_shortest_prefix_it_won_from(
+    prefill_forced,
+    monkeypatch: pytest.MonkeyPatch,
+    cascade_wins: tuple[bool, ...],
+    min_prefix_tokens: int | None,
+) -> None:
+    """Timed behind two prefix lengths (the 64 decodes' shortest cascaded prefix, 256 tokens,
+    and 1,024 in a 2,048-token context), the cascade runs from the shorter length from which
+    it won every timing."""
+    clock = FakeClock()
+    real = selection.timed_calls
+    prefixes: list[int] = []
+
+    def timed_calls(backends, shapes, workload, device, specs=None) -> dict[str, TimedCall]:
+        assert set(backends) == {"cascade", "no_cascade"}  # the rest is forced
+        real(backends, shapes, workload, device, specs)  # each candidate runs once, for real
+        prefixes.append(workload.shared_prefix_tokens)
+        wins = cascade_wins[len(prefixes) - 1]
+        return {
+            "cascade": clock.costing(0.001 if wins else 0.002),
+            "no_cascade": clock.costing(0.002 if wins else 0.001),
+        }
+
+    monkeypatch.setattr(selection, "timed_calls", timed_calls)
+    shapes = AttentionShapes(4, 2, 32, torch.bfloat16, max_model_len=2048)
+    decodes = DecodeBatchShape(num_seqs=64, longest_context=40, page_size=16)
+    selected = select_backend("torch_sdpa", CPU, shapes, decodes, clock=clock)
+    assert prefixes == [256, 256 * PREFIX_BAND_FACTOR]  # the third band does not fit
+    cascades = [c for c in selected.choices if c.phase == "attention_cascade"]
+    assert [c.chosen == "cascade" for c in cascades] == list(cascade_wins)
+    policy = selected.backend.cascade
+    if min_prefix_tokens is None:
+        assert policy is None
+    else:
+        assert policy is not None and policy.min_prefix_tokens == min_prefix_tokens
+        assert policy.min_saved_tokens == DEFAULT_CASCADE_POLICY.min_saved_tokens
+
+
 @pytest.mark.parametrize("fastest", DECODE_FORMS)
 def test_torch_sdpa_runs_decodes_as_measured(
     inject, monkeypatch: pytest.MonkeyPatch, fastest: str
@@ -288,16 +335,18 @@ def test_no_decode_choice_for_packed_bins_or_soft_capped_layers(inject, monkeypa
         assert selected.backend.decode_form == "matmuls"
 
 
-def test_the_cascade_is_timed_at_the_shortest_prefix_it_runs_for() -> None:
-    shared = cascade_shape(DECODES, max_model_len=1024)
-    assert shared is not None and shared.num_seqs == DECODES.num_seqs
+def test_the_cascade_is_timed_from_the_shortest_prefix_it_runs_for() -> None:
+    shortest, longer = cascade_shapes(DECODES, max_model_len=2500)
+    assert shortest.num_seqs == longer.num_seqs == DECODES.num_seqs
     # 8 decodes save 7 reads of the prefix: 4,096 saved tokens need 592 (37 pages) of it.
-    assert shared.shared_prefix_tokens == 592
-    saved = (shared.num_seqs - 1) * shared.shared_prefix_tokens
+    assert shortest.shared_prefix_tokens == 592
+    assert longer.shared_prefix_tokens == 592 * PREFIX_BAND_FACTOR
+    saved = (shortest.num_seqs - 1) * shortest.shared_prefix_tokens
     assert saved >= DEFAULT_CASCADE_POLICY.min_saved_tokens
-    assert all(n > shared.shared_prefix_tokens for n in shared.context_lens())
-    assert cascade_shape(DECODES, max_model_len=600) is None  # no such prefix fits
-    assert cascade_shape(DecodeBatchShape(1, 40, 16), max_model_len=1024) is None
+    assert all(n > shortest.shared_prefix_tokens for n in shortest.context_lens())
+    assert len(cascade_shapes(DECODES, max_model_len=1024)) == 1
+    assert cascade_shapes(DECODES, max_model_len=600) == []  # no such prefix fits
+    assert cascade_shapes(DecodeBatchShape(1, 40, 16), max_model_len=1024) == []
 
 
 def test_no_cascade_choice_for_windowed_layers(inject, prefill_forced) -> None:

@@ -14,9 +14,11 @@ Options of a backend are measured the same way, each a phase of its own:
 - sdpa_decode: how torch_sdpa runs decodes: as plain matmuls, through SDPA's kernel, or
   through the C kernel that reads pages in place where it builds (paged_decode.py), timed on
   the engine's decode batch. Also decided before the backends are timed.
-- attention_cascade: whether decodes sharing a prefix run as a cascade (cascade.py), for the
-  chosen backend where it takes one, timed on a decode batch sharing the shortest prefix its
-  policy cascades. Timed on the engine's decode batch only.
+- attention_cascade: from which shared prefix length decodes sharing a prefix run as a cascade
+  (cascade.py), for the chosen backend where it takes one. Timed on the engine's decode batch
+  behind prefixes of a few lengths (PREFIX_BANDS), from the shortest the policy cascades: where
+  the plain decode reads pages fast (a C kernel), the cascade pays only for long prefixes, so
+  the policy starts at the shortest length from which the cascade won every timing.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ Measure = Callable[..., MeasuredChoice]  # vacpack.tuning.choose, with the cache
 BACKEND_BUDGET_S = 0.3
 PREFILL_BUDGET_S = 0.25
 DECODE_BUDGET_S = 0.25
-CASCADE_BUDGET_S = 0.25
+CASCADE_BUDGET_S = 0.12  # per prefix length timed
 
 SDPA_PREFILL_PHASE = "sdpa_prefill"
 SDPA_DECODE_PHASE = "sdpa_decode"
@@ -69,6 +71,10 @@ CASCADE_PHASE = "attention_cascade"
 PREFILL_TIMED_TOKENS = 512
 # Own tokens of each decode after a shared prefix, at most: a prompt's own part and some output.
 OWN_TOKENS_AFTER_PREFIX = 128
+# The cascade is timed behind prefixes of the shortest length its policy cascades, then this
+# many times longer each, up to PREFIX_BANDS lengths that fit the model's context.
+PREFIX_BAND_FACTOR = 4
+PREFIX_BANDS = 3
 
 
 @dataclass(frozen=True)
@@ -161,10 +167,10 @@ def select_backend(
     options_of(chosen)  # measured before the cascade, whose candidates are built with them
     options: dict[str, Any] = {}
     if isinstance(workload, DecodeBatchShape):
-        cascade_choice = _choose_cascade(chosen, device, shapes, workload, build, measure)
-        if cascade_choice is not None:
-            tuned.append(cascade_choice)
-            options["cascade"] = _CASCADES[cascade_choice.chosen]
+        cascade_timed = _choose_cascade(chosen, device, shapes, workload, build, measure)
+        if cascade_timed:
+            tuned.extend(choice for _, choice in cascade_timed)
+            options["cascade"] = cascade_policy(cascade_timed)
     backend = build(chosen, **options)
     choices = [backend_choice, *tuned]
     sole = ChoiceSource.ONLY_CANDIDATE
@@ -243,26 +249,42 @@ def _choose_decode_form(
     )
 
 
-_CASCADES: dict[str, CascadePolicy | None] = {
-    "cascade": DEFAULT_CASCADE_POLICY,
-    "no_cascade": None,
-}
-
-
-def cascade_shape(decodes: DecodeBatchShape, max_model_len: int) -> DecodeBatchShape | None:
-    """The engine's decode batch behind the shortest shared prefix the cascade policy runs as
-    a cascade for that many decodes; None where no such prefix fits the model's context."""
+def cascade_shapes(decodes: DecodeBatchShape, max_model_len: int) -> list[DecodeBatchShape]:
+    """The engine's decode batch behind the shortest shared prefix the default cascade policy
+    runs as a cascade for that many decodes, then behind prefixes PREFIX_BAND_FACTOR times
+    longer each: at most PREFIX_BANDS of them, those that fit the model's context."""
     policy = DEFAULT_CASCADE_POLICY
     if decodes.num_seqs < 2:
-        return None
+        return []
     page_size = decodes.page_size
     saved_per_seq = -(-policy.min_saved_tokens // (decodes.num_seqs - 1))
     prefix_tokens = max(policy.min_prefix_tokens, saved_per_seq)
     prefix_tokens = -(-prefix_tokens // page_size) * page_size
     own_tokens = min(decodes.longest_context, OWN_TOKENS_AFTER_PREFIX)
-    if prefix_tokens + own_tokens > max_model_len:
+    shapes = []
+    for band in range(PREFIX_BANDS):
+        prefix_band = prefix_tokens * PREFIX_BAND_FACTOR**band
+        if prefix_band + own_tokens > max_model_len:
+            break
+        shapes.append(DecodeBatchShape(decodes.num_seqs, own_tokens, page_size, prefix_band))
+    return shapes
+
+
+def cascade_policy(timed: list[tuple[int, MeasuredChoice]]) -> CascadePolicy | None:
+    """The cascade policy that the choices timed behind prefixes of increasing length (prefix
+    tokens, choice) call for: cascade from the shortest prefix from which the cascade won at
+    every longer one too; None where it lost at the longest."""
+    won_from = None
+    for band, (prefix_tokens, choice) in reversed(list(enumerate(timed))):
+        if choice.chosen != "cascade":
+            break
+        won_from = band, prefix_tokens
+    if won_from is None:
         return None
-    return DecodeBatchShape(decodes.num_seqs, own_tokens, page_size, prefix_tokens)
+    band, prefix_tokens = won_from
+    if band == 0:  # won wherever the default policy cascades
+        return DEFAULT_CASCADE_POLICY
+    return replace(DEFAULT_CASCADE_POLICY, min_prefix_tokens=prefix_tokens)
 
 
 def _choose_cascade(
@@ -272,28 +294,36 @@ def _choose_cascade(
     decodes: DecodeBatchShape,
     build: Callable[..., AttentionBackend],
     measure: Measure,
-) -> MeasuredChoice | None:
-    """Cascade or not for decodes sharing a prefix, where the backend takes the option and
-    the model's full-attention layers could run one (a windowed layer never cascades)."""
+) -> list[tuple[int, MeasuredChoice]]:
+    """Cascade or not behind each timed prefix length, shortest first, as (prefix tokens,
+    choice), where the backend takes the option and the model's full-attention layers could run
+    one (a windowed layer never cascades); empty where no cascade is possible."""
     if "cascade" not in SPECS_BY_NAME[backend_name].options:
-        return None
+        return []
     full_layers = tuple(s for s in shapes.distinct_specs if s.sliding_window is None)
-    shared = cascade_shape(decodes, shapes.max_model_len)
-    if not full_layers or shared is None:
-        return None
+    if not full_layers:
+        return []
     timed_shapes = replace(shapes, specs=full_layers)
-    return measure(
-        CASCADE_PHASE,
-        f"{backend_name}; {timed_shapes.key()}; {shared.key()}",
-        list(_CASCADES),
-        lambda: timed_calls(
-            {
-                option: functools.partial(build, backend_name, cascade=policy)
-                for option, policy in _CASCADES.items()
-            },
-            timed_shapes,
-            shared,
-            device,
-        ),
-        budget_s=CASCADE_BUDGET_S,
-    )
+    policies = {"cascade": DEFAULT_CASCADE_POLICY, "no_cascade": None}
+    return [
+        (
+            shared.shared_prefix_tokens,
+            measure(
+                CASCADE_PHASE,
+                f"{backend_name}; {timed_shapes.key()}; {shared.key()}",
+                list(policies),
+                functools.partial(
+                    timed_calls,
+                    {
+                        option: functools.partial(build, backend_name, cascade=policy)
+                        for option, policy in policies.items()
+                    },
+                    timed_shapes,
+                    shared,
+                    device,
+                ),
+                budget_s=CASCADE_BUDGET_S,
+            ),
+        )
+        for shared in cascade_shapes(decodes, shapes.max_model_len)
+    ]

@@ -116,7 +116,7 @@ class ServerMetrics:
         self._candidate_seconds = Gauge(
             "vacpack:measured_choice_candidate_seconds",
             "Best time of one call of each candidate timed for a measured choice.",
-            [*labels, "phase", "candidate"],
+            [*labels, "phase", "shape", "candidate"],
             registry=registry,
         )
         self.requests_rejected = counter(
@@ -131,9 +131,9 @@ class ServerMetrics:
                 self._model_name, choice.phase, choice.chosen, source, shape
             ).set(1)
             for candidate, best_s in choice.best_time_s.items():
-                self._candidate_seconds.labels(self._model_name, choice.phase, candidate).set(
-                    best_s
-                )
+                self._candidate_seconds.labels(
+                    self._model_name, choice.phase, shape, candidate
+                ).set(best_s)
 
     def count_finished(self, finish_reason: str) -> None:
         self._finished.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
