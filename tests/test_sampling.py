@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vacpack.engine.sampler import (
+    CDF_BLOCK,
     Sampler,
     SamplingRow,
     gather_logprobs,
@@ -362,6 +363,25 @@ def test_temperature_sampling_matches_target_distribution(temperature: float) ->
     chi_square = float(((observed - expected) ** 2 / expected).sum())
     # 5 degrees of freedom: P(chi2 > 25) < 2e-4 for a correct sampler; the seed fixes the draw.
     assert chi_square < 25.0, (observed.tolist(), expected.tolist())
+
+
+def test_sampling_across_cdf_blocks_matches_the_distribution() -> None:
+    """A vocabulary of several CDF blocks, the allowed tokens at and beside block edges, every
+    other token forbidden: the draws follow the distribution and never pick a forbidden one."""
+    vocab_size = 2 * CDF_BLOCK + 452
+    allowed = [0, CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK + 1, 2 * CDF_BLOCK, vocab_size - 1]
+    logits = torch.full((vocab_size,), float("-inf"), device=DEVICE)
+    logits[allowed] = torch.tensor([0.5, 1.0, -0.5, 0.0, 1.5, -1.0], device=DEVICE)
+    num_draws = 20_000
+    rows = [make_row(SamplingParams(temperature=1.0)) for _ in range(num_draws)]
+    batch = logits.expand(num_draws, -1).contiguous()
+    sampled = Sampler(vocab_size, DEVICE, seed=5)(batch, rows).sampled_token_ids
+    counts = torch.bincount(sampled, minlength=vocab_size).double()
+    assert counts.sum() == counts[allowed].sum()  # nothing outside the allowed tokens
+    expected = torch.softmax(logits[allowed].double(), dim=0) * num_draws
+    chi_square = float(((counts[allowed] - expected) ** 2 / expected).sum())
+    # 5 degrees of freedom, as above.
+    assert chi_square < 25.0, (counts[allowed].tolist(), expected.tolist())
 
 
 def test_rejects_logits_of_the_wrong_shape() -> None:

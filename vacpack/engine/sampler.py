@@ -79,6 +79,16 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None  # [num_rows, max_num_logprobs] float32
 
 
+# Tokens per block of the two-level inverse CDF (Sampler._inverse_cdf): a 151,936-token
+# vocabulary is 149 blocks, and a row's second level reads one block.
+CDF_BLOCK = 1024
+
+
+def _just_below(values: torch.Tensor) -> torch.Tensor:
+    """The largest float below each value (of a positive total)."""
+    return torch.nextafter(values, torch.zeros_like(values))
+
+
 def make_request_generator(seed: int, device: torch.device) -> torch.Generator:
     """A generator for one seeded request; keep it for the request's whole life."""
     generator = torch.Generator(device=device)
@@ -348,10 +358,26 @@ class Sampler:
         categorical sampling from one random number per row. The exponential race (argmax of
         probs / Exp(1) noise, what GPU engines use) needs one draw per vocabulary entry, and a
         CPU generator makes those one at a time: 52 ms per step for 16 rows of a
-        151,936-token vocabulary on a 2-core Zen 3, against 4 ms for this."""
-        # float64: summed in float32, 151,936 terms could drift by a percent of the mass.
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        total = cdf[:, -1:]
+        151,936-token vocabulary on a 2-core Zen 3, against 4 ms for this.
+
+        In two levels, so that no pass over the whole vocabulary is serial: the draw first
+        picks a block of CDF_BLOCK tokens by the blocks' cumulative mass, then a token by the
+        cumulative mass within that block alone. A float64 cumsum over all 151,936 entries of
+        64 rows took 38 ms a step there, plus 28 ms to widen them."""
+        num_rows, vocab_size = probs.shape
+        num_full_blocks = vocab_size // CDF_BLOCK
+        full_blocks = probs[:, : num_full_blocks * CDF_BLOCK].view(
+            num_rows, num_full_blocks, CDF_BLOCK
+        )
+        # Each block summed in float32 (pairwise, exact to ~1e-7 of its mass), the blocks'
+        # running total in float64: 151,936 terms summed one after another in float32 could
+        # drift by a percent of the mass. The last block may be short.
+        block_sums = full_blocks.sum(dim=-1)
+        if num_full_blocks * CDF_BLOCK < vocab_size:
+            tail = probs[:, num_full_blocks * CDF_BLOCK :].sum(dim=-1, keepdim=True)
+            block_sums = torch.cat([block_sums, tail], dim=1)
+        block_cdf = block_sums.cumsum(dim=-1, dtype=torch.float64)
+        total = block_cdf[:, -1:]
         uniform = torch.empty_like(total)
         if any(row.generator is None for row in rows):
             uniform.uniform_(generator=self._shared_generator)
@@ -360,7 +386,15 @@ class Sampler:
                 # The request's own generator, so a seeded request gets the same tokens
                 # whatever else shares its batch.
                 uniform[row_index].uniform_(generator=row.generator)
-        # Kept strictly below the total: the first entry whose cumulative mass exceeds the
+        # Kept strictly below each total: the first entry whose cumulative mass exceeds the
         # target then always has a probability above zero, so a forbidden token never wins.
-        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+        target = torch.minimum(uniform * total, _just_below(total))
+        block = torch.searchsorted(block_cdf, target, right=True)
+        before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+        columns = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
+        past_end = columns >= vocab_size  # of a short last block
+        block_probs = probs.gather(1, columns.clamp(max=vocab_size - 1)).masked_fill(past_end, 0)
+        local_cdf = block_probs.cumsum(dim=-1, dtype=torch.float64)
+        local_target = torch.minimum(target - before, _just_below(local_cdf[:, -1:]))
+        within = torch.searchsorted(local_cdf, local_target, right=True)
+        return (block * CDF_BLOCK + within).squeeze(1)
