@@ -30,6 +30,7 @@ import ray
 
 from vacpack import LLM, SamplingParams
 from vacpack.cli import main
+from vacpack.errors import ExitCode
 from vacpack.ray import ProcessorConfig, build_processor
 from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH
 
@@ -97,10 +98,14 @@ def _read_jsonl_directory(directory: Path) -> list[dict]:
 def test_loglikelihood_command_on_two_replicas_equals_the_single_process_command(
     local_ray: None, decoder_dir: Path, documents: list[str], tmp_path: Path, capsys
 ) -> None:
+    """Two malformed lines among them get their error, in place, in both; every other row
+    equals the single-process row."""
+    lines = [json.dumps({"id": index, "text": text}) for index, text in enumerate(documents)]
+    malformed = {7: '{"id": "cut off', 150: '["not", "an object"]'}
+    for position in sorted(malformed):
+        lines.insert(position, malformed[position])
     corpus = tmp_path / "corpus.jsonl"
-    with corpus.open("w", encoding="utf-8") as sink:
-        for index, text in enumerate(documents):
-            sink.write(json.dumps({"id": index, "text": text}) + "\n")
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
     engine_flags = ["--model", str(decoder_dir), "--dtype", "float32"]
     engine_flags += ["--max-num-batched-tokens", "512"]
     single_output = tmp_path / "single.jsonl"
@@ -114,9 +119,15 @@ def test_loglikelihood_command_on_two_replicas_equals_the_single_process_command
 
     single_rows = [json.loads(line) for line in single_output.read_text().splitlines()]
     ray_rows = _read_jsonl_directory(ray_output)
+    assert len(ray_rows) == len(single_rows) == len(lines)
+    for rows in (ray_rows, single_rows):
+        failed = {i: row["error"] for i, row in enumerate(rows) if row.get("error") is not None}
+        assert set(failed) == set(malformed)
+        assert "not valid JSON" in failed[7] and "not a JSON object" in failed[150]
+    ray_rows = [row for row in ray_rows if row["error"] is None]
+    single_rows = [row for row in single_rows if "error" not in row]
     assert [row["id"] for row in ray_rows] == list(range(NUM_DOCUMENTS))
     assert [row["text"] for row in ray_rows] == documents
-    assert all(row["error"] is None for row in ray_rows)
     assert [row["num_tokens"] for row in ray_rows] == [row["num_tokens"] for row in single_rows]
     # Bins hold other neighbours on each side, so float32 sums may round differently.
     np.testing.assert_allclose(
@@ -130,7 +141,7 @@ def test_loglikelihood_command_on_two_replicas_equals_the_single_process_command
     report = capsys.readouterr().err
     assert "loglikelihood on Ray, " in report
     total = next(line for line in report.splitlines() if line.strip().startswith("total:"))
-    assert f"total: {NUM_DOCUMENTS} rows (0 failed)" in total
+    assert f"total: {len(lines)} rows ({len(malformed)} failed)" in total
     assert "padding 0.00%" in total and "device busy" in total
 
 
@@ -164,6 +175,11 @@ def test_ray_commands_refuse_what_cannot_run(
     too_many = [*command, "--output", str(tmp_path / "out"), "--num-replicas", "2"]
     assert main(too_many) == 2
     assert "leave no CPU of the cluster's 2 free" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    # A model the replicas would not find, said as the single-process command says it.
+    missing = ["embed", "--model", str(tmp_path / "no-such-model"), "--input", str(corpus)]
+    assert main([*missing, "--ray", "--output", str(tmp_path / "out")]) == ExitCode.MODEL_NOT_FOUND
+    assert "no-such-model' is not a directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     samples = ["generate", "--model", str(decoder_dir), "--prompt", "hi", "--n", "2", "--ray"]
     assert main([*samples, "--output", str(tmp_path / "out")]) == 2

@@ -9,6 +9,7 @@ Ray is imported only when a command runs with --ray, so the rest of the CLI work
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -75,6 +76,12 @@ def run_ray_command(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
 
         sampling_params = sampling_params_from_args(args)
     _check_before_starting(args, sampling_params)
+    if not (args.ray_address or os.environ.get("RAY_ADDRESS")):
+        # A Ray started here runs its replicas on this machine: a model they cannot find is
+        # reported now, as the single-process commands report it, not as replicas dying.
+        from vacpack.models.hub import resolve_model_path
+
+        resolve_model_path(args.model, engine_kwargs.get("revision"))
     try:
         import ray
     except ImportError:

@@ -7,21 +7,17 @@ import ctypes
 
 import torch
 
-from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
 _LIBRARY_NAME = "argmax"
 
 
+# x, rows, columns, row stride, out, threads
+_ARGTYPES = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int]
+
+
 def _kernel() -> KernelFunction | None:
-    library = load_kernel_library(_LIBRARY_NAME)
-    if library is None:
-        return None
-    function = library.argmax_bf16
-    if function.argtypes is None:
-        # x, rows, columns, row stride, out, threads
-        function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int]
-        function.restype = None
-    return function
+    return kernel_function(_LIBRARY_NAME, "argmax_bf16", _ARGTYPES)
 
 
 def argmax_supported(logits: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
 _LIBRARY_NAME = "varlen_attention"
 # The value product works on 32 dims at a time.
@@ -26,24 +26,20 @@ MAX_HEAD_DIM = 256
 PROFILER_NAME = "vacpack::varlen_attention"
 
 
+_ARGTYPES = [
+    *[ctypes.c_void_p] * 6,  # q, k, v, out, cu_q, cu_k
+    *[ctypes.c_int64] * 8,  # sequences, heads, KV heads, head dim, four row strides
+    ctypes.c_void_p,  # page tables, or None
+    *[ctypes.c_int64] * 2,  # page table row stride, page size
+    ctypes.c_void_p,  # log-sum-exp out, or None
+    ctypes.c_float,  # scale
+    ctypes.c_int,  # causal
+    ctypes.c_int,  # threads
+]
+
+
 def _kernel() -> KernelFunction | None:
-    library = load_kernel_library(_LIBRARY_NAME)
-    if library is None:
-        return None
-    function = library.varlen_attention_bf16
-    if function.argtypes is None:
-        function.argtypes = [
-            *[ctypes.c_void_p] * 6,  # q, k, v, out, cu_q, cu_k
-            *[ctypes.c_int64] * 8,  # sequences, heads, KV heads, head dim, four row strides
-            ctypes.c_void_p,  # page tables, or None
-            *[ctypes.c_int64] * 2,  # page table row stride, page size
-            ctypes.c_void_p,  # log-sum-exp out, or None
-            ctypes.c_float,  # scale
-            ctypes.c_int,  # causal
-            ctypes.c_int,  # threads
-        ]
-        function.restype = ctypes.c_int
-    return function
+    return kernel_function(_LIBRARY_NAME, "varlen_attention_bf16", _ARGTYPES, ctypes.c_int)
 
 
 def varlen_attention_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

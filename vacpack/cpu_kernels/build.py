@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +123,23 @@ def load_kernel_library(name: str, portable: bool = False) -> ctypes.CDLL | None
             )
             return None
     return ctypes.CDLL(str(target))
+
+
+def kernel_function(
+    library_name: str,
+    function_name: str,
+    argtypes: Sequence[Any],
+    restype: Any = None,
+    *,
+    portable: bool = False,
+) -> KernelFunction | None:
+    """The C function `function_name` of library `library_name`, its argument and result types
+    set on first use; None where the library cannot run here (see load_kernel_library)."""
+    library = load_kernel_library(library_name, portable)
+    if library is None:
+        return None
+    function = getattr(library, function_name)
+    if function.argtypes is None:
+        function.argtypes = list(argtypes)
+        function.restype = restype
+    return function

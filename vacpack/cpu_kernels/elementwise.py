@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
 _LIBRARY_NAME = "elementwise"
 _POINTER, _INT, _FLOAT, _THREADS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -33,14 +33,7 @@ _SIGNATURES: dict[str, list[type]] = {
 
 
 def _function(name: str) -> KernelFunction | None:
-    library = load_kernel_library(_LIBRARY_NAME)
-    if library is None:
-        return None
-    function = getattr(library, name)
-    if function.argtypes is None:
-        function.argtypes = _SIGNATURES[name]
-        function.restype = None
-    return function
+    return kernel_function(_LIBRARY_NAME, name, _SIGNATURES[name])
 
 
 def _kernel(name: str) -> KernelFunction:

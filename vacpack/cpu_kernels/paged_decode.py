@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
 _LIBRARY_NAME = "paged_decode"
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
@@ -17,21 +17,19 @@ MAX_HEAD_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+_ARGTYPES = [
+    *[_POINTER] * 7,  # q, keys, values, pages, key ranges, out, lse (or NULL)
+    *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
+    ctypes.c_float,  # scale
+    ctypes.c_int,  # bf16 (else float32)
+    ctypes.c_int,  # threads
+]
+
+
 def _kernel() -> KernelFunction | None:
-    library = load_kernel_library(_LIBRARY_NAME, portable=True)
-    if library is None:
-        return None
-    function = library.paged_decode_attention
-    if function.argtypes is None:
-        function.argtypes = [
-            *[_POINTER] * 7,  # q, keys, values, pages, key ranges, out, lse (or NULL)
-            *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
-            ctypes.c_float,  # scale
-            ctypes.c_int,  # bf16 (else float32)
-            ctypes.c_int,  # threads
-        ]
-        function.restype = ctypes.c_int
-    return function
+    return kernel_function(
+        _LIBRARY_NAME, "paged_decode_attention", _ARGTYPES, ctypes.c_int, portable=True
+    )
 
 
 def paged_decode_supported(

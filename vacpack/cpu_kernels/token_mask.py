@@ -6,31 +6,27 @@ import ctypes
 
 import torch
 
-from vacpack.cpu_kernels.build import KernelFunction, load_kernel_library
+from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
 _LIBRARY_NAME = "token_mask"
 # The bit pattern of -inf in each dtype the kernel writes.
 _MINUS_INF_BITS = {torch.bfloat16: 0xFF80, torch.float16: 0xFC00, torch.float32: 0xFF800000}
 
 
+# logits, rows, vocab, row stride, element size, -inf bits, bitmask, words, threads
+_ARGTYPES = [
+    ctypes.c_void_p,
+    *[ctypes.c_int64] * 3,
+    ctypes.c_int,
+    ctypes.c_uint32,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
+
+
 def _kernel() -> KernelFunction | None:
-    library = load_kernel_library(_LIBRARY_NAME, portable=True)
-    if library is None:
-        return None
-    function = library.apply_token_bitmask
-    if function.argtypes is None:
-        # logits, rows, vocab, row stride, element size, -inf bits, bitmask, words, threads
-        function.argtypes = [
-            ctypes.c_void_p,
-            *[ctypes.c_int64] * 3,
-            ctypes.c_int,
-            ctypes.c_uint32,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int,
-        ]
-        function.restype = None
-    return function
+    return kernel_function(_LIBRARY_NAME, "apply_token_bitmask", _ARGTYPES, portable=True)
 
 
 def token_mask_supported(logits: torch.Tensor) -> bool:

@@ -36,6 +36,7 @@ from vacpack.llm import LLM
 from vacpack.ray.columns import (
     ERROR_COLUMN,
     MESSAGES_COLUMN,
+    READ_ERROR_COLUMN,
     SAMPLING_PARAMS_COLUMN,
     RowError,
     chat_prompt,
@@ -78,13 +79,20 @@ class _ModelActor:
         start_s = time.perf_counter()
         if self._first_batch_start_s is None:
             self._first_batch_start_s = start_s
+        # Rows that could not be read (a malformed JSON line) fail with the reader's reason.
         errors: list[str | None] = [None] * batch.num_rows
+        if READ_ERROR_COLUMN in batch.column_names:
+            errors = column_values(batch, READ_ERROR_COLUMN)
+            batch = batch.drop_columns([READ_ERROR_COLUMN])
         valid: list[tuple[int, Any]] = []
-        for row, item in enumerate(self._read_rows(batch)):
-            if isinstance(item, RowError):
-                errors[row] = str(item)
-            else:
-                valid.append((row, item))
+        if any(error is None for error in errors):
+            for row, item in enumerate(self._read_rows(batch)):
+                if errors[row] is not None:
+                    continue
+                if isinstance(item, RowError):
+                    errors[row] = str(item)
+                else:
+                    valid.append((row, item))
         results, work = self._run([item for _, item in valid]) if valid else ([], _NO_WORK)
         per_row: list[Any] = [None] * batch.num_rows
         for (row, _), result in zip(valid, results, strict=True):

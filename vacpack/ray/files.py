@@ -1,14 +1,26 @@
 """Corpus files in and results out through Ray Data: JSONL, Parquet or plain text, local paths
 or any filesystem Ray Data reads (s3://, gs://, ...), read and written by the cluster's nodes.
+
+JSON Lines are read as lines and parsed here, one line at a time, rather than by Ray Data's
+JSON reader, which fails the whole job at the first malformed line: a line that is not a JSON
+object becomes a row with only its reason set (READ_ERROR_COLUMN), which the job writes out
+as the row's `error`, as the single-process commands do.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
+import pyarrow as pa
 import ray
 
-JSON_SUFFIXES = (".jsonl", ".json")
+from vacpack.ray.columns import READ_ERROR_COLUMN
+
+JSON_LINES_SUFFIX = ".jsonl"
+JSON_SUFFIX = ".json"  # a JSON document (or JSON Lines), read by Ray Data's JSON reader
+# Characters of a malformed line quoted in its error.
+LINE_EXCERPT_CHARS = 80
 PARQUET_SUFFIX = ".parquet"
 OUTPUT_FORMATS = ("jsonl", "parquet")
 # Reading and writing take no CPU slot, so that they are not queued behind the one CPU the
@@ -28,7 +40,20 @@ def read_dataset(path: str, min_num_blocks: int) -> ray.data.Dataset:
     large one comes in more, as Ray Data splits what outgrows its target block size.
     """
     stripped = path.rstrip("/")
-    if stripped.endswith(JSON_SUFFIXES):
+    if stripped.endswith(JSON_LINES_SUFFIX):
+        lines = ray.data.read_text(
+            path,
+            drop_empty_lines=True,
+            num_cpus=IO_TASK_CPUS,
+            override_num_blocks=min_num_blocks,
+        )
+        return lines.map_batches(
+            parse_json_lines,
+            batch_format="pyarrow",
+            num_cpus=IO_TASK_CPUS,
+            udf_modifying_row_count=False,
+        )
+    if stripped.endswith(JSON_SUFFIX):
         return ray.data.read_json(path, num_cpus=IO_TASK_CPUS, override_num_blocks=min_num_blocks)
     if stripped.endswith(PARQUET_SUFFIX) or _is_parquet_directory(path):
         dataset = ray.data.read_parquet(
@@ -45,6 +70,33 @@ def read_dataset(path: str, min_num_blocks: int) -> ray.data.Dataset:
         num_cpus=IO_TASK_CPUS,
         override_num_blocks=min_num_blocks,
     )
+
+
+def parse_json_lines(lines: pa.Table) -> pa.Table:
+    """Ray Data's text rows (column `text`, one line each) parsed as JSON objects: one row per
+    line, the objects' keys as columns, and READ_ERROR_COLUMN saying why a line is not a JSON
+    object (null for the others)."""
+    records: list[dict] = []
+    errors: list[str | None] = []
+    for line in lines.column("text").to_pylist():
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as error:
+            record, problem = None, f"the line is not valid JSON ({error})"
+        else:
+            problem = None if isinstance(record, dict) else "the line is not a JSON object"
+        if problem is None:
+            records.append(record)
+            errors.append(None)
+        else:
+            records.append({})
+            excerpt = line if len(line) <= LINE_EXCERPT_CHARS else line[:LINE_EXCERPT_CHARS] + "..."
+            errors.append(f"{problem}: {excerpt}")
+    # Every key of any line is a column (Table.from_pylist would take the first line's only).
+    names = dict.fromkeys(name for record in records for name in record)
+    columns = {name: pa.array([record.get(name) for record in records]) for name in names}
+    columns[READ_ERROR_COLUMN] = pa.array(errors, type=pa.string())
+    return pa.table(columns)
 
 
 def output_format(path: str, given: str | None) -> str:
