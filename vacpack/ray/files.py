@@ -79,12 +79,13 @@ def parse_json_lines(lines: pa.Table) -> pa.Table:
     records: list[dict] = []
     errors: list[str | None] = []
     for line in lines.column("text").to_pylist():
+        problem: str | None = None
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError) as error:
             record, problem = None, f"the line is not valid JSON ({error})"
-        else:
-            problem = None if isinstance(record, dict) else "the line is not a JSON object"
+        if problem is None and not isinstance(record, dict):
+            problem = "the line is not a JSON object"
         if problem is None:
             records.append(record)
             errors.append(None)
