@@ -53,26 +53,6 @@ static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch 
     return (bf16)(bits >> 16);
 }
 
-// 2^x for x <= 0 to float32 accuracy; x below -126 gives 2^-126 (a visible key's weight is
-// never that small against the block's largest, whose weight is 1).
-static inline float exp2_nonpositive(float x) {
-    x = x < -126.0f ? -126.0f : x;
-    const float n = floorf(x + 0.5f);
-    const float f = x - n;  // in [-0.5, 0.5]
-    // 2^f = e^(f ln 2): Taylor terms (ln 2)^k / k! to degree 6.
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const int32_t exponent_bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &exponent_bits, sizeof(scale));
-    return p * scale;
-}
-
 typedef struct {
     const void* q;            // [seqs, heads, head_dim]
     const void* keys;         // the layer's [slots, kv_heads, head_dim]
@@ -135,8 +115,11 @@ static inline v8f sum_lanes8(const v8f v[8]) {
            SHUFFLE2(quarter_lo, quarter_hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// exp2_nonpositive on eight lanes: n rounded to nearest by adding and subtracting 1.5 * 2^23
-// (exact for |x| < 2^22), the exponent bits built from n in integer lanes.
+// 2^x for x <= 0 on eight lanes, to float32 accuracy: x = n + f with n the nearest integer
+// (adding and subtracting 1.5 * 2^23 rounds, exactly for |x| < 2^22) and f in [-0.5, 0.5];
+// 2^f = e^(f ln 2) by its Taylor terms (ln 2)^k / k! to degree 6, 2^n built in the exponent
+// bits. x below -126 gives 2^-126 (a visible key's weight is never that small against the
+// block's largest, whose weight is 1).
 static inline v8f exp2_nonpositive8(v8f x) {
     const v8f lowest = (v8f){0} - 126.0f;
     const v8i below = x < lowest;
@@ -152,6 +135,11 @@ static inline v8f exp2_nonpositive8(v8f x) {
     p = p * f + 1.0f;
     const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
     return p * (v8f)exponent_bits;
+}
+
+// The same for one value (a rescale per head and block, a merge weight per split).
+static inline float exp2_nonpositive(float x) {
+    return exp2_nonpositive8((v8f){0} + x)[0];
 }
 
 static const v8i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -183,14 +171,28 @@ static inline float block_weights(float* scores, int64_t count, float max) {
            ((total[2] + total[6]) + (total[3] + total[7]));
 }
 
+// A cache row as float32 for the products: a float32 row where it lies, a bf16 row converted
+// into `buffer` (chunks of eight).
+static inline const float* row_in_place(const float* row, v8f* buffer, int64_t chunks) {
+    (void)buffer;
+    (void)chunks;
+    return row;
+}
+
+static inline const float* row_as_f32(const bf16* row, v8f* buffer, int64_t chunks) {
+    for (int64_t c = 0; c < chunks; ++c) buffer[c] = load8_bf16(row + 8 * c);
+    return (const float*)buffer;
+}
+
 // The slot of a sequence's key, from its page table.
 static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t key) {
     return pages[key / pr->page_size] * pr->page_size + key % pr->page_size;
 }
 
-// The body of one task, for a cache of element type T loaded eight at a time by LOAD8, with
-// CHUNKS = head_dim / 8: a constant in the specialised copies, so that the compiler keeps
-// eight keys' dot products and a head's running output in registers; runtime in the generic one.
+// The body of one task, for a cache of element type T loaded eight at a time by LOAD8 and
+// read as float32 rows through AS_FLOAT, with CHUNKS = head_dim / 8: a constant in the
+// specialised copies, so that the compiler keeps eight keys' dot products and a head's running
+// output in registers; runtime in the generic one.
 //
 // Scores: per query head, eight keys' dot products at once, finished together by shuffles
 // (sum_lanes8) rather than one horizontal sum per key, which cost as much as the products.
@@ -199,7 +201,7 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
 // are read in place; bf16 rows are converted to float32 once per block and KV head. Against
 // one dot product per key and a scalar exp, 1.3x on a Zen 3 (64 sequences of 32..1,100 keys,
 // the cache evicted between calls, interleaved A/B).
-#define DEFINE_ATTEND(NAME, T, LOAD8, CHUNKS)                                                  \
+#define DEFINE_ATTEND(NAME, T, LOAD8, AS_FLOAT, CHUNKS)                                        \
     static void NAME(const Problem* pr, int64_t seq, int64_t key_start, int64_t key_end,      \
                      float* part) {                                                           \
         const int64_t group = pr->num_heads / pr->num_kv_heads, dim = pr->head_dim;          \
@@ -246,21 +248,14 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
                     for (int64_t c = 0; c < chunks; ++c)                                      \
                         queries[h * chunks + c] =                                             \
                             LOAD8(q + (first_head + h) * dim + 8 * c) * scale;                \
-                /* Scores eight keys at a time per query head, finished together. Key */      \
-                /* rows are read in place (float32) or from a float32 copy (bf16). A block's */ \
+                /* Scores eight keys at a time per query head, finished together. A block's */ \
                 /* last keys past `count` repeat its last key, and their scores go unread. */   \
                 for (int64_t j0 = 0; j0 < count; j0 += 8) {                                   \
                     const float* rows8[8];                                                    \
                     for (int64_t j = 0; j < 8; ++j) {                                         \
                         const int64_t at = j0 + j < count ? j0 + j : count - 1;               \
-                        const T* k = keys + slots[at] * slot_stride;                          \
-                        if (sizeof(T) == sizeof(float)) {                                     \
-                            rows8[j] = (const float*)k;                                       \
-                        } else {                                                              \
-                            for (int64_t c = 0; c < chunks; ++c)                              \
-                                key_rows[j * chunks + c] = LOAD8(k + 8 * c);                  \
-                            rows8[j] = (const float*)&key_rows[j * chunks];                   \
-                        }                                                                     \
+                        rows8[j] = AS_FLOAT(keys + slots[at] * slot_stride,                   \
+                                            &key_rows[j * chunks], chunks);                   \
                     }                                                                         \
                     for (int64_t h = 0; h < group; ++h) {                                     \
                         const v8f* query = &queries[h * chunks];                              \
@@ -275,18 +270,10 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
                         memcpy(&scores[h][j0], &sums, sizeof(sums));                          \
                     }                                                                         \
                 }                                                                             \
-                /* Value rows are read in place (float32) or from a float32 copy (bf16). */   \
                 const float* value_rows8[KEY_BLOCK];                                          \
-                for (int64_t j = 0; j < count; ++j) {                                         \
-                    const T* v = values + slots[j] * slot_stride;                             \
-                    if (sizeof(T) == sizeof(float)) {                                         \
-                        value_rows8[j] = (const float*)v;                                     \
-                    } else {                                                                  \
-                        for (int64_t c = 0; c < chunks; ++c)                                  \
-                            value_rows[j * chunks + c] = LOAD8(v + 8 * c);                    \
-                        value_rows8[j] = (const float*)&value_rows[j * chunks];               \
-                    }                                                                         \
-                }                                                                             \
+                for (int64_t j = 0; j < count; ++j)                                           \
+                    value_rows8[j] = AS_FLOAT(values + slots[j] * slot_stride,                \
+                                              &value_rows[j * chunks], chunks);               \
                 for (int64_t h = 0; h < group; ++h) {                                         \
                     float* max = &running_max[first_head + h];                                \
                     float* sum = &running_sum[first_head + h];                                \
@@ -312,12 +299,12 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
         }                                                                                     \
     }
 
-DEFINE_ATTEND(attend_f32, float, load8_f32, pr->head_dim / 8)
-DEFINE_ATTEND(attend_bf16, bf16, load8_bf16, pr->head_dim / 8)
-DEFINE_ATTEND(attend_f32_d64, float, load8_f32, 8)
-DEFINE_ATTEND(attend_bf16_d64, bf16, load8_bf16, 8)
-DEFINE_ATTEND(attend_f32_d128, float, load8_f32, 16)
-DEFINE_ATTEND(attend_bf16_d128, bf16, load8_bf16, 16)
+DEFINE_ATTEND(attend_f32, float, load8_f32, row_in_place, pr->head_dim / 8)
+DEFINE_ATTEND(attend_bf16, bf16, load8_bf16, row_as_f32, pr->head_dim / 8)
+DEFINE_ATTEND(attend_f32_d64, float, load8_f32, row_in_place, 8)
+DEFINE_ATTEND(attend_bf16_d64, bf16, load8_bf16, row_as_f32, 8)
+DEFINE_ATTEND(attend_f32_d128, float, load8_f32, row_in_place, 16)
+DEFINE_ATTEND(attend_bf16_d128, bf16, load8_bf16, row_as_f32, 16)
 
 typedef void (*AttendFunction)(const Problem*, int64_t, int64_t, int64_t, float*);
 
