@@ -12,7 +12,6 @@ Rerun with the same output to answer only what is missing.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from array import array
@@ -23,6 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from vacpack.corpus.input_fields import parse_json_object
 from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.protocol import CompletionRequest, parse_body
@@ -97,13 +97,9 @@ def _parse_line(index: int, line_number: int, raw: bytes, is_jsonl: bool) -> Pro
         return PromptLine(index, line_number, None, f"line {line_number} is not UTF-8: {error}")
     if not is_jsonl:
         return PromptLine(index, line_number, {"prompt": text})
-    try:
-        record = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as error:
-        message = f"line {line_number} is not valid JSON: {error}"
-        return PromptLine(index, line_number, None, message)
-    if not isinstance(record, dict):
-        return PromptLine(index, line_number, None, f"line {line_number} is not a JSON object")
+    record = parse_json_object(text)
+    if isinstance(record, str):
+        return PromptLine(index, line_number, None, f"line {line_number} {record}")
     if "prompt" not in record and "text" in record:
         record = {"prompt": record.pop("text"), **record}
     if "prompt" not in record:

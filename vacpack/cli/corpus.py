@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
-from vacpack.corpus.input_fields import TEXT_KEYS
+from vacpack.corpus.input_fields import TEXT_KEYS, parse_json_object
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.tasks import (
     ClassifyTask,
@@ -47,13 +46,9 @@ def read_corpus(path: Path, task: str, skip: int = 0) -> Iterator[Any]:
             if path.suffix != ".jsonl":
                 yield line
                 continue
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as error:
-                yield DocumentError(index, f"line {number} is not valid JSON: {error}")
-                continue
-            if not isinstance(record, dict):
-                yield DocumentError(index, f"line {number} is not a JSON object")
+            record = parse_json_object(line)
+            if isinstance(record, str):
+                yield DocumentError(index, f"line {number} {record}")
             elif task == "loglikelihood" and "context" in record:
                 yield (str(record["context"]), str(record.get("continuation", "")))
             elif key := next((k for k in TEXT_KEYS if isinstance(record.get(k), str)), None):

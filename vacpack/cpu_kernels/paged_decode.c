@@ -17,8 +17,8 @@
 //
 // Written with eight-lane vectors (GCC's vector extension) and for the compiler's vectoriser,
 // built with -O3 -march=native for the machine at hand (see build.py): AVX-512, AVX2 or NEON,
-// whatever the CPU has. float32 and
-// bf16 caches; the queries and the output share the cache's dtype.
+// whatever the CPU has. float32 and bf16 caches; the queries and the output share the cache's
+// dtype.
 
 #include <math.h>
 #include <stdint.h>
@@ -115,6 +115,11 @@ static inline v8f sum_lanes8(const v8f v[8]) {
            SHUFFLE2(quarter_lo, quarter_hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// Lanes of a where `mask` is set (all ones), of b elsewhere.
+static inline v8f select8(v8i mask, v8f a, v8f b) {
+    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
 // 2^x for x <= 0 on eight lanes, to float32 accuracy: x = n + f with n the nearest integer
 // (adding and subtracting 1.5 * 2^23 rounds, exactly for |x| < 2^22) and f in [-0.5, 0.5];
 // 2^f = e^(f ln 2) by its Taylor terms (ln 2)^k / k! to degree 6, 2^n built in the exponent
@@ -122,8 +127,7 @@ static inline v8f sum_lanes8(const v8f v[8]) {
 // block's largest, whose weight is 1).
 static inline v8f exp2_nonpositive8(v8f x) {
     const v8f lowest = (v8f){0} - 126.0f;
-    const v8i below = x < lowest;
-    x = (v8f)(((v8i)x & ~below) | ((v8i)lowest & below));
+    x = select8(x < lowest, lowest, x);
     const v8f n = (x + 12582912.0f) - 12582912.0f;
     const v8f f = x - n;
     v8f p = (v8f){0} + 1.5403530e-4f;
@@ -150,7 +154,7 @@ static inline float block_max(const float* scores, int64_t count, float running)
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         const v8f s = load8_f32(scores + j0);
         const v8i take = (s > top) & (LANE_INDEX < (v8i){0} + (int32_t)(count - j0));
-        top = (v8f)(((v8i)s & take) | ((v8i)top & ~take));
+        top = select8(take, s, top);
     }
     float best = top[0];
     for (int j = 1; j < 8; ++j) best = top[j] > best ? top[j] : best;
@@ -163,7 +167,8 @@ static inline float block_weights(float* scores, int64_t count, float max) {
     v8f total = {0};
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         const v8i inside = LANE_INDEX < (v8i){0} + (int32_t)(count - j0);
-        const v8f weights = (v8f)((v8i)exp2_nonpositive8(load8_f32(scores + j0) - max) & inside);
+        const v8f weights =
+            select8(inside, exp2_nonpositive8(load8_f32(scores + j0) - max), (v8f){0});
         memcpy(scores + j0, &weights, sizeof(weights));
         total += weights;
     }

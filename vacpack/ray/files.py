@@ -9,12 +9,12 @@ as the row's `error`, as the single-process commands do.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pyarrow as pa
 import ray
 
+from vacpack.corpus.input_fields import parse_json_object
 from vacpack.ray.columns import READ_ERROR_COLUMN
 
 JSON_LINES_SUFFIX = ".jsonl"
@@ -79,20 +79,14 @@ def parse_json_lines(lines: pa.Table) -> pa.Table:
     records: list[dict] = []
     errors: list[str | None] = []
     for line in lines.column("text").to_pylist():
-        problem: str | None = None
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as error:
-            record, problem = None, f"the line is not valid JSON ({error})"
-        if problem is None and not isinstance(record, dict):
-            problem = "the line is not a JSON object"
-        if problem is None:
+        record = parse_json_object(line)
+        if isinstance(record, dict):
             records.append(record)
             errors.append(None)
         else:
             records.append({})
             excerpt = line if len(line) <= LINE_EXCERPT_CHARS else line[:LINE_EXCERPT_CHARS] + "..."
-            errors.append(f"{problem}: {excerpt}")
+            errors.append(f"the line {record} ({excerpt})")
     # Every key of any line is a column (Table.from_pylist would take the first line's only).
     names = dict.fromkeys(name for record in records for name in record)
     columns = {name: pa.array([record.get(name) for record in records]) for name in names}
