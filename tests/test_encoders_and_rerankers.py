@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from vacpack import LLM
+from vacpack.cli import main
 from vacpack.models.pooling import check_dimensions
 from vacpack.outputs import embeddings_array
 from vacpack.testing.packed_forward import load_for_test, packed_forward
@@ -265,12 +264,8 @@ def test_a_generative_model_embeds_its_last_token_normalized(
     # The command line embeds the same way (here cut to 32 dimensions).
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:3]))
-    command = [sys.executable, "-m", "vacpack", "embed", "--model", str(model_dir)]
-    command += ["--dtype", "float32", "--input", str(corpus), "--output", str(tmp_path / "o")]
-    finished = subprocess.run(
-        [*command, "--dimensions", "32"], capture_output=True, text=True, timeout=300
-    )
-    assert finished.returncode == 0, finished.stderr
+    command = ["embed", "--model", str(model_dir), "--dtype", "float32", "--input", str(corpus)]
+    assert main([*command, "--output", str(tmp_path / "o"), "--dimensions", "32"]) == 0
     records = [json.loads(line) for line in (tmp_path / "o").read_text().splitlines()]
     expected = embeddings_array(llm.embed(texts[:3], dimensions=32, use_tqdm=False))
     np.testing.assert_allclose([r["embedding"] for r in records], expected, atol=1e-5)
