@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ from sentence_transformers import SentenceTransformer
 from transformers import AutoModelForSequenceClassification
 
 from vacpack import LLM, SamplingParams
+from vacpack.cli import main
 from vacpack.corpus.runner import ENCODE_BATCH_INPUTS
 from vacpack.outputs import embeddings_array
 from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH, build_tiny_classifier_checkpoint
@@ -84,12 +83,16 @@ def test_classify_equals_transformers(tmp_path: Path) -> None:
         assert output.outputs.label == f"label_{int(expected.argmax())}"
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "vacpack", *args, "--dtype", "float32"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+def _run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The command run in-process (its start-up is tested elsewhere): exit code and stderr."""
+    capsys.readouterr()
+    exit_code = main([*args, "--dtype", "float32"])
+    return exit_code, capsys.readouterr().err
 
 
-def test_cli_embed_streams_results_in_order_with_errors(tmp_path: Path) -> None:
+def test_cli_embed_streams_results_in_order_with_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     lines = [
         json.dumps({"text": "a short query"}),
         "{not json",
@@ -100,20 +103,22 @@ def test_cli_embed_streams_results_in_order_with_errors(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(lines) + "\n")
     out = tmp_path / "embeddings.jsonl"
-    finished = _run_cli(
-        "embed", "--model", str(MINILM_DIR), "--input", str(corpus), "--output", str(out)
+    exit_code, report = _run_cli(
+        capsys, "embed", "--model", str(MINILM_DIR), "--input", str(corpus), "--output", str(out)
     )
-    assert finished.returncode == 0, finished.stderr
+    assert exit_code == 0, report
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in records] == [0, 1, 2, 3, 4]
     assert [("error" in r) for r in records] == [False, True, True, False, True]
     assert "not valid JSON" in records[1]["error"] and "empty" in records[2]["error"]
     assert len(records[0]["embedding"]) == 384
-    assert "(3 failed)" in finished.stderr  # the closing report
-    assert "padding" in finished.stderr and "device busy" in finished.stderr
+    assert "(3 failed)" in report  # the closing report
+    assert "padding" in report and "device busy" in report
 
 
-def test_cli_loglikelihood_of_texts_and_continuations(tiny_checkpoint, tmp_path: Path) -> None:
+def test_cli_loglikelihood_of_texts_and_continuations(
+    tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     corpus = tmp_path / "scores.jsonl"
     corpus.write_text(
         json.dumps({"text": "the cat sat on the mat"}) + "\n"
@@ -121,10 +126,10 @@ def test_cli_loglikelihood_of_texts_and_continuations(tiny_checkpoint, tmp_path:
     )  # fmt: skip
     out = tmp_path / "scores_out.jsonl"
     model = str(tiny_checkpoint("llama"))
-    finished = _run_cli(
-        "loglikelihood", "--model", model, "--input", str(corpus), "--output", str(out)
+    exit_code, report = _run_cli(
+        capsys, "loglikelihood", "--model", model, "--input", str(corpus), "--output", str(out)
     )
-    assert finished.returncode == 0, finished.stderr
+    assert exit_code == 0, report
     rolling, continuation = [json.loads(line) for line in out.read_text().splitlines()]
     assert rolling["logprob"] < 0 and "is_greedy" not in rolling
     assert continuation["num_tokens"] < rolling["num_tokens"] and "is_greedy" in continuation

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from vacpack import LLM, SamplingParams
+from vacpack.cli import main
 from vacpack.errors import ExitCode
 
 
@@ -60,9 +61,8 @@ def test_cli_generates_from_a_prompt_file(tiny_checkpoint, tmp_path) -> None:
     assert "output tok/s" in finished.stderr
 
 
-def test_cli_reports_bad_input_clearly(tmp_path) -> None:
-    command = [sys.executable, "-m", "vacpack", "generate", "--model", str(tmp_path / "nope"),
-               "--prompt", "hi"]  # fmt: skip
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == ExitCode.MODEL_NOT_FOUND
-    assert "nope" in finished.stderr and "Traceback" not in finished.stderr
+def test_cli_reports_bad_input_clearly(tmp_path, capsys) -> None:
+    exit_code = main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    assert exit_code == ExitCode.MODEL_NOT_FOUND
+    report = capsys.readouterr().err
+    assert "nope" in report and "Traceback" not in report

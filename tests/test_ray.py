@@ -37,7 +37,7 @@ from vacpack.testing.tiny_models import TOKENIZER_CORPUS_PATH
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 512, "kv_cache_memory_bytes": 2**24}
 # Replicas take half a CPU each, so that Ray Data's read and write tasks still find one.
 REPLICA_CPUS = 0.5
-NUM_DOCUMENTS = 300
+NUM_DOCUMENTS = 120
 API_KEY = "test-key"
 SERVE_START_TIMEOUT_S = 180.0
 MAX_REQUEST_ROUNDS = 25  # of 8 concurrent requests, until both replicas have answered
@@ -101,7 +101,7 @@ def test_loglikelihood_command_on_two_replicas_equals_the_single_process_command
     """Two malformed lines among them get their error, in place, in both; every other row
     equals the single-process row."""
     lines = [json.dumps({"id": index, "text": text}) for index, text in enumerate(documents)]
-    malformed = {7: '{"id": "cut off', 150: '["not", "an object"]'}
+    malformed = {7: '{"id": "cut off', 70: '["not", "an object"]'}
     for position in sorted(malformed):
         lines.insert(position, malformed[position])
     corpus = tmp_path / "corpus.jsonl"
@@ -123,7 +123,7 @@ def test_loglikelihood_command_on_two_replicas_equals_the_single_process_command
     for rows in (ray_rows, single_rows):
         failed = {i: row["error"] for i, row in enumerate(rows) if row.get("error") is not None}
         assert set(failed) == set(malformed)
-        assert "not valid JSON" in failed[7] and "not a JSON object" in failed[150]
+        assert "not valid JSON" in failed[7] and "not a JSON object" in failed[70]
     ray_rows = [row for row in ray_rows if row["error"] is None]
     single_rows = [row for row in single_rows if "error" not in row]
     assert [row["id"] for row in ray_rows] == list(range(NUM_DOCUMENTS))

@@ -36,7 +36,6 @@ from vacpack.llm import LLM
 from vacpack.ray.columns import (
     ERROR_COLUMN,
     MESSAGES_COLUMN,
-    READ_ERROR_COLUMN,
     SAMPLING_PARAMS_COLUMN,
     RowError,
     chat_prompt,
@@ -47,6 +46,7 @@ from vacpack.ray.columns import (
     with_columns,
 )
 from vacpack.ray.figures import BatchWork, ReplicaFigures, this_replica
+from vacpack.ray.files import READ_ERROR_COLUMN
 from vacpack.sampling import SamplingParams
 
 

@@ -10,9 +10,6 @@ import pyarrow as pa
 from vacpack.tokenizer import apply_chat_template
 
 ERROR_COLUMN = "error"
-# Why a row of the input could not be read (a malformed JSON line): set by the reader, taken
-# by the actor into the row's error, and not written out.
-READ_ERROR_COLUMN = "_vacpack_read_error"
 # A row's own sampling parameters (a struct or a JSON object), over the job's, as in Ray Data.
 SAMPLING_PARAMS_COLUMN = "sampling_params"
 MESSAGES_COLUMN = "messages"

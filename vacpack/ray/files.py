@@ -9,14 +9,19 @@ as the row's `error`, as the single-process commands do.
 
 from __future__ import annotations
 
+# Ray Data's reading and writing tasks import this module in worker processes of their own:
+# it stays light (pyarrow and the standard library, no torch or transformers), else each of
+# them spends seconds importing, all at once on the same cores.
 import os
 
 import pyarrow as pa
 import ray
 
 from vacpack.corpus.input_fields import parse_json_object
-from vacpack.ray.columns import READ_ERROR_COLUMN
 
+# Why a row of the input could not be read (a malformed JSON line): set here, taken by the
+# actor into the row's error, and not written out.
+READ_ERROR_COLUMN = "_vacpack_read_error"
 JSON_LINES_SUFFIX = ".jsonl"
 JSON_SUFFIX = ".json"  # a JSON document (or JSON Lines), read by Ray Data's JSON reader
 # Characters of a malformed line quoted in its error.
