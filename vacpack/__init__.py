@@ -5,7 +5,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from vacpack.huge_pages import request_huge_pages
+
 __version__ = "0.1.0"
+
+# Before anything allocates: PyTorch decides once whether large host tensors get huge pages.
+request_huge_pages()
 
 # Imported on first use, so that `vacpack --help` and `import vacpack.testing` stay fast.
 _EXPORTS = {

@@ -20,6 +20,7 @@ from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.distributed.control import Program
 from vacpack.distributed.driver import Driver
 from vacpack.host_memory import keep_freed_host_memory
+from vacpack.huge_pages import check_weights_in_huge_pages
 from vacpack.models.base import PackedModel
 from vacpack.models.cpu_dtype import choose_cpu_dtype, timed_linear_shape
 from vacpack.models.forward_context import attention_specs
@@ -119,6 +120,8 @@ def load(
         device, LayerShapes.from_hf(hf_config, dtype), dtype
     )
     model, load_stats = load_model_shard(model_dir, hf_config, dtype, device, layer_ops, tp)
+    if device.type == "cpu":
+        check_weights_in_huge_pages(load_stats.parameter_bytes)
     rank_load_stats: tuple[LoadStats, ...] = ()
     if tp.size > 1:
         assert tp.collectives is not None
