@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# Tiny models gain nothing from huge pages and their many short processes pay for faulting
+# them; test_huge_pages.py checks the default in a process of its own.
+os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
+
 import torch
 
 if not torch.cuda.is_available():

@@ -34,6 +34,7 @@ LAYERS: list[set[str]] = [
         "vacpack.outputs",
         "vacpack.tokenizer",
         "vacpack.host_memory",
+        "vacpack.huge_pages",
         "vacpack.pinned_staging",
         "vacpack.registry",
         "vacpack.distributed",

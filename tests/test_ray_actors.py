@@ -15,6 +15,7 @@ import pyarrow as pa
 from vacpack import LLM, SamplingParams
 from vacpack.ray.actors import ClassifyActor, EmbedActor, GenerateActor, LoglikelihoodActor
 from vacpack.ray.figures import BatchWork, ReplicaFigures, job_figures
+from vacpack.ray.files import parse_json_lines
 from vacpack.testing.tiny_models import build_tiny_classifier_checkpoint
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 256, "kv_cache_memory_bytes": 2**24}
@@ -57,6 +58,10 @@ def test_loglikelihood_of_continuations_and_of_a_named_column(decoder_dir: Path)
         assert row["is_greedy"] == expected.is_greedy and row["error"] is None
         assert row["token_logprobs"] == pytest.approx(expected.token_logprobs, abs=1e-5)
     assert out[2]["error"] == "'context' and 'continuation' must both be strings"
+    # A block whose lines all failed to read: its own columns say what it has, not the last's.
+    unreadable = parse_json_lines(pa.table({"text": ['{"context": "a', "[1]"]}))
+    out = actor(unreadable).to_pylist()
+    assert "is_greedy" not in out[0] and all(row["error"] for row in out)
 
     rolling = LoglikelihoodActor(str(decoder_dir), ENGINE_KWARGS, input_column="body")
     out = rolling(pa.table({"body": ["the quick brown fox"]})).to_pylist()
@@ -140,3 +145,24 @@ def test_embed_options_are_llm_embeds(decoder_dir: Path) -> None:
     expected = LLM(str(decoder_dir), **ENGINE_KWARGS).embed(["hello world"], **options)
     assert len(vectors[0]) == 16
     assert vectors[0] == pytest.approx(expected[0].outputs.embedding, abs=1e-6)
+
+
+def test_json_lines_mixing_types_fail_only_the_odd_lines(decoder_dir: Path) -> None:
+    """Arrow holds one type per column where JSON lines may mix them: the block's most common
+    kind keeps its values, and each other line fails with the reason, not the whole block."""
+    lines = [
+        '{"id": 1, "text": "the quick brown fox"}',
+        '{"id": "two", "text": "jumps over"}',
+        '{"id": 3, "text": [5, 6, 7]}',
+        '{"id": 4, "text": "the lazy dog", "tags": [1]}',
+        '{"id": 5, "text": "again", "tags": ["x"]}',
+    ]
+    batch = parse_json_lines(pa.table({"text": lines}))
+    out = EmbedActor(str(decoder_dir), ENGINE_KWARGS)(batch).to_pylist()
+    assert [row["id"] for row in out] == [1, None, 3, 4, 5]
+    errors = [row["error"] for row in out]
+    assert errors[0] is None and out[0]["embedding"] is not None
+    assert "'id' is a string where other lines of its block have a number" in errors[1]
+    assert "'text' is a list where other lines of its block have a string" in errors[2]
+    assert "'tags' does not share one type" in errors[3] and errors[3] == errors[4]
+    assert "_vacpack_read_error" not in out[0]

@@ -84,6 +84,7 @@ class _ModelActor:
         if READ_ERROR_COLUMN in batch.column_names:
             errors = column_values(batch, READ_ERROR_COLUMN)
             batch = batch.drop_columns([READ_ERROR_COLUMN])
+        self._note_columns(batch.column_names)
         valid: list[tuple[int, Any]] = []
         if any(error is None for error in errors):
             for row, item in enumerate(self._read_rows(batch)):
@@ -113,6 +114,10 @@ class _ModelActor:
         return with_columns(batch, columns)
 
     # ------------------------------------------------------------ each task's own part
+    def _note_columns(self, names: list[str]) -> None:
+        """What the batch's columns say about its results, noted for every batch (also one
+        whose rows all failed to read), so that nothing carries over from the one before."""
+
     def _read_rows(self, batch: pa.Table) -> list[Any]:
         """The batch's model inputs, one per row, or a RowError for a row that has none."""
         column = self.input_column or first_present(batch, TEXT_KEYS)
@@ -265,11 +270,12 @@ class LoglikelihoodActor(_ModelActor):
         self.truncate = truncate
         self._has_continuations = False
 
-    def _read_rows(self, batch: pa.Table) -> list[Any]:
-        names = batch.column_names
+    def _note_columns(self, names: list[str]) -> None:
         self._has_continuations = (
             self.input_column is None and "context" in names and "continuation" in names
         )
+
+    def _read_rows(self, batch: pa.Table) -> list[Any]:
         if not self._has_continuations:
             return super()._read_rows(batch)
         contexts = column_values(batch, "context")

@@ -13,6 +13,8 @@ from __future__ import annotations
 # it stays light (pyarrow and the standard library, no torch or transformers), else each of
 # them spends seconds importing, all at once on the same cores.
 import os
+from collections import Counter
+from typing import Any
 
 import pyarrow as pa
 import ray
@@ -94,9 +96,57 @@ def parse_json_lines(lines: pa.Table) -> pa.Table:
             errors.append(f"the line {record} ({excerpt})")
     # Every key of any line is a column (Table.from_pylist would take the first line's only).
     names = dict.fromkeys(name for record in records for name in record)
-    columns = {name: pa.array([record.get(name) for record in records]) for name in names}
+    columns = {name: _one_type_column(name, records, errors) for name in names}
     columns[READ_ERROR_COLUMN] = pa.array(errors, type=pa.string())
     return pa.table(columns)
+
+
+def _one_type_column(name: str, records: list[dict], errors: list[str | None]) -> pa.Array:
+    """The key's values as one Arrow column. Arrow holds one type per column, where JSON lines
+    may mix them (an id that is a number on one line and a string on the next): the block's
+    most common kind keeps its values, and a line of another kind fails with the reason (set
+    in `errors`) rather than failing the whole block."""
+    values = [record.get(name) for record in records]
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        pass
+    kinds = [_json_kind(value) for value in values]
+    common = Counter(kind for kind in kinds if kind is not None).most_common(1)[0][0]
+    kept: list[Any] = []
+    for row, (value, kind) in enumerate(zip(values, kinds, strict=True)):
+        if kind in (None, common):
+            kept.append(value)
+            continue
+        kept.append(None)
+        if errors[row] is None:
+            errors[row] = (
+                f"the line's {name!r} is {kind} where other lines of its block have {common}: "
+                "under --ray a key holds one type"
+            )
+    try:
+        return pa.array(kept)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # same kinds, different insides
+        for row, value in enumerate(kept):
+            if value is not None and errors[row] is None:
+                errors[row] = (
+                    f"the line's {name!r} does not share one type with the other lines of its "
+                    "block (lists or objects whose items differ in type)"
+                )
+        return pa.nulls(len(kept))
+
+
+def _json_kind(value: Any) -> str | None:
+    """A JSON value's kind, in words; None for null."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
 
 
 def output_format(path: str, given: str | None) -> str:
