@@ -3,8 +3,9 @@ matmul path, cascade attention, SDPA over gathered pages, the portable paged-dec
 (any CPU) and the AVX512-BF16 C paged kernel, in ms per decode step of a 24-layer model, on CPU.
 
 Two decode batches with Qwen2.5-0.5B's attention shapes (14 query heads, 2 KV heads, head_dim
-64, bf16 or `--dtype float32`, 24 layers, 16-token pages), each layer with its own KV cache so
-that a step reads its keys and values from memory, not from a warm cache:
+64, bf16 where the CPU has it, else float32 (`--dtype`), 24 layers, 16-token pages), each
+layer with its own KV cache so that a step reads its keys and values from memory, not from a
+warm cache:
 
 - g1: 64 sequences with contexts uniform in 32..1024 plus 0..128 generated tokens, the middle of
   G1's decode (bench/g1_generation.py).
@@ -447,12 +448,16 @@ def main() -> int:
     parser.add_argument("--sweep-layers", type=int, default=4)
     parser.add_argument(
         "--dtype",
-        choices=["bfloat16", "float32"],
-        default="bfloat16",
-        help="the KV cache's dtype (float32 where this CPU's bf16 is slow)",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="the KV cache's dtype; auto: bfloat16 where oneDNN has bf16 kernels for this CPU "
+        "(AVX-512 or AMX), else float32, whose bf16 would be emulated",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT_PATH)
     args = parser.parse_args()
+    if args.dtype == "auto":
+        has_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        args.dtype = "bfloat16" if has_bf16 else "float32"
     args.dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
     results: dict[str, Any] = {

@@ -271,6 +271,41 @@ def test_a_generative_model_embeds_its_last_token_normalized(
     np.testing.assert_allclose([r["embedding"] for r in records], expected, atol=1e-5)
 
 
+def test_a_causal_lm_saved_without_its_head_loads_as_a_body_that_embeds(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """An untied Qwen2ForCausalLM whose files hold no lm_head (as decoder-based embedding
+    models are often saved) loads as the body: it embeds as transformers' AutoModel says, and
+    refuses to generate."""
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_checkpoint("qwen2", tie_word_embeddings=False)
+    model_dir = tmp_path / "headless"
+    shutil.copytree(source, model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [
+        "Qwen2ForCausalLM"
+    ]
+
+    llm = _llm(model_dir)
+    texts = _texts(4, seed=3, max_words=30)
+    ours = embeddings_array(llm.embed(texts, use_tqdm=False))
+    reference_model = AutoModel.from_pretrained(model_dir).eval()
+    tokenizer = llm.get_tokenizer()
+    with torch.no_grad():
+        last = torch.stack(
+            [
+                reference_model(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, -1]
+                for t in texts
+            ]
+        )
+    np.testing.assert_allclose(ours, F.normalize(last, dim=-1).numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="generate"):
+        llm.generate(["hello"], use_tqdm=False)
+
+
 # ------------------------------------------------------------------ refusals
 
 

@@ -21,7 +21,7 @@ from vacpack.errors import (
 from vacpack.models.base import PackedModel, ShardedParameters
 from vacpack.models.layer_ops import LayerOps, select_layer_ops, use_layer_ops
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel, prepack_linear_weights
-from vacpack.models.registry import model_class_for
+from vacpack.models.registry import DECODER_BODIES, model_class_for
 
 logger = logging.getLogger(__name__)
 
@@ -137,14 +137,42 @@ def build_model(
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise InvalidConfigError(f"{config_path!r} names no architectures")
+    architecture = architectures[0]
+    if architecture in DECODER_BODIES and _saved_without_lm_head(model_dir, hf_config):
+        logger.info(
+            "%s holds no lm_head: loaded as %s, which embeds and cannot generate",
+            config_path,
+            DECODER_BODIES[architecture],
+        )
+        architecture = DECODER_BODIES[architecture]
     try:
-        model_class = model_class_for(architectures[0])
+        model_class = model_class_for(architecture)
         config = model_class.config_class.from_hf(hf_config)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise InvalidConfigError(f"{config_path!r}: {error}") from None
     layer_ops = layer_ops or select_layer_ops(device, dtype)
     with torch.device("meta"), use_layer_ops(layer_ops):
         return model_class(config, tp).to(dtype)
+
+
+def _saved_without_lm_head(model_dir: Path, hf_config: Any) -> bool:
+    """Whether an untied causal LM's checkpoint lacks its LM head (read from the files'
+    headers); False where there are no weights to read (a meta-only build)."""
+    if getattr(hf_config, "tie_word_embeddings", False):
+        return False
+    try:
+        files = safetensors_files(model_dir)
+    except (ModelNotFoundError, CorruptWeightsError):
+        return False  # loading reports it
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as checkpoint:
+                names = checkpoint.keys()  # safe_open is not a dict
+            if any(name.endswith("lm_head.weight") for name in names):
+                return False
+        except (OSError, SafetensorError):
+            return False  # loading reports it
+    return True
 
 
 def load_model(

@@ -45,6 +45,16 @@ ARCHITECTURES: LazyRegistry[type[PackedModel]] = LazyRegistry(
 )
 
 
+# A causal LM saved without its LM head (untied, no lm_head tensor), as embedding models built on
+# a decoder often are (gte-Qwen2 style): the body alone, which embeds.
+DECODER_BODIES = {
+    "LlamaForCausalLM": "LlamaModel",
+    "MistralForCausalLM": "MistralModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+    "Qwen3ForCausalLM": "Qwen3Model",
+}
+
+
 def model_class_for(architecture: str) -> type[PackedModel]:
     """The class for a checkpoint's architecture; a ValueError lists the supported ones."""
     return ARCHITECTURES.get(architecture)
