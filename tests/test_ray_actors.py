@@ -4,6 +4,8 @@ the same numbers as the LLM call they wrap."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,17 @@ def test_json_lines_mixing_types_fail_only_the_odd_lines(decoder_dir: Path) -> N
     assert "'text' is a list where other lines of its block have a string" in errors[2]
     assert "'tags' does not share one type" in errors[3] and errors[3] == errors[4]
     assert "_vacpack_read_error" not in out[0]
+
+
+def test_the_reading_tasks_module_imports_neither_torch_nor_transformers() -> None:
+    """Ray Data's reading and writing tasks import vacpack.ray.files in fresh worker processes,
+    many at once: with torch in its imports each spent seconds before reading a line."""
+    heavy = "sorted(m for m in ('torch', 'transformers') if m in sys.modules)"
+    finished = subprocess.run(
+        [sys.executable, "-c", f"import sys, vacpack.ray.files; print({heavy})"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.strip() == "[]"

@@ -270,7 +270,7 @@ def test_full_queue_gets_503_and_sigterm_lets_streams_finish(
     one_slot_server: ServerProcess,
 ) -> None:
     long_body = _completion(
-        model=None, max_tokens=1000, ignore_eos=True, stream=True,
+        model=None, max_tokens=500, ignore_eos=True, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
     with (
@@ -293,7 +293,7 @@ def test_full_queue_gets_503_and_sigterm_lets_streams_finish(
                 events = [line[6:] for line in lines if line.startswith("data: ")]
                 assert events[-1] == "[DONE]"
                 assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
-                assert json.loads(events[-2])["usage"]["completion_tokens"] == 1000
+                assert json.loads(events[-2])["usage"]["completion_tokens"] == 500
     # Well within --shutdown-timeout-s: the drain ended when the streams did.
     assert one_slot_server.process.wait(timeout=20) == 0
 

@@ -5,13 +5,14 @@ JSON Lines are read as lines and parsed here, one line at a time, rather than by
 JSON reader, which fails the whole job at the first malformed line: a line that is not a JSON
 object becomes a row with only its reason set (READ_ERROR_COLUMN), which the job writes out
 as the row's `error`, as the single-process commands do.
+
+Ray Data's reading and writing tasks import this module in worker processes of their own: it
+stays light (pyarrow, Ray and the standard library; no torch or transformers), else each of
+them spends seconds importing, all at once on the same cores.
 """
 
 from __future__ import annotations
 
-# Ray Data's reading and writing tasks import this module in worker processes of their own:
-# it stays light (pyarrow and the standard library, no torch or transformers), else each of
-# them spends seconds importing, all at once on the same cores.
 import os
 from collections import Counter
 from typing import Any
