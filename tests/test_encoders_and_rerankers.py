@@ -240,6 +240,19 @@ def test_declared_matryoshka_dimensions_are_enforced() -> None:
         check_dimensions(0, 64, SimpleNamespace())
 
 
+def _last_token_reference(model_dir: Path, tokenizer, texts: list[str]) -> np.ndarray:
+    """transformers' AutoModel: each text's last hidden state, L2-normalized."""
+    reference_model = AutoModel.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        last = torch.stack(
+            [
+                reference_model(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, -1]
+                for t in texts
+            ]
+        )
+    return F.normalize(last, dim=-1).numpy()
+
+
 def test_a_generative_model_embeds_its_last_token_normalized(
     tiny_checkpoint, tmp_path: Path
 ) -> None:
@@ -248,16 +261,8 @@ def test_a_generative_model_embeds_its_last_token_normalized(
     llm = _llm(model_dir)
     texts = _texts(10, seed=7, max_words=40)
     ours = embeddings_array(llm.embed(texts, use_tqdm=False))
-    reference_model = AutoModel.from_pretrained(model_dir).eval()
-    tokenizer = llm.get_tokenizer()
-    with torch.no_grad():
-        last = torch.stack(
-            [
-                reference_model(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, -1]
-                for t in texts
-            ]
-        )
-    np.testing.assert_allclose(ours, F.normalize(last, dim=-1).numpy(), atol=1e-5)
+    reference = _last_token_reference(model_dir, llm.get_tokenizer(), texts)
+    np.testing.assert_allclose(ours, reference, atol=1e-5)
     # Scoring with an embedding-capable model: the cosine similarity of the two embeddings.
     scores = _scores(llm.score(texts[0], texts[1:4], use_tqdm=False))
     np.testing.assert_allclose(scores, ours[1:4] @ ours[0], atol=1e-5)
@@ -292,16 +297,8 @@ def test_a_causal_lm_saved_without_its_head_loads_as_a_body_that_embeds(
     llm = _llm(model_dir)
     texts = _texts(4, seed=3, max_words=30)
     ours = embeddings_array(llm.embed(texts, use_tqdm=False))
-    reference_model = AutoModel.from_pretrained(model_dir).eval()
-    tokenizer = llm.get_tokenizer()
-    with torch.no_grad():
-        last = torch.stack(
-            [
-                reference_model(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, -1]
-                for t in texts
-            ]
-        )
-    np.testing.assert_allclose(ours, F.normalize(last, dim=-1).numpy(), atol=1e-5)
+    reference = _last_token_reference(model_dir, llm.get_tokenizer(), texts)
+    np.testing.assert_allclose(ours, reference, atol=1e-5)
     with pytest.raises(ValueError, match="generate"):
         llm.generate(["hello"], use_tqdm=False)
 
