@@ -115,6 +115,11 @@ def hf_cb_fields(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     return fields
 
 
+# Fields that older transformers releases call by another name: the page size in tokens is
+# `block_size` in 5.17 (seen on a GPU machine's image), `page_size` in later releases.
+_OLDER_FIELD_NAMES = {"page_size": "block_size"}
+
+
 def hf_cb_config(fields: dict[str, Any]) -> Any:
     """A ContinuousBatchingConfig, refusing a field this transformers version does not have
     (silently dropping it would measure something other than what the results say)."""
@@ -122,6 +127,10 @@ def hf_cb_config(fields: dict[str, Any]) -> Any:
     from transformers import ContinuousBatchingConfig
 
     known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    fields = {
+        name if name in known else _OLDER_FIELD_NAMES.get(name, name): value
+        for name, value in fields.items()
+    }
     unknown = sorted(set(fields) - known)
     if unknown:
         raise RuntimeError(

@@ -2,7 +2,8 @@
 
 On a CPU the "device" is a worker thread (ThreadExecutor), so these tests run the real overlapped
 loop: step N+1 is launched before step N's tokens are read, requests that stop at step N are
-already in step N+1, preempted requests may hold a token still being sampled.
+already in step N+1, preempted requests may hold a token still being sampled. Where a GPU is
+present they run on it too, where the device is a CUDA stream (CudaStreamExecutor).
 """
 
 from __future__ import annotations
@@ -13,15 +14,21 @@ import pytest
 import torch
 
 from vacpack import LLM, SamplingParams
-from vacpack.engine.step_executor import InlineExecutor, ThreadExecutor
+from vacpack.engine.step_executor import CudaStreamExecutor, InlineExecutor, ThreadExecutor
 
 PAGE_SIZE = 4
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+    ),
+]
 
 
-def _llm(model_dir, async_scheduling: bool, **kwargs) -> LLM:
+def _llm(model_dir, device: str, async_scheduling: bool, **kwargs) -> LLM:
     return LLM(
-        str(model_dir), dtype="float32", block_size=PAGE_SIZE, max_num_batched_tokens=32,
-        max_num_seqs=8, async_scheduling=async_scheduling, **kwargs,
+        str(model_dir), dtype="float32", device=device, block_size=PAGE_SIZE,
+        max_num_batched_tokens=32, max_num_seqs=8, async_scheduling=async_scheduling, **kwargs,
     )  # fmt: skip
 
 
@@ -63,11 +70,21 @@ def model_dir(tiny_checkpoint):
     return tiny_checkpoint("qwen3")
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engines(model_dir):
-    sync, overlapped = _llm(model_dir, False), _llm(model_dir, True)
-    assert isinstance(sync.engine.executor, InlineExecutor)
-    assert isinstance(overlapped.engine.executor, ThreadExecutor)
+def engines(model_dir, device):
+    sync, overlapped = _llm(model_dir, device, False), _llm(model_dir, device, True)
+    assert not sync.engine.async_scheduling and overlapped.engine.async_scheduling
+    if device == "cuda":
+        assert isinstance(sync.engine.executor, CudaStreamExecutor)
+        assert isinstance(overlapped.engine.executor, CudaStreamExecutor)
+    else:
+        assert isinstance(sync.engine.executor, InlineExecutor)
+        assert isinstance(overlapped.engine.executor, ThreadExecutor)
     return sync, overlapped
 
 
@@ -139,10 +156,10 @@ def test_sampling_controls_identical_with_overlap_on_and_off(engines) -> None:
     _assert_no_leaks(overlapped)
 
 
-def test_preemption_with_tokens_in_flight(model_dir) -> None:
+def test_preemption_with_tokens_in_flight(model_dir, device) -> None:
     """A tiny KV cache forces preemptions of requests whose last token is still being sampled;
     outputs stay those of a roomy synchronous engine and nothing leaks."""
-    roomy = _llm(model_dir, False)
+    roomy = _llm(model_dir, device, False)
     vocab_size = roomy.loaded.config.vocab_size
     prompts = _prompts(vocab_size, [9, 14, 21, 30, 5, 17, 26, 11], seed=4)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -150,7 +167,9 @@ def test_preemption_with_tokens_in_flight(model_dir) -> None:
     bytes_per_token = roomy.engine.kv_cache.num_bytes // (
         roomy.engine.kv_cache.num_pages * PAGE_SIZE
     )
-    tight = _llm(model_dir, True, max_model_len=64, kv_cache_memory_bytes=72 * bytes_per_token)
+    tight = _llm(
+        model_dir, device, True, max_model_len=64, kv_cache_memory_bytes=72 * bytes_per_token
+    )
     assert _outputs(tight, prompts, params) == expected
     assert tight.engine.stats.num_preemptions > 0
     _assert_no_leaks(tight)

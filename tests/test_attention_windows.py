@@ -3,11 +3,11 @@ reference: for each query, a float64 softmax over exactly the keys it may see.""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_marks import TRITON_RUNS
 
 from vacpack import cpu_kernels
 from vacpack.attention import (
@@ -40,10 +40,6 @@ SPECS = [
     pytest.param(AttentionSpec(scale=0.11), id="scale"),
     pytest.param(FULL_ATTENTION, id="plain"),
 ]
-TRITON_RUNS = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="no GPU, and TRITON_INTERPRET was set off (tests/conftest.py sets it on)",
-)
 
 
 @dataclass(frozen=True)
@@ -139,16 +135,21 @@ def _reference(step: Step, spec: AttentionSpec) -> torch.Tensor:
 
 
 def _run(
-    backend_name: str, step: Step, spec: AttentionSpec, backend: AttentionBackend | None = None
+    backend_name: str,
+    step: Step,
+    spec: AttentionSpec,
+    backend: AttentionBackend | None = None,
+    device: torch.device = CPU,
 ) -> torch.Tensor:
     backend = backend or create_backend(backend_name)
     cache = PagedKVCache(
-        1, step.cache.num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, CPU
+        1, step.cache.num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32, device
     )
     cache.keys.copy_(step.cache.keys)
     cache.values.copy_(step.cache.values)
-    metadata = backend.build_metadata(step.layout, CPU)
-    return backend.forward(step.q, step.k, step.v, cache.layer(0), metadata, spec)
+    metadata = backend.build_metadata(step.layout, device)
+    q, k, v = (t.to(device) for t in (step.q, step.k, step.v))
+    return backend.forward(q, k, v, cache.layer(0), metadata, spec).cpu()
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -174,9 +175,11 @@ def test_portable_backend_equals_reference(
 @TRITON_RUNS
 @pytest.mark.parametrize("spec", SPECS[:2])
 def test_triton_equals_reference(spec: AttentionSpec) -> None:
+    """On the GPU where there is one, else in Triton's interpreter."""
+    device = torch.device("cuda") if torch.cuda.is_available() else CPU
     step = _step(spec, release_dead_pages=True)
     torch.testing.assert_close(
-        _run("triton", step, spec), _reference(step, spec), atol=1e-4, rtol=1e-4
+        _run("triton", step, spec, device=device), _reference(step, spec), atol=1e-4, rtol=1e-4
     )
 
 

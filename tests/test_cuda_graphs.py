@@ -7,19 +7,16 @@ captures and replays CUDA graphs.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from triton_marks import ON_CPU, TRITON_RUNS
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="no GPU, and TRITON_INTERPRET was set off (tests/conftest.py sets it on)",
-)
+pytestmark = TRITON_RUNS
 
 from vacpack.attention import BatchLayout, create_backend  # noqa: E402
 from vacpack.engine.cuda_graphs import DecodeGraphRunner, decode_buckets  # noqa: E402
@@ -105,6 +102,7 @@ def test_buckets() -> None:
     assert decode_buckets(45) == [1, 2, 4, 8, 16, 24, 32, 40, 45]
 
 
+@ON_CPU
 @pytest.mark.parametrize("prompt_lens", [[3, 8, 13], [1, 5, 11, 4, 20]])
 @torch.inference_mode()
 def test_padded_static_decode_equals_eager(model_dir: Path, prompt_lens: list[int]) -> None:
@@ -199,6 +197,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (3, 9, 5)]
 
 
+@ON_CPU
 def test_the_engine_runs_decode_steps_through_the_graph_runner(model_dir: Path) -> None:
     """On a CPU: the runner's static-buffer path (what a graph replays) inside the async engine
     gives the portable backend's greedy tokens, and its padding reaches the timeline."""

@@ -9,6 +9,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.detokenizer import IncrementalDetokenizer, RequestDetokenizer, StopStringMatcher
+from vacpack.tokenizer import plain_decoder
 
 # Multi-byte text of every UTF-8 length: 2 bytes (é, ü), 3 bytes (CJK), 4 bytes (emoji).
 MULTI_BYTE_WORDS = ("café", "naïve", "über", "中文", "汉字", "😀", "🚀🌍", "e\u0301")
@@ -383,3 +384,24 @@ def test_stop_strings_can_be_paused(bpe: PreTrainedTokenizerBase) -> None:
     assert request.update(bpe.encode("OP c", add_special_tokens=False)) == "STOP"
     assert request.output_text == "a STOP b "
     assert request.stream_delta() == ""
+
+
+def test_plain_decoder_equals_decode_and_honours_an_overridden_decode(
+    bpe: PreTrainedTokenizerBase,
+) -> None:
+    """The fast path (the tokenizers library's decode, called directly) gives what the
+    tokenizer's own decode gives; a tokenizer class that decodes its own way keeps its way."""
+    ids = bpe("Hello wörld, <|endoftext|> again!")["input_ids"] + [bpe.eos_token_id]
+    for skip in (True, False):
+        want = bpe.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        decode = plain_decoder(bpe, skip_special_tokens=skip)
+        assert decode.func == bpe.backend_tokenizer.decode  # the fast path
+        assert decode(ids) == want
+
+    class Shouting(type(bpe)):  # type: ignore[misc]
+        def _decode(self, token_ids, **kwargs) -> str:
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=bpe.backend_tokenizer)
+    decode = plain_decoder(shouting, skip_special_tokens=True)
+    assert decode(ids) == bpe.decode(ids, skip_special_tokens=True).upper()

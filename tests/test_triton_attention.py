@@ -6,17 +6,14 @@ tests/conftest.py switches the interpreter on before triton is imported.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_marks import ON_CPU, TRITON_RUNS
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="no GPU, and TRITON_INTERPRET was set off (tests/conftest.py sets it on)",
-)
+pytestmark = TRITON_RUNS
 
 from vacpack import LLM, SamplingParams  # noqa: E402
 from vacpack.attention import (  # noqa: E402
@@ -34,7 +31,7 @@ from vacpack.attention.triton_paged import PagedKernelConfig, paged_attention  #
 from vacpack.kvcache.paged_cache import PagedKVCache  # noqa: E402
 
 DEVICES = [
-    pytest.param("cpu"),
+    pytest.param("cpu", marks=ON_CPU),
     pytest.param(
         "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
     ),
@@ -178,8 +175,9 @@ def test_auto_picks_triton_only_on_cuda() -> None:
     assert resolve_backend_name("torch_sdpa", torch.device("cuda")) == "torch_sdpa"
 
 
-def test_greedy_generation_with_triton_equals_portable(tiny_checkpoint) -> None:
-    """Chunked prefill, mixed steps and decodes of a whole model, in the interpreter on a CPU."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_generation_with_triton_equals_portable(tiny_checkpoint, device: str) -> None:
+    """Chunked prefill, mixed steps and decodes of a whole model (on a CPU in the interpreter)."""
     model_dir = tiny_checkpoint("qwen2")
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 2000, (n,), generator=generator).tolist() for n in (3, 11, 26)]
@@ -187,7 +185,7 @@ def test_greedy_generation_with_triton_equals_portable(tiny_checkpoint) -> None:
     tokens = {}
     for backend in ("torch_sdpa", "triton"):
         llm = LLM(
-            str(model_dir), dtype="float32", device="cpu", attention_backend=backend,
+            str(model_dir), dtype="float32", device=device, attention_backend=backend,
             block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
             kv_cache_memory_bytes=1 << 20, max_model_len=64,
         )  # fmt: skip
@@ -196,3 +194,23 @@ def test_greedy_generation_with_triton_equals_portable(tiny_checkpoint) -> None:
         steps = llm.engine.timeline.steps
         assert any(0 < s.num_decode_tokens < s.num_tokens for s in steps)
     assert tokens["triton"] == tokens["torch_sdpa"]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 5, 7])
+def test_step_metadata_views_start_16_byte_aligned(num_seqs: int) -> None:
+    """Triton compiles a kernel variant per pointer alignment: every view into the step's one
+    packed copy starts 16-byte aligned whatever the number of sequences, so no step compiles
+    a new variant (2 s each on an H100)."""
+    layout = BatchLayout(
+        query_lens=[1] * (num_seqs - 1) + [5],
+        context_lens=[3 + 7 * i for i in range(num_seqs)],
+        page_tables=[list(range(10 * i, 10 * i + -(-(3 + 7 * i) // 4))) for i in range(num_seqs)],
+        page_size=4,
+    )
+    metadata = TritonBackend().build_metadata(layout, torch.device("cpu"))
+    for view in (metadata.cu_seqlens_q, metadata.context_lens, metadata.page_table):
+        assert view.data_ptr() % 16 == 0
+    assert metadata.context_lens.tolist() == list(layout.context_lens)
+    assert metadata.page_table[-1, : len(layout.page_tables[-1])].tolist() == list(
+        layout.page_tables[-1]
+    )

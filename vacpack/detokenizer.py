@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from vacpack.tokenizer import decode_text
+from vacpack.tokenizer import decode_text, plain_decoder
 
 # What UTF-8 decoding yields for bytes that do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
@@ -92,9 +92,9 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
         self._spaces_between_special_tokens = spaces_between_special_tokens
         self._facts = _decode_facts(tokenizer)
+        self._plain_decode = plain_decoder(tokenizer, skip_special_tokens=skip_special_tokens)
         # Skipped ids never enter the window: decode() drops them anyway, and leaving them out
         # keeps a run of them from pushing the real context out of the window.
         self._dropped_token_ids = self._facts.skipped_token_ids if skip_special_tokens else None
@@ -177,12 +177,7 @@ class IncrementalDetokenizer:
         return "".join(pieces)
 
     def _decode_plain(self, token_ids: list[int]) -> str:
-        return decode_text(
-            self._tokenizer,
-            token_ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return self._plain_decode(token_ids)
 
 
 class StopStringMatcher:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vacpack.attention.backend import (
@@ -44,6 +46,8 @@ MAX_KV_SPLITS = 16
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 VARLEN_MAX_HEAD_DIM = 256
 VARLEN_MIN_CAPABILITY = (8, 0)
+
+INT32_PER_16_BYTES = 4  # Triton's pointer specialization looks at 16-byte alignment
 
 # (q, k, v, cu_seqlens, max_seq_len, causal, spec) -> attention output shaped like q; the spec
 # has no softcap (those layers run on the portable backend).
@@ -154,9 +158,26 @@ def _num_kv_splits(
     return max(1, splits)
 
 
+def _aligned_starts(lengths: Sequence[int], alignment: int) -> list[int]:
+    """Where each of consecutive parts of these lengths starts, every start a multiple of
+    `alignment`, and last the total length."""
+    starts = [0]
+    for length in lengths:
+        starts.append(-(-(starts[-1] + length) // alignment) * alignment)
+    return starts
+
+
 def _padded_page_table(tables: Sequence[Sequence[int]], fill_page: int) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([[*t, *[fill_page] * (width - len(t))] for t in tables], dtype=torch.int32)
+    """The tables as rows of one int32 tensor, short rows padded with `fill_page`.
+
+    Built through numpy from one flat run of ids: a tensor from nested lists took 2 ms for a
+    decode step of 256 sequences, on the host's critical path, against 0.35 ms this way."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lengths.max())
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32)
+    padded = np.full((len(tables), width), fill_page, dtype=np.int32)
+    padded[np.arange(width)[None, :] < lengths[:, None]] = flat
+    return torch.from_numpy(padded)
 
 
 def _used_pages(layout: BatchLayout) -> list[Sequence[int]]:
@@ -213,18 +234,23 @@ class TritonBackend(AttentionBackend):
         pages = page_table[token_seq, positions // page_size].long()
         slot_mapping = pages * page_size + positions % page_size
 
-        # The int32 tensors travel to the device as one copy.
-        packed = torch.cat([cu_seqlens_q, context_lens, page_table.flatten()]).to(
-            device, non_blocking=True
-        )
+        # The int32 tensors travel to the device as one copy, each starting 16-byte aligned:
+        # Triton specializes its kernels on pointer alignment, and views at varying offsets
+        # would compile a new variant whenever the number of sequences changes.
+        parts = [cu_seqlens_q, context_lens, page_table.flatten()]
+        starts = _aligned_starts([len(part) for part in parts], INT32_PER_16_BYTES)
+        packed = torch.zeros(starts[-1], dtype=torch.int32)
+        for part, start in zip(parts, starts[:-1], strict=True):
+            packed[start : start + len(part)] = part
+        packed = packed.to(device, non_blocking=True)
         num_decodes = 0  # the leading run of one-token sequences
         while num_decodes < num_seqs and layout.query_lens[num_decodes] == 1:
             num_decodes += 1
         return TritonPagedMetadata(
             slot_mapping=slot_mapping.to(device, non_blocking=True),
             cu_seqlens_q=packed[: num_seqs + 1],
-            context_lens=packed[num_seqs + 1 : 2 * num_seqs + 1],
-            page_table=packed[2 * num_seqs + 1 :].view(num_seqs, page_table.shape[1]),
+            context_lens=packed[starts[1] : starts[1] + num_seqs],
+            page_table=packed[starts[2] : starts[2] + page_table.numel()].view(page_table.shape),
             num_decodes=num_decodes,
             num_seqs=num_seqs,
             max_prefill_query_len=max(layout.query_lens[num_decodes:], default=0),

@@ -71,7 +71,11 @@ def _kv_tile_tokens(head_dim: int) -> int:
     return LARGE_HEAD_KV_TILE_TOKENS if head_dim > LARGE_HEAD_DIM else KV_TILE_TOKENS
 
 
-@triton.jit
+# Triton compiles a variant per "specialization" of its integer arguments (equal to 1, divisible
+# by 16). The first prefill sequence's index and the page table's row stride change from step
+# to step, so specializing on them compiled up to four variants of this kernel during the first
+# steps of a run (about 2 s each on an H100 with 128-dim heads); they gain nothing from it.
+@triton.jit(do_not_specialize=["first_seq", "page_table_stride"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
