@@ -22,6 +22,7 @@ from vacpack.attention import (
     AttentionShapes,
     DecodeBatchShape,
     PackedBinShape,
+    PagedPrefillShape,
     select_backend,
     selection,
 )
@@ -29,6 +30,7 @@ from vacpack.attention.backend import AttentionSpec
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
 from vacpack.attention.paged_decode import DECODE_FORMS
 from vacpack.attention.selection import PREFIX_BAND_FACTOR, cascade_shapes
+from vacpack.attention.step_routed import StepRoutedBackend
 from vacpack.attention.timed_steps import TimedCall, Workload
 from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.tuning import ChoiceSource, force_env_var
@@ -401,3 +403,53 @@ def test_a_candidate_that_cannot_run_raises_its_error_at_every_call() -> None:
         with pytest.raises(RuntimeError, match="did not build"):
             calls["broken"]()
     assert calls["sdpa"]()[0].shape == (BIN.num_seqs * BIN.seq_len, 4, 32)
+
+
+PREFILL_STEP = PagedPrefillShape(num_seqs=2, chunk_tokens=24, cached_tokens=8, page_size=16)
+
+
+@pytest.mark.parametrize("prefill_fastest", ["cpu_kernels", "torch_sdpa"])
+def test_prefill_steps_run_on_the_backend_that_wins_them(
+    monkeypatch: pytest.MonkeyPatch, prefill_forced, prefill_fastest: str
+) -> None:
+    """The decode batch and a prefill step are timed apart; where they pick different backends
+    the engine's backend routes each step to its winner (as on an AMX Xeon: SDPA's flash kernel
+    for prefill chunks, the C paged kernel for decodes)."""
+    decode_timings = InjectedTimings(
+        {"cpu_kernels": 0.001, "torch_sdpa": 0.002, "cascade": 0.1, "no_cascade": 0.1}
+    )
+    prefill_timings = InjectedTimings({"cpu_kernels": 0.003, "torch_sdpa": 0.003})
+    prefill_timings.costs[prefill_fastest] = 0.001
+    prefill_timings.clock = decode_timings.clock
+    real = selection.timed_calls
+
+    def timed_calls(backends, shapes, workload, *args, **kwargs) -> dict[str, TimedCall]:
+        is_prefill = isinstance(workload, PagedPrefillShape)
+        timings = prefill_timings if is_prefill else decode_timings
+        return timings.wrap(real(backends, shapes, workload, *args, **kwargs))
+
+    monkeypatch.setattr(selection, "timed_calls", timed_calls)
+    selected = select_backend(
+        "auto", CPU, SHORT, DECODES, prefill_step=PREFILL_STEP, clock=decode_timings.clock
+    )
+    prefill_choice = selected.choices[-1]
+    assert prefill_choice.phase == "attention_paged_prefill"
+    assert prefill_choice.chosen == prefill_fastest
+    assert set(prefill_timings.calls) == {"cpu_kernels", "torch_sdpa"}
+    if prefill_fastest == "cpu_kernels":
+        assert selected.backend.name == "cpu_kernels"  # one backend for both kinds of step
+    else:
+        assert isinstance(selected.backend, StepRoutedBackend)
+        assert selected.backend.decode.name == "cpu_kernels"
+        assert selected.backend.prefill.name == "torch_sdpa"
+
+
+def test_a_forced_backend_runs_every_step(inject, prefill_forced) -> None:
+    timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.003, "cascade": 0.1, "no_cascade": 0.1})
+    selected = select_backend(
+        "torch_sdpa", CPU, SHORT, DECODES, prefill_step=PREFILL_STEP, clock=timings.clock
+    )
+    assert selected.backend.name == "torch_sdpa"
+    assert not {"cpu_kernels", "torch_sdpa"} & set(timings.calls)  # no backend was timed
+    forced = [c for c in selected.choices if c.source is ChoiceSource.FORCED_ARGUMENT]
+    assert [c.phase for c in forced] == ["attention_paged", "attention_paged_prefill"]

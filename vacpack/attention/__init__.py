@@ -7,7 +7,12 @@ from vacpack.attention.registry import (
     resolve_backend_name,
 )
 from vacpack.attention.selection import SelectedBackend, select_backend
-from vacpack.attention.timed_steps import AttentionShapes, DecodeBatchShape, PackedBinShape
+from vacpack.attention.timed_steps import (
+    AttentionShapes,
+    DecodeBatchShape,
+    PackedBinShape,
+    PagedPrefillShape,
+)
 
 __all__ = [
     "AttentionBackend",
@@ -16,6 +21,7 @@ __all__ = [
     "DecodeBatchShape",
     "DecodeGraphBuffers",
     "PackedBinShape",
+    "PagedPrefillShape",
     "Phase",
     "SelectedBackend",
     "auto_candidates",

@@ -43,10 +43,12 @@ from vacpack.attention.registry import (
     resolve_backend_name,
     unsupported_reasons,
 )
+from vacpack.attention.step_routed import StepRoutedBackend
 from vacpack.attention.timed_steps import (
     AttentionShapes,
     DecodeBatchShape,
     PackedBinShape,
+    PagedPrefillShape,
     TimedCall,
     Workload,
     timed_calls,
@@ -87,9 +89,12 @@ class SelectedBackend:
 
 def backend_phase(workload: Workload) -> str:
     """The measured-choice phase of a workload: attention_packed, attention_encoder (packed,
-    bidirectional) or attention_paged; VACPACK_CHOICE_<PHASE> forces its backend."""
+    bidirectional), attention_paged (the engine's decodes) or attention_paged_prefill (its
+    prefill steps); VACPACK_CHOICE_<PHASE> forces its backend."""
     if isinstance(workload, DecodeBatchShape):
         return "attention_paged"
+    if isinstance(workload, PagedPrefillShape):
+        return "attention_paged_prefill"
     return "attention_packed" if workload.causal else "attention_encoder"
 
 
@@ -97,13 +102,18 @@ def select_backend(
     name: str,
     device: torch.device,
     shapes: AttentionShapes,
-    workload: Workload,
+    workload: PackedBinShape | DecodeBatchShape,
     *,
+    prefill_step: PagedPrefillShape | None = None,
     cache_dir: Path | None = None,
     clock: Clock = time.perf_counter,
 ) -> SelectedBackend:
     """The backend for `workload`'s phase: `name` ("auto": the fastest eligible one that runs
-    every layer of the model), with its options measured."""
+    every layer of the model), with its options measured.
+
+    For the engine (a decode batch), `prefill_step` times the candidates on a step of prefill
+    chunks too; where another backend wins there, steps with prefill run on it (step_routed.py).
+    """
     phase = Phase.PAGED if isinstance(workload, DecodeBatchShape) else Phase.PACKED
     eligible = (
         auto_candidates(device, shapes.dtype, shapes.head_dim, phase)
@@ -149,20 +159,23 @@ def select_backend(
     def build(backend_name: str, **options: Any) -> AttentionBackend:
         return create_backend(backend_name, **dict(options_of(backend_name)), **options)
 
-    def backend_calls() -> dict[str, TimedCall]:
-        for backend_name in runnable:
-            options_of(backend_name)  # measured first: its timing is not the backends'
-        factories = {n: functools.partial(build, n) for n in runnable}
-        return timed_calls(factories, shapes, workload, device)
+    def choose_backend(timed: Workload) -> MeasuredChoice:
+        def backend_calls() -> dict[str, TimedCall]:
+            for backend_name in runnable:
+                options_of(backend_name)  # measured first: its timing is not the backends'
+            factories = {n: functools.partial(build, n) for n in runnable}
+            return timed_calls(factories, shapes, timed, device)
 
-    backend_choice = measure(
-        backend_phase(workload),
-        f"{shapes.key()}; {workload.key()}",
-        runnable,
-        backend_calls,
-        forced=None if name == "auto" else name,
-        budget_s=BACKEND_BUDGET_S,
-    )
+        return measure(
+            backend_phase(timed),
+            f"{shapes.key()}; {timed.key()}",
+            runnable,
+            backend_calls,
+            forced=None if name == "auto" else name,
+            budget_s=BACKEND_BUDGET_S,
+        )
+
+    backend_choice = choose_backend(workload)
     chosen = backend_choice.chosen
     options_of(chosen)  # measured before the cascade, whose candidates are built with them
     options: dict[str, Any] = {}
@@ -173,6 +186,11 @@ def select_backend(
             options["cascade"] = cascade_policy(cascade_timed)
     backend = build(chosen, **options)
     choices = [backend_choice, *tuned]
+    if prefill_step is not None:
+        prefill_choice = choose_backend(prefill_step)
+        choices.append(prefill_choice)
+        if prefill_choice.chosen != chosen:
+            backend = StepRoutedBackend(decode=backend, prefill=build(prefill_choice.chosen))
     sole = ChoiceSource.ONLY_CANDIDATE
     return SelectedBackend(backend, tuple(c for c in choices if c.source is not sole))
 

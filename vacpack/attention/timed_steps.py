@@ -5,7 +5,9 @@ queries, keys and values in the model's dtype with its heads and head size, laid
 phase runs them. A packed bin is whole sequences in one stream without a KV cache (a corpus bin,
 or an encoder's batch); a decode batch is one query token per sequence over a paged KV cache
 (the engine's decode step), its contexts spread evenly up to the longest, optionally behind a
-prefix all of them share (the pages prefix caching leaves for a shared system prompt).
+prefix all of them share (the pages prefix caching leaves for a shared system prompt); a paged
+prefill is chunks of several query tokens per sequence over cached pages (an engine step of
+chunked prefill).
 
 A call runs every distinct kind of layer once (a model whose layers alternate sliding windows
 runs one of each). Each candidate's backend and step metadata are built, and its layers run
@@ -100,7 +102,28 @@ class DecodeBatchShape:
         )
 
 
-Workload = PackedBinShape | DecodeBatchShape
+@dataclass(frozen=True)
+class PagedPrefillShape:
+    """An engine step of prefill chunks: `num_seqs` sequences each adding `chunk_tokens` query
+    tokens over `cached_tokens` already in the paged cache (chunked prefill; 0: fresh prompts)."""
+
+    num_seqs: int
+    chunk_tokens: int
+    cached_tokens: int
+    page_size: int
+
+    def context_lens(self) -> list[int]:
+        return [self.cached_tokens + self.chunk_tokens] * self.num_seqs
+
+    def key(self) -> str:
+        return (
+            f"prefill {self.num_seqs} x {self.chunk_tokens} new tokens over "
+            f"{self.cached_tokens} cached, pages of {self.page_size}"
+        )
+
+
+PagedWorkload = DecodeBatchShape | PagedPrefillShape
+Workload = PackedBinShape | PagedWorkload
 TimedCall = Callable[[], object]
 
 
@@ -131,7 +154,10 @@ def _inputs(shapes: AttentionShapes, workload: Workload, device: torch.device) -
     else:
         page_size = workload.page_size
         context_lens = workload.context_lens()
-        prefix_pages = workload.shared_prefix_tokens // page_size
+        shared_prefix_tokens = (
+            workload.shared_prefix_tokens if isinstance(workload, DecodeBatchShape) else 0
+        )
+        prefix_pages = shared_prefix_tokens // page_size
         next_page = prefix_pages
         page_tables = []
         for context_len in context_lens:
@@ -145,9 +171,14 @@ def _inputs(shapes: AttentionShapes, workload: Workload, device: torch.device) -
             _random((num_slots, kv_heads, dim), dtype, device),
             page_size,
         )
-        num_tokens = workload.num_seqs
+        query_lens = (
+            [workload.chunk_tokens] * workload.num_seqs
+            if isinstance(workload, PagedPrefillShape)
+            else [1] * workload.num_seqs
+        )
+        num_tokens = sum(query_lens)
         layout = BatchLayout(
-            [1] * num_tokens,
+            query_lens,
             context_lens,
             page_tables,
             page_size,
