@@ -405,3 +405,20 @@ def test_plain_decoder_equals_decode_and_honours_an_overridden_decode(
     shouting = Shouting(tokenizer_object=bpe.backend_tokenizer)
     decode = plain_decoder(shouting, skip_special_tokens=True)
     assert decode(ids) == bpe.decode(ids, skip_special_tokens=True).upper()
+
+
+def test_text_at_finish_gives_the_incremental_text(bpe: PreTrainedTokenizerBase) -> None:
+    ids = bpe("Héllo wörld, a 🤗 and\nmore")["input_ids"] + [bpe.eos_token_id]
+    eager = RequestDetokenizer(bpe)
+    deferred = RequestDetokenizer(bpe, text_at_finish=True)
+    for token_id in ids:
+        assert eager.update([token_id]) is None
+        assert deferred.update([token_id]) is None
+    assert deferred.output_text == "" and deferred.stream_delta() == ""  # nothing decoded yet
+    eager.finish()
+    deferred.finish()
+    want = bpe.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert deferred.output_text == eager.output_text == want
+    assert deferred.stream_delta() == want
+    with pytest.raises(ValueError, match="stop strings"):
+        RequestDetokenizer(bpe, stop_strings=["x"], text_at_finish=True)

@@ -249,6 +249,11 @@ class RequestDetokenizer:
     that is safe to send now, and calls finish() when the request ends for any reason other
     than a stop string (eos, length, abort) to release what was held back. output_text is the
     text so far, and the final text once the request has finished.
+
+    text_at_finish=True (no stop strings allowed) decodes nothing until finish(), then all of
+    the ids at once, to the same text: for a request whose text nobody reads before it ends
+    (an offline batch's outputs), which saves the host a decode per token, about 10 us per
+    sequence and step.
     """
 
     def __init__(
@@ -259,8 +264,13 @@ class RequestDetokenizer:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        text_at_finish: bool = False,
     ) -> None:
+        if text_at_finish and stop_strings:
+            raise ValueError("stop strings are matched as the text grows: not text_at_finish")
         self._tokenizer = tokenizer
+        # Ids not decoded yet; None: decoded as they come.
+        self._deferred_token_ids: list[int] | None = [] if text_at_finish else None
         self._detokenizer = IncrementalDetokenizer(
             tokenizer,
             skip_special_tokens=skip_special_tokens,
@@ -294,6 +304,9 @@ class RequestDetokenizer:
         """
         if self.finished:
             raise RuntimeError("update() called on a request whose output has finished")
+        if self._deferred_token_ids is not None:
+            self._deferred_token_ids.extend(new_token_ids)
+            return None
         delta = self._detokenizer.decode_next(new_token_ids)
         return self._append(delta, check_stop_strings=check_stop_strings)
 
@@ -305,6 +318,10 @@ class RequestDetokenizer:
         """
         if self.finished:
             return None
+        if self._deferred_token_ids:
+            text = self._detokenizer.decode_next(self._deferred_token_ids)
+            self._append(text, check_stop_strings=False)
+            self._deferred_token_ids.clear()
         matched_stop = self._append(self._detokenizer.flush(), check_stop_strings=True)
         self._finish()
         return matched_stop

@@ -252,7 +252,8 @@ def _sampling_row(sequence: Sequence) -> SamplingRow:
     return SamplingRow(
         params=params,
         prompt_token_ids=sequence.prompt_token_ids,
-        output_token_ids=sequence.output_token_ids,
+        # Read by penalties alone: no copy of every sequence's output at every step otherwise.
+        output_token_ids=sequence.output_token_ids if params.has_penalties else (),
         generator=sequence.generator,
         stop_token_ids_to_suppress=suppress,
     )

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from vacpack.detokenizer import RequestDetokenizer
 from vacpack.engine.sampler import make_request_generator
 from vacpack.kvcache.page_pool import page_hashes
-from vacpack.outputs import PositionLogprobs, RequestMetrics
+from vacpack.outputs import PositionLogprobs, RequestMetrics, RequestOutputKind
 from vacpack.sampling import SamplingParams
 from vacpack.structured.constraints import SequenceConstraints
 
@@ -246,6 +246,9 @@ def build_request(
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    # Nobody reads the text before the end: decoded once, at the end.
+                    text_at_finish=params.output_kind is RequestOutputKind.FINAL_ONLY
+                    and not params.stop,
                 ),
                 metrics=RequestMetrics(arrival_time=request.metrics.arrival_time),
                 prompt_logprobs_start=prompt_logprobs_start,
