@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
+import torch
 from fake_clock import FakeClock
 
 from vacpack.tuning import ChoiceCache, ChoiceSource, choose, force_env_var
@@ -196,3 +197,16 @@ def test_an_unwritable_cache_only_costs_a_later_measurement(tmp_path: Path) -> N
     blocked.write_text("")  # the cache directory cannot be created under a file
     choice = choose_with(clock, blocked / "cache", {"a": clock.costing(1), "b": clock.costing(2)})
     assert choice.chosen == "a" and choice.source is ChoiceSource.MEASURED
+
+
+def test_on_a_gpu_each_call_is_timed_to_the_end_of_its_queued_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA call returns once its kernels are queued: the timer waits for the device before
+    starting and after each call (the GPU is stood in for; only its synchronize is observed)."""
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: events.append("sync"))
+    time_candidates({"a": lambda: events.append("a")}, budget_s=0.0, max_rounds=0)
+    assert events == ["sync", "a", "sync"]

@@ -5,7 +5,8 @@ load). Then rounds call every candidate once, interleaved in a rotating order, s
 other work on the machine slows all candidates alike rather than whichever ran during it; a
 candidate's time is its best over the rounds, since on a shared machine noise only ever adds
 time. Rounds run while the next one fits in the time budget, up to a cap; if even the warm-up
-spent the budget, the warm-up times stand.
+spent the budget, the warm-up times stand. On a GPU each call is timed from an idle device to
+the end of the work it queued.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+import torch
 
 Clock = Callable[[], float]
 
@@ -69,9 +72,19 @@ def time_candidates(
 
 def _timed_call(candidate: Callable[[], object], clock: Clock) -> float | str:
     """Seconds one call took, or the error it raised (a candidate that raises is dropped)."""
+    _wait_for_gpu()
     start_s = clock()
     try:
         candidate()
+        _wait_for_gpu()
     except Exception as error:  # any failure only rules this candidate out
         return f"{type(error).__name__}: {error}"
     return clock() - start_s
+
+
+def _wait_for_gpu() -> None:
+    """Waits for the GPU work queued so far. A CUDA call returns once its kernels are queued:
+    without this a candidate's time would be what launching it costs the host, and the work
+    left queued by one candidate would be charged to the next."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
