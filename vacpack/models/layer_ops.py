@@ -1,8 +1,9 @@
 """The elementwise ops of a decoder layer, and which implementation a model is built with.
 
 `LayerOps` is PyTorch's own ops, portable and the reference; `CpuKernelLayerOps` runs each op
-as one fused C pass (vacpack/cpu_kernels/elementwise.c) on bf16 CPUs, rounding where the
-PyTorch ops round. Each declares where it runs; where both run, each op takes the one measured
+as one fused C pass (vacpack/cpu_kernels/elementwise.c) on bf16 CPUs, and `TritonLayerOps`
+(triton_layer_ops.py) as one fused Triton kernel on GPUs, each rounding where the PyTorch ops
+round. Each declares where it runs; where both run, each op takes the one measured
 faster at the model's shapes (layer_ops_choice.py, `PerOpLayerOps`). The loader builds the
 model inside `use_layer_ops(...)`, so every layer holds its ops from construction on and nothing
 is switched after loading.
@@ -11,6 +12,7 @@ is switched after loading.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -127,11 +129,14 @@ class LayerOpsSpec:
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype] | None = None  # None: any
     needs_cpu_kernels: bool = False  # the C library must build here
+    needs_triton: bool = False  # the triton package must be installed
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type not in self.devices:
             return False
         if self.dtypes is not None and dtype not in self.dtypes:
+            return False
+        if self.needs_triton and importlib.util.find_spec("triton") is None:
             return False
         return not self.needs_cpu_kernels or elementwise.elementwise_kernels_available(
             device, dtype
@@ -151,6 +156,12 @@ LAYER_OPS_SPECS: tuple[LayerOpsSpec, ...] = (
         name="torch",
         target="vacpack.models.layer_ops:LayerOps",
         devices=frozenset({"cpu", "cuda"}),
+    ),
+    LayerOpsSpec(
+        name="triton",
+        target="vacpack.models.triton_layer_ops:TritonLayerOps",
+        devices=frozenset({"cuda"}),
+        needs_triton=True,
     ),
 )
 

@@ -1,11 +1,11 @@
 """Each elementwise op of a decoder layer from the implementation measured fastest for it.
 
-Where the fused C kernels run (bf16 on a CPU with AVX512-BF16), each op (RMSNorm, the residual
-add with RMSNorm, SiLU(gate) * up, rotary embeddings) is timed against its PyTorch twin on the
-model's own shapes, a slice of a prefill's rows as the MLP runs them, through vacpack.tuning
-(phase layer_op_<op>; VACPACK_CHOICE_LAYER_OP_<OP> forces one). A fused pass saves memory
-traffic, but PyTorch's vectorised ops may still win on a CPU whose kernels were not tuned for
-it; where only PyTorch's ops run, nothing is timed.
+Where fused kernels run (the C kernels: bf16 on a CPU with AVX512-BF16; the Triton kernels: on
+a GPU), each op (RMSNorm, the residual add with RMSNorm, SiLU(gate) * up, rotary embeddings) is
+timed against its PyTorch twin on the model's own shapes, a slice of a prefill's rows as the MLP
+runs them, through vacpack.tuning (phase layer_op_<op>; VACPACK_CHOICE_LAYER_OP_<OP> forces
+one). A fused pass saves memory traffic, but PyTorch's vectorised ops may still win on a CPU
+whose kernels were not tuned for it; where only PyTorch's ops run, nothing is timed.
 """
 
 from __future__ import annotations
