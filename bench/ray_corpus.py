@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from e1_embeddings import default_model_dir, make_texts, word_list
+from e1_workload import default_model_dir, make_texts, word_list
 from harness import machine_busy_cpu_s, machine_description
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
