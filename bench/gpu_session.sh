@@ -136,7 +136,8 @@ EOF
 
 stage_tests() {
     "$PYTHON" -m pytest tests/test_cuda_graphs.py tests/test_triton_attention.py \
-        tests/test_attention_windows.py tests/test_async_scheduling.py -q
+        tests/test_attention_windows.py tests/test_async_scheduling.py \
+        tests/test_triton_layer_ops.py -q
 }
 
 stage_o1() {
