@@ -55,71 +55,6 @@ from harness import (
     timed_section,
 )
 
-SYSTEMS: tuple[str, ...] = ("vacpack", "hf_padded", "hf_sorted", "vllm_cpu")
-BASELINES: tuple[str, ...] = ("hf_padded", "hf_sorted", "vllm_cpu")
-# Run in its own environment rather than as a worker of this script.
-VLLM_SYSTEMS: tuple[str, ...] = ("vllm_cpu",)
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
-
-CORPUS_SEED = 0
-DEFAULT_NUM_DOCS = {"cpu": 128, "cuda": 400}
-PAD_TOKEN_ID = 0  # right padding: masked out of attention and out of the scores
-# The warm-up job: two documents cut to this many tokens. Enough to run every kernel once and,
-# for vacpack, to trigger the bin-budget probe, so none of that lands in the timed job.
-WARMUP_DOCS = 2
-WARMUP_TOKENS = 64
-
-# What P1 sets out to show, checked against the measured numbers.
-TARGET_SPEEDUP_OVER_PADDED = 3.0
-TARGET_MAX_PADDING_FRACTION = 0.01
-
-
-def log(message: str) -> None:
-    harness.log(message, "p1")
-
-
-# ---------------------------------------------------------------------------- workload
-
-
-def make_documents(
-    num_docs: int,
-    short_range_tokens: tuple[int, int],
-    long_range_tokens: tuple[int, int],
-    vocab_size: int,
-) -> list[list[int]]:
-    """Random token-id documents, short and long alternating, then shuffled.
-
-    A pure function of its arguments, so every worker builds the same corpus.
-    """
-    generator = torch.Generator().manual_seed(CORPUS_SEED)
-    documents = []
-    for index in range(num_docs):
-        low, high = short_range_tokens if index % 2 == 0 else long_range_tokens
-        num_tokens = int(torch.randint(low, high + 1, (1,), generator=generator))
-        documents.append(torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist())
-    order = torch.randperm(num_docs, generator=generator).tolist()
-    return [documents[i] for i in order]
-
-
-def read_model_config(model_dir: Path) -> dict[str, Any]:
-    return json.loads((model_dir / "config.json").read_text())
-
-
-def prefix_token_id(model_dir: Path) -> int:
-    """The token every document is scored after: BOS, else EOS (LoglikelihoodTask's rule)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prefix = tokenizer.bos_token_id
-    if prefix is None:
-        prefix = tokenizer.eos_token_id
-    if prefix is None:
-        raise ValueError(f"the tokenizer in {model_dir} has neither a BOS nor an EOS token")
-    return int(prefix)
-
-
 # ---------------------------------------------------------------------------- workers
 
 
@@ -252,16 +187,6 @@ WORKERS: dict[str, Callable[[argparse.Namespace, list[list[int]]], dict[str, Any
 }
 
 
-def corpus_for(args: argparse.Namespace) -> list[list[int]]:
-    vocab_size = int(read_model_config(args.model_dir)["vocab_size"])
-    return make_documents(
-        args.num_docs,
-        (args.short_min, args.short_max),
-        (args.long_min, args.long_max),
-        vocab_size,
-    )
-
-
 def worker_main(args: argparse.Namespace) -> int:
     documents = corpus_for(args)
     result = run_catching_errors(lambda: WORKERS[args.worker](args, documents))
@@ -281,119 +206,6 @@ WORKER_OPTIONS: tuple[str, ...] = (
 
 def worker_command(args: argparse.Namespace, worker: str, worker_output: Path) -> list[str]:
     return harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
-
-
-def logprob_agreement(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """How far each baseline's per-document totals are from vacpack's (bf16: close, not equal)."""
-    reference = systems.get("vacpack", {}).get("document_logprobs")
-    agreement: dict[str, Any] = {}
-    for name in BASELINES:
-        other = systems.get(name, {}).get("document_logprobs")
-        if not reference or not other or len(other) != len(reference):
-            continue
-        pairs = list(zip(reference, other, strict=True))
-        agreement[name] = {
-            "max_abs_diff_nats": max(abs(a - b) for a, b in pairs),
-            "max_relative_diff": max(abs(a - b) / max(abs(a), 1e-9) for a, b in pairs),
-        }
-    return agreement
-
-
-def ratios_over_baselines(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
-    vacpack = systems.get("vacpack", {})
-    ratios = {}
-    for name in BASELINES:
-        baseline = systems.get(name, {})
-        if "tokens_per_s" in vacpack and "tokens_per_s" in baseline:
-            ratios[f"vacpack/{name}"] = vacpack["tokens_per_s"] / baseline["tokens_per_s"]
-    return ratios
-
-
-def target_checks(systems: dict[str, dict[str, Any]], ratios: dict[str, float]) -> dict[str, Any]:
-    vacpack, padded = systems.get("vacpack", {}), systems.get("hf_padded", {})
-    speedup = ratios.get("vacpack/hf_padded")
-    peak, baseline_peak = vacpack.get("peak_memory_bytes"), padded.get("peak_memory_bytes")
-    padding = vacpack.get("padding_fraction")
-    return {
-        "tokens_per_s_over_hf_padded": {
-            "target": f">= {TARGET_SPEEDUP_OVER_PADDED}x",
-            "measured": speedup,
-            "met": None if speedup is None else speedup >= TARGET_SPEEDUP_OVER_PADDED,
-        },
-        "vacpack_padding_fraction": {
-            "target": f"< {TARGET_MAX_PADDING_FRACTION:.0%}",
-            "measured": padding,
-            "met": None if padding is None else padding < TARGET_MAX_PADDING_FRACTION,
-        },
-        "peak_memory_vs_hf_padded": {
-            "target": "vacpack's peak memory <= hf_padded's",
-            "measured": None if not (peak and baseline_peak) else peak / baseline_peak,
-            "met": None if not (peak and baseline_peak) else peak <= baseline_peak,
-        },
-    }
-
-
-def markdown_table(results: dict[str, Any]) -> str:
-    ratios = results["ratios"]
-    memory_kind = "GPU" if results["workload"]["device"].startswith("cuda") else "RSS"
-    lines = [
-        f"| system | wall s | tokens/s | docs/s | padding | peak {memory_kind} GiB "
-        "| vacpack speed-up | others' CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, system in results["systems"].items():
-        if "error" in system:
-            lines.append(f"| {name} | failed: {markdown_cell(system['error'])} | | | | | | |")
-            continue
-        ratio = ratios.get(f"vacpack/{name}")
-        ratio_text = "—" if name == "vacpack" else (f"{ratio:.2f}x" if ratio else "n/a")
-        lines.append(
-            f"| {name} | {system['wall_s']:.1f} | {system['tokens_per_s']:,.0f} | "
-            f"{system['documents_per_s']:.2f} | {system['padding_fraction']:.1%} | "
-            f"{system['peak_memory_bytes'] / 2**30:.2f} | {ratio_text} | "
-            f"{system['other_processes_core_share']:.0%} |"
-        )
-    lines.append("")
-    for name, check in results["targets"].items():
-        measured = check["measured"]
-        measured_text = "n/a" if measured is None else f"{measured:.3g}"
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
-        lines.append(f"target {name}: {check['target']}; measured {measured_text}: {verdict}")
-    for name, agreement in results["logprob_agreement"].items():
-        lines.append(
-            f"per-document total logprob, vacpack vs {name}: max abs diff "
-            f"{agreement['max_abs_diff_nats']:.3g} nats "
-            f"(relative {agreement['max_relative_diff']:.2g})"
-        )
-    report = results["systems"].get("vacpack", {}).get("job_report")
-    if report:
-        lines.append(
-            f"vacpack bins: {report['num_bins']} of at most {report['bin_budget_tokens']} tokens "
-            f"({report['budget_source']}); device busy {report['device_busy_fraction']:.0%}, "
-            f"waited {report['wait_for_bins_s']:.2f} s for bins"
-        )
-    if not results["workload"]["prefix_token_ids_agree"]:
-        lines.append("WARNING: the systems scored after different prefix tokens")
-    if results["systems"].get("vacpack", {}).get("every_token_scored") is False:
-        lines.append("WARNING: vacpack did not score every token of every document")
-    lines.append(f"note: {results['notes']['peak_memory']}")
-    return "\n".join(lines)
-
-
-def save_plot(results: dict[str, Any], plot_path: Path) -> None:
-    ran = {n: s for n, s in results["systems"].items() if "tokens_per_s" in s}
-    workload = results["workload"]
-    save_bar_chart(
-        {name: system["tokens_per_s"] for name, system in ran.items()},
-        plot_path,
-        ylabel="scored tokens/s (real tokens only)",
-        title=f"P1 (Qwen2.5-0.5B shapes, bf16, {workload['num_docs']} documents, "
-        f"{workload['num_real_tokens']:,} tokens)\n"
-        f"{machine_summary(results['machine'], workload['device'])}",
-        bar_labels=[
-            f"{s['tokens_per_s']:,.0f}\npadding {s['padding_fraction']:.1%}" for s in ran.values()
-        ],
-    )
 
 
 def run_vllm_cpu(args: argparse.Namespace, documents: list[list[int]]) -> dict[str, Any]:
