@@ -31,7 +31,6 @@ Quick check that everything works:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,14 +44,31 @@ from harness import (
     heartbeat,
     job_report_fields,
     machine_description,
-    machine_summary,
-    markdown_cell,
     peak_memory_bytes,
     resolve_device,
     run_catching_errors,
-    save_bar_chart,
     save_worker_result,
     timed_section,
+)
+from p1_report import (
+    logprob_agreement,
+    markdown_table,
+    ratios_over_baselines,
+    save_plot,
+    target_checks,
+)
+from p1_workload import (
+    CORPUS_SEED,
+    DEFAULT_NUM_DOCS,
+    PAD_TOKEN_ID,
+    RESULTS_DIR,
+    SYSTEMS,
+    VLLM_SYSTEMS,
+    WARMUP_DOCS,
+    WARMUP_TOKENS,
+    corpus_for,
+    log,
+    prefix_token_id,
 )
 
 # ---------------------------------------------------------------------------- workers
