@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import process_timing
 import torch
 from decode_attention_paths import (
     C_KERNEL,
@@ -148,7 +149,7 @@ def run_workload(
     for setting in SETTINGS:
         torch.set_num_threads(setting.threads)
         clock = CLOCKS[setting.clock]
-        with harness.timed_section() as section:
+        with process_timing.timed_section() as section:
             ms = interleaved_best_ms(runners, args.rounds, clock)
             copy = copy_gb_per_s(args.rounds, clock)
         best_before = ms["sdpa (before)"]["best_ms"]

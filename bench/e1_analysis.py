@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import harness
+import matmul_peak
 import torch
 from e1_workload import (
     DTYPE_NAMES,
@@ -23,7 +23,7 @@ from e1_workload import (
     WARMUP_TEXTS,
     log,
 )
-from harness import timed_section
+from process_timing import timed_section
 
 
 def encoder_shapes(model_dir: Path) -> dict[str, int]:
@@ -75,7 +75,7 @@ def run_matmul_peak(args: argparse.Namespace, texts: list[str]) -> dict[str, Any
                 (intermediate, hidden),
             ):
                 per_shape.append(
-                    harness.best_linear_tflops(
+                    matmul_peak.best_linear_tflops(
                         num_rows, in_features, out_features, generator, args.device
                     )
                 )

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import harness
 import numpy as np
 import vllm_cpu
+import workers
 from e1_analysis import run_matmul_peak, run_profile, time_analysis
 from e1_report import cosine_agreement, markdown_table, save_plot, speedup_ratios, target_checks
 from e1_vllm import VLLM_SYSTEMS, run_vllm
@@ -69,9 +69,11 @@ from harness import (
     machine_description,
     peak_memory_bytes,
     resolve_device,
+)
+from process_timing import timed_section
+from workers import (
     run_catching_errors,
     save_worker_result,
-    timed_section,
 )
 
 # ---------------------------------------------------------------------------- workers
@@ -193,7 +195,7 @@ WORKER_OPTIONS: tuple[str, ...] = (
 def worker_command(
     args: argparse.Namespace, worker: str, worker_output: Path, embeddings_output: Path
 ) -> list[str]:
-    command = harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
+    command = workers.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
     return [*command, "--embeddings-output", str(embeddings_output)]
 
 
@@ -216,7 +218,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 warmup_texts = texts[:WARMUP_TEXTS]
                 systems[name] = run_vllm(args, texts, warmup_texts, name, embeddings_path)
             else:
-                systems[name] = harness.run_worker(
+                systems[name] = workers.run_worker(
                     lambda path, name=name, out=embeddings_path: worker_command(
                         args, name, path, out
                     ),
@@ -226,7 +228,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             if embeddings_path.exists():
                 embeddings[name] = np.load(embeddings_path)
         analysis = {
-            worker: harness.run_worker(
+            worker: workers.run_worker(
                 lambda path, worker=worker, out=Path(tmp_dir) / "unused.npy": worker_command(
                     args, worker, path, out
                 ),
@@ -271,7 +273,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         },
     }
 
-    harness.publish_results(
+    workers.publish_results(
         results, args.output, args.plot, save_plot, markdown_table(results), "e1"
     )
     return 0

@@ -33,9 +33,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
 import torch
 import vllm_cpu
+import workers
 from g1_report import (
     first_token_agreement,
     markdown_table,
@@ -72,14 +74,16 @@ from g1_workload import (
     timeline_paths,
 )
 from harness import (
-    best_linear_tflops,
     heartbeat,
     machine_description,
-    run_catching_errors,
     save_vacpack_timeline,
-    save_worker_result,
-    timed_section,
     vacpack_engine_fields,
+)
+from matmul_peak import best_linear_tflops
+from process_timing import timed_section
+from workers import (
+    run_catching_errors,
+    save_worker_result,
 )
 
 # ---------------------------------------------------------------------------- workers
@@ -212,11 +216,11 @@ WORKER_OPTIONS: tuple[str, ...] = (
 
 
 def worker_command(args: argparse.Namespace, worker: str, worker_output: Path) -> list[str]:
-    return harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
+    return workers.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
 
 
-def run_worker(args: argparse.Namespace, worker: str, budget: harness.RunBudget) -> dict[str, Any]:
-    return harness.run_worker_within(
+def run_worker(args: argparse.Namespace, worker: str, budget: workers.RunBudget) -> dict[str, Any]:
+    return workers.run_worker_within(
         budget,
         args.worker_timeout_s,
         lambda worker_output: worker_command(args, worker, worker_output),
@@ -230,13 +234,13 @@ def orchestrate(args: argparse.Namespace) -> int:
     unknown = sorted(set(systems_to_run) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    model_dir = harness.ensure_shapes_checkpoint(args.shape, args.model_dir, "g1")
+    model_dir = checkpoints.ensure_shapes_checkpoint(args.shape, args.model_dir, "g1")
     vocab_size = int(read_model_config(model_dir)["vocab_size"])
     prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab_size)
     prompt_lens = [len(p) for p in prompts]
     log(f"{SHAPE_LABELS[args.shape]} shapes on {args.device}: systems {', '.join(systems_to_run)}")
 
-    budget = harness.RunBudget(args.time_budget_s)
+    budget = workers.RunBudget(args.time_budget_s)
     log(f"measuring the {args.dtype} matmul peak")
     peak = run_worker(args, MATMUL_PEAK_WORKER, budget)
     systems: dict[str, dict[str, Any]] = {}
@@ -290,7 +294,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     for system in systems.values():
         system.pop("first_output_tokens", None)
 
-    harness.publish_results(
+    workers.publish_results(
         results, args.output, args.plot, save_plot, markdown_table(results), "g1"
     )
     return 0
@@ -365,7 +369,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.systems is None:
         args.systems = ",".join(DEFAULT_SYSTEMS[device_type])
     if args.model_dir is None:
-        args.model_dir = harness.MODEL_SHAPE_DIRS[args.shape]
+        args.model_dir = checkpoints.MODEL_SHAPE_DIRS[args.shape]
     if args.output is None:
         args.output = RESULTS_DIR / f"g1_{args.shape}_{device_type}.json"
     if args.plot is None:

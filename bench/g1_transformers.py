@@ -24,10 +24,8 @@ from g1_workload import (
     step_budget_tokens,
     throughput_fields,
 )
-from harness import (
-    heartbeat,
-    timed_section,
-)
+from harness import heartbeat
+from process_timing import timed_section
 
 
 def left_padded_batch(batch_prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import harness
 import vllm_cpu
+import workers
 from g1_workload import (
     WARMUP_OUTPUT_TOKENS,
     is_cuda,
@@ -23,7 +23,7 @@ VLLM_SYSTEM = "vllm_cpu"
 
 
 def run_vllm_cpu(
-    args: argparse.Namespace, prompts: list[list[int]], budget: harness.RunBudget
+    args: argparse.Namespace, prompts: list[list[int]], budget: workers.RunBudget
 ) -> dict[str, Any]:
     if is_cuda(args.device):
         return {"error": "vllm_cpu is vLLM's CPU build: it runs only with --device cpu"}

@@ -8,12 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
 import torch
-from harness import (
-    TimedSection,
-    random_token_prompts,
-)
+from harness import random_token_prompts
+from process_timing import TimedSection
 
 SYSTEMS: tuple[str, ...] = (
     "vacpack", "hf_generate", "hf_generate_batch", "hf_generate_batch_auto", "vllm_cpu",
@@ -32,7 +31,7 @@ BASELINES: tuple[str, ...] = (
 )  # fmt: skip
 GENERATE_BATCH_SYSTEMS: tuple[str, ...] = ("hf_generate_batch", "hf_generate_batch_auto")
 
-SHAPES: tuple[str, ...] = tuple(harness.MODEL_SHAPE_DIRS)
+SHAPES: tuple[str, ...] = tuple(checkpoints.MODEL_SHAPE_DIRS)
 SHAPE_LABELS: dict[str, str] = {"qwen2.5-0.5b": "Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen2.5-1.5B"}
 RESULTS_DIR = harness.REPO_ROOT / "bench" / "results"
 

@@ -29,8 +29,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
+import process_timing
 import torch
+import workers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("vacpack", "transformers")
@@ -101,7 +104,7 @@ def run_vacpack(args: argparse.Namespace, max_tokens: int) -> dict[str, Any]:
     prompts = prompts_for(args, llm.loaded.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    with harness.timed_section() as section:
+    with process_timing.timed_section() as section:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {**section.fields(), "output_tokens": num_output, **harness.vacpack_engine_fields(llm)}
@@ -127,7 +130,7 @@ def run_transformers(args: argparse.Namespace, max_tokens: int) -> dict[str, Any
 
     with torch.inference_mode():
         generate(prompts[:1], 2)  # warm-up
-        with harness.timed_section() as section:
+        with process_timing.timed_section() as section:
             sequences = generate(prompts, max_tokens)
     num_output = (sequences.shape[1] - prompts.shape[1]) * sequences.shape[0]
     return {**section.fields(), "output_tokens": num_output}
@@ -139,7 +142,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     max_tokens = 1 if workload == "prefill" else args.max_tokens
     runner = run_vacpack if system == "vacpack" else run_transformers
     log(f"{system} {workload}: {args.num_prompts} x {args.prompt_len} tokens, {max_tokens} out")
-    return harness.run_catching_errors(lambda: runner(args, max_tokens))
+    return workers.run_catching_errors(lambda: runner(args, max_tokens))
 
 
 def summarise(results: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -199,14 +202,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--worker-output", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model_dir is None:
-        args.model_dir = harness.CHECKPOINT_CACHE_DIR / f"moe-{args.shape}-{args.dtype}"
+        args.model_dir = checkpoints.CHECKPOINT_CACHE_DIR / f"moe-{args.shape}-{args.dtype}"
     return args
 
 
 def main() -> None:
     args = parse_args()
     if args.worker is not None:
-        harness.save_worker_result(run_worker(args), args.worker_output)
+        workers.save_worker_result(run_worker(args), args.worker_output)
         return
     ensure_checkpoint(args.shape, args.model_dir, getattr(torch, args.dtype))
     results: dict[str, Any] = {"machine": harness.machine_description(), "args": vars(args)}
@@ -214,15 +217,15 @@ def main() -> None:
     for system in SYSTEMS:
         for workload in WORKLOADS:
             name = f"{system}:{workload}"
-            results[name] = harness.run_worker(
-                lambda output, name=name: harness.worker_command(
+            results[name] = workers.run_worker(
+                lambda output, name=name: workers.worker_command(
                     __file__, name, output, args, FORWARDED
                 ),
                 name,
                 "moe",
             )
     results["summary"] = summarise(results, args)
-    harness.publish_results(
+    workers.publish_results(
         results, args.output, args.plot, save_plot, table(results["summary"]), "moe"
     )
 

@@ -36,15 +36,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
+import workers
 from harness import (
     heartbeat,
     machine_description,
     random_token_prompts,
-    run_catching_errors,
     save_vacpack_timeline,
-    save_worker_result,
-    timed_section,
     vacpack_engine_fields,
 )
 from o1_report import (
@@ -67,6 +66,11 @@ from o1_workload import (
     read_model_config,
     scale_name,
     workload_of,
+)
+from process_timing import timed_section
+from workers import (
+    run_catching_errors,
+    save_worker_result,
 )
 
 # ---------------------------------------------------------------------------- worker
@@ -183,7 +187,7 @@ WORKER_OPTIONS: tuple[str, ...] = (
 
 
 def worker_command(args: argparse.Namespace, config: str, worker_output: Path) -> list[str]:
-    return harness.worker_command(__file__, config, worker_output, args, WORKER_OPTIONS)
+    return workers.worker_command(__file__, config, worker_output, args, WORKER_OPTIONS)
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -191,7 +195,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     unknown = sorted(set(configs_to_run) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
-    model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "o1")
+    model_dir = checkpoints.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "o1")
     workload = workload_of(args)
     vocab_size = int(read_model_config(model_dir)["vocab_size"])
     prompts = random_token_prompts(
@@ -200,11 +204,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     scale = scale_name(workload)
     log(f"{args.device}, {scale}: {args.num_prompts} requests x {args.max_tokens} tokens")
 
-    budget = harness.RunBudget(args.time_budget_s)
+    budget = workers.RunBudget(args.time_budget_s)
     configs: dict[str, dict[str, Any]] = {}
     for index, name in enumerate(configs_to_run):
         log(f"configuration {index + 1}/{len(configs_to_run)}: {name}")
-        configs[name] = harness.run_worker_within(
+        configs[name] = workers.run_worker_within(
             budget,
             args.worker_timeout_s,
             lambda worker_output, name=name: worker_command(args, name, worker_output),
@@ -241,7 +245,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             configs, ratios, applies=args.device == "cuda" and workload == FULL_WORKLOAD
         ),
     }
-    harness.publish_results(
+    workers.publish_results(
         results,
         args.output,
         args.output.with_suffix(".png"),
@@ -285,7 +289,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the whole run's budget: a configuration gets at most what is left of it",
     )
-    parser.add_argument("--model-dir", type=Path, default=harness.QWEN2_5_0_5B_SHAPES_DIR)
+    parser.add_argument("--model-dir", type=Path, default=checkpoints.QWEN2_5_0_5B_SHAPES_DIR)
     parser.add_argument(
         "--output",
         type=Path,

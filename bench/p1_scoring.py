@@ -36,19 +36,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import harness
+import checkpoints
 import p1_vllm
 import torch
 import vllm_cpu
+import workers
 from harness import (
     heartbeat,
     job_report_fields,
     machine_description,
     peak_memory_bytes,
     resolve_device,
-    run_catching_errors,
-    save_worker_result,
-    timed_section,
 )
 from p1_report import (
     logprob_agreement,
@@ -69,6 +67,11 @@ from p1_workload import (
     corpus_for,
     log,
     prefix_token_id,
+)
+from process_timing import timed_section
+from workers import (
+    run_catching_errors,
+    save_worker_result,
 )
 
 # ---------------------------------------------------------------------------- workers
@@ -221,7 +224,7 @@ WORKER_OPTIONS: tuple[str, ...] = (
 
 
 def worker_command(args: argparse.Namespace, worker: str, worker_output: Path) -> list[str]:
-    return harness.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
+    return workers.worker_command(__file__, worker, worker_output, args, WORKER_OPTIONS)
 
 
 def run_vllm_cpu(args: argparse.Namespace, documents: list[list[int]]) -> dict[str, Any]:
@@ -236,7 +239,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     unknown = sorted(set(systems_to_run) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "p1")
+    model_dir = checkpoints.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "p1")
     documents = corpus_for(args)
     doc_lens = [len(d) for d in documents]
     log(f"{len(documents)} documents, {sum(doc_lens):,} tokens, on {args.device}")
@@ -247,7 +250,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         if name in VLLM_SYSTEMS:
             systems[name] = run_vllm_cpu(args, documents)
             continue
-        systems[name] = harness.run_worker(
+        systems[name] = workers.run_worker(
             lambda path, name=name: worker_command(args, name, path), name, "p1"
         )
     prefixes = {s["prefix_token_id"] for s in systems.values() if "prefix_token_id" in s}
@@ -290,7 +293,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     for system in systems.values():
         system.pop("document_logprobs", None)
 
-    harness.publish_results(
+    workers.publish_results(
         results, args.output, args.plot, save_plot, markdown_table(results), "p1"
     )
     return 0
@@ -318,7 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-min", type=int, default=1800, help="long documents' min tokens")
     parser.add_argument("--long-max", type=int, default=2000)
     parser.add_argument("--hf-batch-size", type=int, default=8)
-    parser.add_argument("--model-dir", type=Path, default=harness.QWEN2_5_0_5B_SHAPES_DIR)
+    parser.add_argument("--model-dir", type=Path, default=checkpoints.QWEN2_5_0_5B_SHAPES_DIR)
     parser.add_argument("--output", type=Path, default=None, help="default results/p1_DEVICE.json")
     parser.add_argument("--plot", type=Path, default=None, help="default results/p1_DEVICE.png")
     parser.add_argument(

@@ -34,9 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
+import process_timing
 import torch
 import vllm_cpu
+import workers
 from prefix_vllm import VLLM_SYSTEM, run_vllm_shared_prompt
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +90,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         llm.engine.timeline.reset()  # the timeline covers the timed run alone
-        with harness.timed_section() as section:
+        with process_timing.timed_section() as section:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         steps = llm.engine.timeline.steps
         num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -105,7 +108,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     context_texts, continuation_texts = multiple_choice_items(args, llm.get_tokenizer())
     llm.loglikelihood(["warm up"], [" now"], use_tqdm=False)  # also measures the bin budget
     engine_tokens_before = llm.engine.state().num_processed_tokens if enable else 0
-    with harness.timed_section() as section:
+    with process_timing.timed_section() as section:
         results = llm.loglikelihood(context_texts, continuation_texts, use_tqdm=False)
     if enable:
         computed = llm.engine.state().num_processed_tokens - engine_tokens_before
@@ -123,7 +126,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "prefix")
+    checkpoints.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "prefix")
     results: dict[str, Any] = {
         "machine": harness.machine_description(),
         "dtype": args.dtype,
@@ -133,7 +136,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         runs = {}
         for cache in args.caches.split(","):
             log(f"{workload}, prefix cache {cache}")
-            runs[cache] = harness.run_worker(
+            runs[cache] = workers.run_worker(
                 lambda output, w=workload, c=cache: worker_command(args, w, c, output),
                 f"{workload}/{cache}",
                 "prefix",
@@ -142,7 +145,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         if workload == "shared_prompt" and args.vllm:
             add_vllm_run(args, results["workloads"][workload])
     results["settings"] = {k: str(v) for k, v in vars(args).items()}
-    harness.publish_results(
+    workers.publish_results(
         results, args.output, args.plot, save_plot, markdown_table(results), "prefix"
     )
     return 0
@@ -259,7 +262,7 @@ WORKER_OPTIONS: tuple[str, ...] = (
 
 
 def worker_command(args: argparse.Namespace, workload: str, cache: str, output: Path) -> list[str]:
-    command = harness.worker_command(__file__, workload, output, args, WORKER_OPTIONS)
+    command = workers.worker_command(__file__, workload, output, args, WORKER_OPTIONS)
     return [*command, "--cache", cache]
 
 
@@ -307,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         start_s = time.perf_counter()
-        result = harness.run_catching_errors(lambda: run_worker(args))
+        result = workers.run_catching_errors(lambda: run_worker(args))
         log(f"{args.worker}/{args.cache}: done in {time.perf_counter() - start_s:.0f} s")
-        harness.save_worker_result(result, args.worker_output)
+        workers.save_worker_result(result, args.worker_output)
         return 0
     return orchestrate(args)
 

@@ -37,7 +37,8 @@ from typing import Any
 
 import harness
 from e1_workload import default_model_dir, make_texts, word_list
-from harness import machine_busy_cpu_s, machine_description
+from harness import machine_description
+from process_timing import machine_busy_cpu_s
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO_ROOT / "bench" / "results" / "ray_corpus_cpu.json"

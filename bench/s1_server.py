@@ -48,14 +48,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import harness
+import checkpoints
 import httpx
 from harness import (
     machine_description,
     markdown_cell,
-    publish_results,
-    timed_section,
 )
+from process_timing import timed_section
 from s1_client import level_fields, request_body, run_level
 from s1_report import markdown_table, save_plot, speedups
 from s1_workload import (
@@ -71,6 +70,7 @@ from s1_workload import (
     transformers_serve_spec,
     vacpack_spec,
 )
+from workers import publish_results
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT_PATH = REPO_ROOT / "bench" / "results" / "s1_server_cpu.json"
@@ -167,7 +167,7 @@ def run_system_catching_errors(run: Callable[[], dict[str, Any]], name: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    source_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "s1")
+    source_dir = checkpoints.ensure_qwen2_5_0_5b_shapes_checkpoint(args.model_dir, "s1")
     model_dir = ensure_decodable_checkpoint(source_dir)
     prompts_per_level = [
         make_prompts(
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=harness.QWEN2_5_0_5B_SHAPES_DIR)
+    parser.add_argument("--model-dir", type=Path, default=checkpoints.QWEN2_5_0_5B_SHAPES_DIR)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
         "--concurrency",

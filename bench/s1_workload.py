@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
 import torch
 
 SYSTEMS: tuple[str, ...] = ("vacpack", "transformers_serve")
-CHECKPOINT_CACHE_DIR = harness.QWEN2_5_0_5B_SHAPES_DIR.parent
+CHECKPOINT_CACHE_DIR = checkpoints.QWEN2_5_0_5B_SHAPES_DIR.parent
 PROMPT_SEED = 0
 LOOPBACK = "127.0.0.1"
 # vacpack's CPU step budget when none is given; transformers' continuous batching gets the same.

@@ -27,8 +27,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
+import process_timing
 import torch
+import workers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("windowed", "full")
@@ -95,7 +98,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         shape = (args.num_seqs, args.prompt_len)
         prompts = torch.randint(0, vocab_size, shape, generator=generator).tolist()
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        with harness.timed_section() as section:
+        with process_timing.timed_section() as section:
             llm.generate(prompts, params, use_tqdm=False)
         engine = llm.engine
         steps = engine.timeline.steps
@@ -115,7 +118,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         }
 
     log(f"{args.worker}: {args.num_seqs} x {args.prompt_len} tokens, {args.max_tokens} out")
-    return harness.run_catching_errors(run)
+    return workers.run_catching_errors(run)
 
 
 def table(results: dict[str, Any]) -> str:
@@ -159,7 +162,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--model-root", type=Path, default=harness.CHECKPOINT_CACHE_DIR)
+    parser.add_argument("--model-root", type=Path, default=checkpoints.CHECKPOINT_CACHE_DIR)
     parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--output", type=Path, default=REPO_ROOT / "bench/results/sliding_window_cpu.json"
@@ -175,7 +178,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.worker is not None:
-        harness.save_worker_result(run_worker(args), args.worker_output)
+        workers.save_worker_result(run_worker(args), args.worker_output)
         return
     results: dict[str, Any] = {
         "machine": harness.machine_description(),
@@ -183,14 +186,14 @@ def main() -> None:
     }
     for model in MODELS:
         args.model_dir = ensure_checkpoint(args, model)
-        results[model] = harness.run_worker(
-            lambda output, model=model: harness.worker_command(
+        results[model] = workers.run_worker(
+            lambda output, model=model: workers.worker_command(
                 __file__, model, output, args, FORWARDED
             ),
             model,
             "window",
         )
-    harness.publish_results(results, args.output, args.plot, save_plot, table(results), "window")
+    workers.publish_results(results, args.output, args.plot, save_plot, table(results), "window")
 
 
 if __name__ == "__main__":

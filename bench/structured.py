@@ -48,15 +48,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
 import vllm_cpu
 from g1_workload import RESULTS_DIR, make_prompts, make_warmup_prompts, read_model_config
-from harness import heartbeat, machine_description, save_vacpack_timeline, timed_section
+from harness import heartbeat, machine_description, save_vacpack_timeline
+from process_timing import timed_section
 from structured_vllm import STRUCTURED_OUTPUTS_BACKENDS, VLLM_SYSTEM, run_vllm_structured
 
 SYSTEMS = ("vacpack", "vllm_cpu")
 TOKENIZERS = ("bundled", "python-bpe")
-PYTHON_BPE_DIR = harness.CHECKPOINT_CACHE_DIR / "python-bpe-128k-tokenizer"
+PYTHON_BPE_DIR = checkpoints.CHECKPOINT_CACHE_DIR / "python-bpe-128k-tokenizer"
 PYTHON_BPE_VOCAB_SIZE = 128_000
 PYTHON_BPE_TRAINING_CHARS = 120_000_000
 TIMELINE_STEPS = 24
@@ -335,8 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.dtype = "float32"
         args.vllm_kv_cache_gib = TINY_VLLM_KV_CACHE_GIB
     else:
-        args.model_dir = harness.ensure_qwen2_5_0_5b_shapes_checkpoint(
-            harness.QWEN2_5_0_5B_SHAPES_DIR, "structured"
+        args.model_dir = checkpoints.ensure_qwen2_5_0_5b_shapes_checkpoint(
+            checkpoints.QWEN2_5_0_5B_SHAPES_DIR, "structured"
         )
     args.tokenizer_dir = python_bpe_tokenizer() if args.tokenizer == "python-bpe" else None
     vocab_size = int(read_model_config(args.model_dir)["vocab_size"])

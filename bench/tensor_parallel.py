@@ -38,8 +38,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import checkpoints
 import harness
+import process_timing
 import torch
+import workers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("generate", "loglikelihood")
@@ -64,10 +67,10 @@ def log(message: str) -> None:
 
 def ensure_checkpoint(args: argparse.Namespace) -> Path:
     if args.shape != "tiny":
-        return harness.ensure_shapes_checkpoint(
-            args.shape, harness.CHECKPOINT_CACHE_DIR / f"tp-{args.shape}-shapes", "tp"
+        return checkpoints.ensure_shapes_checkpoint(
+            args.shape, checkpoints.CHECKPOINT_CACHE_DIR / f"tp-{args.shape}-shapes", "tp"
         )
-    model_dir = harness.CHECKPOINT_CACHE_DIR / "tp-tiny"
+    model_dir = checkpoints.CHECKPOINT_CACHE_DIR / "tp-tiny"
     if not (model_dir / "config.json").exists():
         from vacpack.testing.tiny_models import build_random_checkpoint
 
@@ -95,7 +98,7 @@ def run_generate(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     # on first use of a shape, which must not fall into either size's timed run.
     llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     llm.engine.timeline.reset()
-    with harness.timed_section() as section:
+    with process_timing.timed_section() as section:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     steps = llm.engine.timeline.steps
     collective = [s.collective_s for s in steps if s.collective_s is not None]
@@ -122,7 +125,7 @@ def run_loglikelihood(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     )
     llm.loglikelihood(texts, use_tqdm=False)  # warm-up: kernel choices, the bin budget
     before_s = _collective_s(llm)
-    with harness.timed_section() as section:
+    with process_timing.timed_section() as section:
         llm.loglikelihood(texts, use_tqdm=False)
     collective_s = _collective_s(llm) - before_s
     report = llm.corpus_runner.last_report
@@ -160,7 +163,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             }
 
     log(f"tensor parallel {args.tp_size}: generate, then loglikelihood")
-    return harness.run_catching_errors(run)
+    return workers.run_catching_errors(run)
 
 
 def _speed(row: dict[str, Any], workload: str) -> float:
@@ -233,7 +236,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.worker is not None:
-        harness.save_worker_result(run_worker(args), args.worker_output)
+        workers.save_worker_result(run_worker(args), args.worker_output)
         return
     sizes = sorted({1, *(int(size) for size in args.tp_sizes.split(","))})
     args.model_dir = ensure_checkpoint(args)
@@ -244,8 +247,8 @@ def main() -> None:
     }
     for size in sizes:
         args.tp_size = size
-        results[f"tp{size}"] = harness.run_worker(
-            lambda output, size=size: harness.worker_command(
+        results[f"tp{size}"] = workers.run_worker(
+            lambda output, size=size: workers.worker_command(
                 __file__, f"tp{size}", output, args, FORWARDED
             ),
             f"tp{size}",
@@ -259,7 +262,7 @@ def main() -> None:
     results["same_generated_tokens"] = len(set(hashes.values())) <= 1
     if not results["same_generated_tokens"]:
         log(f"the sizes generated different tokens: {hashes}")
-    harness.publish_results(results, args.output, args.plot, save_plot, table(results, sizes), "tp")
+    workers.publish_results(results, args.output, args.plot, save_plot, table(results, sizes), "tp")
 
 
 if __name__ == "__main__":

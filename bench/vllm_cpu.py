@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import process_timing
+import workers
 
 VENV_DIR = harness.REPO_ROOT / "bench" / ".venv-vllm"
 WORKER_SCRIPT = Path(__file__).resolve().with_name("vllm_cpu_worker.py")
@@ -110,7 +112,7 @@ def run_job(
     job: dict[str, Any],
     name: str,
     log_prefix: str,
-    budget: harness.RunBudget | None = None,
+    budget: workers.RunBudget | None = None,
     per_worker_s: float | None = None,
 ) -> dict[str, Any]:
     """Runs one job in vLLM's environment; the worker's result, or {"error": ...}."""
@@ -130,15 +132,15 @@ def run_job(
         env = run_environment()
         preloaded = env["LD_PRELOAD"] or "nothing"
         harness.log(f"{name}: vLLM CPU, LD_PRELOAD={preloaded}", log_prefix)
-        return harness.run_worker_within(
-            budget or harness.RunBudget(None), per_worker_s, command, name, log_prefix, env=env
+        return workers.run_worker_within(
+            budget or workers.RunBudget(None), per_worker_s, command, name, log_prefix, env=env
         )
 
 
-def timed_section_of(result: dict[str, Any]) -> harness.TimedSection:
+def timed_section_of(result: dict[str, Any]) -> process_timing.TimedSection:
     """The worker's timed call, as the benchmarks' own workers measure theirs."""
     timed = result["timed"]
-    return harness.TimedSection(
+    return process_timing.TimedSection(
         wall_s=timed["wall_s"], other_processes_cpu_s=timed["other_processes_cpu_s"]
     )
 
