@@ -122,8 +122,7 @@ class PagedPrefillShape:
         )
 
 
-PagedWorkload = DecodeBatchShape | PagedPrefillShape
-Workload = PackedBinShape | PagedWorkload
+Workload = PackedBinShape | DecodeBatchShape | PagedPrefillShape
 TimedCall = Callable[[], object]
 
 

@@ -171,7 +171,8 @@ def _padded_page_table(tables: Sequence[Sequence[int]], fill_page: int) -> torch
     """The tables as rows of one int32 tensor, short rows padded with `fill_page`.
 
     Built through numpy from one flat run of ids: a tensor from nested lists took 2 ms for a
-    decode step of 256 sequences, on the host's critical path, against 0.35 ms this way."""
+    decode step of 256 sequences on a 2-core EPYC, on the host's critical path, against 0.35 ms
+    this way."""
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     width = int(lengths.max())
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32)
