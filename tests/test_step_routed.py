@@ -10,9 +10,10 @@ import torch
 
 from vacpack import LLM, SamplingParams
 from vacpack.attention import BatchLayout, SelectedBackend, create_backend
-from vacpack.attention.backend import FULL_ATTENTION, AttentionBackend
+from vacpack.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionSpec
 from vacpack.attention.step_routed import StepRoutedBackend
 from vacpack.engine import engine as engine_module
+from vacpack.kvcache.paged_cache import KVLayer
 
 
 class Recording(AttentionBackend):
@@ -23,14 +24,22 @@ class Recording(AttentionBackend):
         self.name = inner.name
         self.steps: list[list[int]] = []
 
-    def unsupported(self, spec):
+    def unsupported(self, spec: AttentionSpec) -> str | None:
         return self.inner.unsupported(spec)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
         self.steps.append(list(layout.query_lens))
         return self.inner.build_metadata(layout, device)
 
-    def forward(self, q, k, v, kv_layer, metadata, spec=FULL_ATTENTION):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: KVLayer | None,
+        metadata: Any,
+        spec: AttentionSpec = FULL_ATTENTION,
+    ) -> torch.Tensor:
         return self.inner.forward(q, k, v, kv_layer, metadata, spec)
 
 

@@ -7,6 +7,8 @@ bfloat16 where a GPU (and PyTorch) rounds to nearest.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from triton_marks import TRITON_RUNS
@@ -103,11 +105,11 @@ def test_eligible_on_cuda_only() -> None:
 class CountedLaunches:
     """Stands in for a Triton kernel: counts its launches and runs it."""
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.launches = 0
 
-    def __getitem__(self, grid):
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
         self.launches += 1
         return self.kernel[grid]
 
