@@ -47,27 +47,32 @@ BIN = PackedBinShape(2, 16)
 DECODES = DecodeBatchShape(num_seqs=8, longest_context=40, page_size=16)
 
 Cost = float | Exception
+Costs = Mapping[str, Cost]
 
 
 class InjectedTimings:
     """Wraps the real timed calls: each candidate's first call runs for real (where it can
-    here), and every call costs what it is given."""
+    here), and every call costs what it is given (`prefill_costs` on paged prefill steps)."""
 
-    def __init__(self, costs: Mapping[str, Cost]) -> None:
+    def __init__(self, costs: Costs, prefill_costs: Costs | None = None) -> None:
         self.clock = FakeClock()
-        self.costs = dict(costs)
+        self.costs, self.prefill_costs = dict(costs), prefill_costs
         self.calls: list[str] = []
+        self.prefill_calls: list[str] = []  # those logged apart: where prefill_costs are given
 
-    def wrap(self, calls: dict[str, TimedCall]) -> dict[str, TimedCall]:
-        return {name: self._fake(name, call) for name, call in calls.items()}
+    def wrap(self, calls: dict[str, TimedCall], workload: Workload) -> dict[str, TimedCall]:
+        costs, log = self.costs, self.calls
+        if self.prefill_costs is not None and isinstance(workload, PagedPrefillShape):
+            costs, log = self.prefill_costs, self.prefill_calls
+        return {name: self._fake(name, call, costs, log) for name, call in calls.items()}
 
-    def _fake(self, name: str, real: TimedCall) -> TimedCall:
+    def _fake(self, name: str, real: TimedCall, costs: Costs, log: list[str]) -> TimedCall:
         def run() -> None:
-            self.calls.append(name)
-            cost = self.costs[name]
+            log.append(name)
+            cost = costs[name]
             if isinstance(cost, Exception):
                 raise cost
-            first = self.calls.count(name) == 1
+            first = log.count(name) == 1
             if first and (name != "cpu_kernels" or KERNELS_RUN_HERE):
                 real()
             self.clock.now_s += cost
@@ -83,12 +88,12 @@ def kernels_eligible(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @pytest.fixture
 def inject(monkeypatch: pytest.MonkeyPatch):
-    def install(costs: Mapping[str, Cost]) -> InjectedTimings:
-        timings = InjectedTimings(costs)
+    def install(costs: Costs, prefill_costs: Costs | None = None) -> InjectedTimings:
+        timings = InjectedTimings(costs, prefill_costs)
         real = selection.timed_calls
 
         def timed_calls(*args, **kwargs) -> dict[str, TimedCall]:
-            return timings.wrap(real(*args, **kwargs))
+            return timings.wrap(real(*args, **kwargs), args[2])  # (backends, shapes, workload)
 
         monkeypatch.setattr(selection, "timed_calls", timed_calls)
         return timings
@@ -410,32 +415,22 @@ PREFILL_STEP = PagedPrefillShape(num_seqs=2, chunk_tokens=24, cached_tokens=8, p
 
 @pytest.mark.parametrize("prefill_fastest", ["cpu_kernels", "torch_sdpa"])
 def test_prefill_steps_run_on_the_backend_that_wins_them(
-    monkeypatch: pytest.MonkeyPatch, prefill_forced, prefill_fastest: str
+    inject, prefill_forced, prefill_fastest: str
 ) -> None:
     """The decode batch and a prefill step are timed apart; where they pick different backends
     the engine's backend routes each step to its winner (as on an AMX Xeon: SDPA's flash kernel
     for prefill chunks, the C paged kernel for decodes)."""
-    decode_timings = InjectedTimings(
-        {"cpu_kernels": 0.001, "torch_sdpa": 0.002, "cascade": 0.1, "no_cascade": 0.1}
+    timings = inject(
+        {"cpu_kernels": 0.001, "torch_sdpa": 0.002, "cascade": 0.1, "no_cascade": 0.1},
+        prefill_costs={"cpu_kernels": 0.003, "torch_sdpa": 0.003} | {prefill_fastest: 0.001},
     )
-    prefill_timings = InjectedTimings({"cpu_kernels": 0.003, "torch_sdpa": 0.003})
-    prefill_timings.costs[prefill_fastest] = 0.001
-    prefill_timings.clock = decode_timings.clock
-    real = selection.timed_calls
-
-    def timed_calls(backends, shapes, workload, *args, **kwargs) -> dict[str, TimedCall]:
-        is_prefill = isinstance(workload, PagedPrefillShape)
-        timings = prefill_timings if is_prefill else decode_timings
-        return timings.wrap(real(backends, shapes, workload, *args, **kwargs))
-
-    monkeypatch.setattr(selection, "timed_calls", timed_calls)
     selected = select_backend(
-        "auto", CPU, SHORT, DECODES, prefill_step=PREFILL_STEP, clock=decode_timings.clock
+        "auto", CPU, SHORT, DECODES, prefill_step=PREFILL_STEP, clock=timings.clock
     )
     prefill_choice = selected.choices[-1]
     assert prefill_choice.phase == "attention_paged_prefill"
     assert prefill_choice.chosen == prefill_fastest
-    assert set(prefill_timings.calls) == {"cpu_kernels", "torch_sdpa"}
+    assert set(timings.prefill_calls) == {"cpu_kernels", "torch_sdpa"}
     if prefill_fastest == "cpu_kernels":
         assert selected.backend.name == "cpu_kernels"  # one backend for both kinds of step
     else:
