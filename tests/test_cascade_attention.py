@@ -12,10 +12,16 @@ import torch.nn.functional as F
 
 from vacpack import LLM, SamplingParams
 from vacpack.attention import cascade as cascade_module
-from vacpack.attention import torch_sdpa
+from vacpack.attention import paged_decode, torch_sdpa
 from vacpack.attention.backend import BatchLayout
 from vacpack.attention.cascade import CascadePolicy, merge_by_lse
-from vacpack.attention.paged_decode import KeyPadding, attend, plan_chunks
+from vacpack.attention.paged_decode import (
+    KeyPadding,
+    attend,
+    build_chunk,
+    build_chunks,
+    plan_chunks,
+)
 from vacpack.attention.shared_prefix import SharedPrefix, find_shared_prefixes
 from vacpack.attention.torch_sdpa import SdpaMetadata, TorchSdpaBackend
 from vacpack.kvcache.paged_cache import KVLayer
@@ -138,7 +144,9 @@ def test_decodes_equal_per_sequence_sdpa(dtype, heads, grouping, cascade) -> Non
 @pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "paged"])
 def test_many_small_chunks_equal_per_sequence_sdpa(monkeypatch, cascade) -> None:
     """Decodes in many chunks, and shared prefixes attended a few query rows at a time."""
-    monkeypatch.setattr(torch_sdpa, "plan_chunks", functools.partial(plan_chunks, budget_tokens=20))
+    monkeypatch.setattr(
+        paged_decode, "plan_chunks", functools.partial(plan_chunks, budget_tokens=20)
+    )
     # 2 KV heads: 3 rows per block against the 12-token prefix, 1 against the 24-token one.
     monkeypatch.setattr(cascade_module, "PREFIX_BLOCK_SCORES", 2 * 12 * 3)
     generator = torch.Generator().manual_seed(7)
@@ -154,6 +162,35 @@ def test_many_small_chunks_equal_per_sequence_sdpa(monkeypatch, cascade) -> None
     ):
         want = _reference(q[i : i + 1], kv_layer, table, context_len)
         torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_form_runs_all_decodes_as_one_chunk_and_builds_masks_only_when_asked() -> None:
+    """The C kernel reads pages in place, so its decodes are one chunk, longest first, with no
+    padding masks; a soft-capped layer's matmuls get the masks the other forms build."""
+    num_keys, hidden = [5, 30, 7, 22], [0, 3, 0, 1]
+    runs = [list(range(100 + 10 * i, 108 + 10 * i)) for i in range(4)]
+    (kernel_chunk,) = build_chunks([4, 5, 6, 7], runs, num_keys, PAGE_SIZE, CPU, "kernel", hidden)
+    assert kernel_chunk.rows.tolist() == [5, 7, 6, 4]
+    assert kernel_chunk.key_ranges.tolist() == [[3, 30], [1, 22], [0, 7], [0, 5]]
+    assert kernel_chunk.padding is None and kernel_chunk.visible is None
+    assert kernel_chunk.pages.view(4, -1)[3].tolist() == [100, 101, 0, 0, 0, 0, 0, 0]
+    order = [1, 3, 2, 0]
+    masked = build_chunk(
+        [4 + i for i in order],
+        [runs[i] for i in order],
+        [num_keys[i] for i in order],
+        PAGE_SIZE,
+        CPU,
+        [hidden[i] for i in order],
+    )
+    rebuilt = kernel_chunk.with_masks()
+    assert rebuilt.padding is not None and masked.padding is not None
+    assert rebuilt.padding.first_padded_key == masked.padding.first_padded_key
+    assert torch.equal(rebuilt.padding.mask, masked.padding.mask)
+    assert torch.equal(rebuilt.visible, masked.visible)
+    assert torch.equal(rebuilt.pages, masked.pages)
+    (matmul_chunk,) = build_chunks([0, 1, 2, 3], runs, num_keys, PAGE_SIZE, CPU, "matmuls")
+    assert matmul_chunk.has_masks and matmul_chunk.padding is not None
 
 
 def test_plan_chunks_caps_padded_keys_longest_first() -> None:
@@ -291,6 +328,7 @@ def test_find_shared_prefixes_respects_its_limits() -> None:
     assert find_shared_prefixes(tables, [5, 5, 3, 3], min_pages=5) == []
     assert find_shared_prefixes(tables, [5, 5, 3, 3], min_pages=1, min_saved_pages=5) == []
     assert find_shared_prefixes([], [], min_pages=1) == []
+    assert find_shared_prefixes([[1, 2], [3, 4], [5]], [2, 2, 1], min_pages=0) == []
 
 
 # ------------------------------------------------------------------ through the engine

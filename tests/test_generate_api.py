@@ -100,6 +100,26 @@ def test_stop_token_ids_cut_where_they_should(llm: LLM) -> None:
     assert completion.stop_reason == stop_id
 
 
+def test_min_tokens_holds_a_favoured_stop_token_back_until_then(llm: LLM) -> None:
+    """A stop token biased far above every other wins each step it is allowed: the first
+    min_tokens steps it is suppressed, the next one it ends the sequence (each sequence's
+    sampler row changes state between the two)."""
+    stop_id = 7
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        min_tokens=3,
+        stop_token_ids=[stop_id],
+        logit_bias={stop_id: 100.0},
+    )
+    outputs = llm.generate(_random_prompts(llm, 3, seed=5), params, use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert stop_id not in completion.token_ids[:3]
+        assert completion.token_ids[3:] == [stop_id]
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
+
+
 def test_eos_from_generation_config_stops(tiny_checkpoint, tmp_path) -> None:
     import shutil
 

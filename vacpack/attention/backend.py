@@ -7,6 +7,7 @@ arguments) once, and every layer's `forward` reuses it.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,11 +59,12 @@ class BatchLayout:
     causal: bool = True
     attention_windows: tuple[int | None, ...] = (None,)
 
-    @property
+    # Cached: read several times a step, and each count walks every sequence.
+    @functools.cached_property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
-    @property
+    @functools.cached_property
     def num_decodes(self) -> int:
         return sum(1 for n in self.query_lens if n == 1)
 

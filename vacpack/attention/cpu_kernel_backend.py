@@ -27,6 +27,7 @@ from vacpack.attention.backend import (
     BatchLayout,
 )
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy, merge_by_lse
+from vacpack.attention.page_tables import padded_page_table
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.attention.torch_sdpa import build_slot_mapping
 from vacpack.cpu_kernels import (
@@ -77,9 +78,7 @@ def _paged_sequences(
     page_size: int,
     causal: bool,
 ) -> KernelSequences:
-    padded = torch.zeros(len(page_tables), max(map(len, page_tables)), dtype=torch.int64)
-    for row, pages in enumerate(page_tables):
-        padded[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+    padded = padded_page_table(page_tables, fill_page=0, dtype=torch.int64)
     context = torch.tensor(context_lens, dtype=torch.int64)
     return paged_sequences(_cumulative(query_lens), context, padded, page_size, causal=causal)
 

@@ -23,12 +23,13 @@ between the gather and the matmuls that read them, and sorting keeps the padding
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
+from vacpack.attention.page_tables import padded_page_table
 from vacpack.cpu_kernels.paged_decode import paged_decode_attention
 from vacpack.kvcache.paged_cache import KVLayer
 
@@ -54,16 +55,29 @@ class KeyPadding:
 
 @dataclass(frozen=True)
 class DecodeChunk:
-    """Decodes attended together: their keys gathered into one padded batch."""
+    """Decodes attended together: their keys gathered into one padded batch, or read in place
+    by the C kernel."""
 
     rows: torch.Tensor  # [seqs] stream rows of the chunk's query tokens
     pages: torch.Tensor  # [seqs * pages per seq] page ids, row-major, padded with page 0
     num_keys: int  # the longest member's keys, in tokens; the others are padded to it
-    padding: KeyPadding | None  # None when all members have num_keys keys
+    padding: KeyPadding | None  # None when all members have num_keys keys (or no masks built)
     # SDPA's form of the padding: [seqs, 1, 1, num_keys], True where a row sees the key.
     visible: torch.Tensor | None = None
     # The C kernel's: [seqs, 2] int64, each member's first visible key and its number of keys.
     key_ranges: torch.Tensor | None = None
+    # False for a chunk built for the C kernel alone, which reads key_ranges: `with_masks`
+    # builds padding and visible when a layer the kernel cannot run needs them.
+    has_masks: bool = True
+
+    def with_masks(self) -> DecodeChunk:
+        """This chunk with its padding masks, built from key_ranges where they were not."""
+        if self.has_masks:
+            return self
+        assert self.key_ranges is not None, "a chunk without masks has key ranges"
+        hidden_keys, num_keys = self.key_ranges.cpu().T.tolist()
+        padding, visible = _padding_masks(num_keys, hidden_keys, self.rows.device)
+        return replace(self, padding=padding, visible=visible, has_masks=True)
 
 
 def plan_chunks(
@@ -82,6 +96,43 @@ def plan_chunks(
     return chunks
 
 
+def build_chunks(
+    rows: Sequence[int],
+    page_runs: Sequence[Sequence[int]],
+    num_keys: Sequence[int],
+    page_size: int,
+    device: torch.device,
+    form: str,
+    num_hidden_keys: Sequence[int] | None = None,
+) -> tuple[DecodeChunk, ...]:
+    """The chunks that decode i (stream row rows[i], attending to the first num_keys[i] tokens
+    of page_runs[i], less the first num_hidden_keys[i]) runs in, for a decode form.
+
+    The C kernel reads every member's pages in place and spreads its work over the threads
+    itself, so all decodes are one chunk, longest first for its dynamic schedule, without the
+    padding masks: one kernel call per layer, and a step's metadata for 256 decodes in a
+    fraction of the host time (19 chunks with masks took 3.8 ms on a 2-core EPYC). The other
+    forms gather each chunk's keys into a padded batch, so chunks are cut to a budget of padded
+    keys (plan_chunks)."""
+    hidden = num_hidden_keys if num_hidden_keys is not None else [0] * len(num_keys)
+    if form == "kernel":
+        plans = [sorted(range(len(num_keys)), key=lambda i: -num_keys[i])] if num_keys else []
+    else:
+        plans = plan_chunks(num_keys)
+    return tuple(
+        build_chunk(
+            [rows[i] for i in members],
+            [page_runs[i] for i in members],
+            [num_keys[i] for i in members],
+            page_size,
+            device,
+            [hidden[i] for i in members],
+            masks=form != "kernel",
+        )
+        for members in plans
+    )
+
+
 def build_chunk(
     rows: Sequence[int],
     page_runs: Sequence[Sequence[int]],
@@ -89,37 +140,47 @@ def build_chunk(
     page_size: int,
     device: torch.device,
     num_hidden_keys: Sequence[int] | None = None,
+    masks: bool = True,
 ) -> DecodeChunk:
     """A chunk of decodes: row i attends to the first num_keys[i] tokens of page_runs[i], less
-    the first num_hidden_keys[i] of them (those before its sliding window)."""
-    longest = max(num_keys)
-    pages_per_seq = -(-longest // page_size)
-    padded_runs = []
-    for run, count in zip(page_runs, num_keys, strict=True):
-        used = list(run[: -(-count // page_size)])
-        padded_runs += used + [0] * (pages_per_seq - len(used))
-    padding = visible = None
-    shortest = min(num_keys)
-    hides_leading = num_hidden_keys is not None and max(num_hidden_keys) > 0
-    if shortest != longest or hides_leading:
-        first = 0 if hides_leading else shortest
-        positions = torch.arange(first, longest)
-        mask = positions >= torch.tensor(num_keys).unsqueeze(1)
-        if hides_leading:
-            mask |= positions < torch.tensor(num_hidden_keys).unsqueeze(1)
-        padding = KeyPadding(first, mask.unsqueeze(1).to(device))
-        hidden = torch.cat([torch.zeros(len(num_keys), first, dtype=torch.bool), mask], dim=1)
-        visible = hidden.logical_not_().view(len(num_keys), 1, 1, longest).to(device)
+    the first num_hidden_keys[i] of them (those before its sliding window). masks=False leaves
+    the padding masks out (the C kernel reads key_ranges instead; see DecodeChunk.with_masks)."""
     hidden_keys = num_hidden_keys if num_hidden_keys is not None else [0] * len(num_keys)
-    key_ranges = torch.tensor(list(zip(hidden_keys, num_keys, strict=True)), dtype=torch.int64)
+    used = [run[: -(-count // page_size)] for run, count in zip(page_runs, num_keys, strict=True)]
+    padding = visible = None
+    if masks:
+        padding, visible = _padding_masks(num_keys, hidden_keys, device)
+    key_ranges = torch.tensor([hidden_keys, num_keys], dtype=torch.int64).T.contiguous()
     return DecodeChunk(
         rows=torch.tensor(rows, dtype=torch.int64).to(device),
-        pages=torch.tensor(padded_runs, dtype=torch.int64).to(device),
-        num_keys=longest,
+        pages=padded_page_table(used, fill_page=0, dtype=torch.int64).flatten().to(device),
+        num_keys=max(num_keys),
         padding=padding,
         visible=visible,
         key_ranges=key_ranges.to(device),
+        has_masks=masks,
     )
+
+
+def _padding_masks(
+    num_keys: Sequence[int], num_hidden_keys: Sequence[int], device: torch.device
+) -> tuple[KeyPadding | None, torch.Tensor | None]:
+    """The padding of decodes gathered to the longest of num_keys, less each one's hidden
+    leading keys, as attend's KeyPadding and SDPA's visible mask; (None, None) when every
+    member sees all of the padded keys."""
+    longest, shortest = max(num_keys), min(num_keys)
+    hides_leading = max(num_hidden_keys) > 0
+    if shortest == longest and not hides_leading:
+        return None, None
+    first = 0 if hides_leading else shortest
+    positions = torch.arange(first, longest)
+    mask = positions >= torch.tensor(num_keys).unsqueeze(1)
+    if hides_leading:
+        mask |= positions < torch.tensor(num_hidden_keys).unsqueeze(1)
+    padding = KeyPadding(first, mask.unsqueeze(1).to(device))
+    hidden = torch.cat([torch.zeros(len(num_keys), first, dtype=torch.bool), mask], dim=1)
+    visible = hidden.logical_not_().view(len(num_keys), 1, 1, longest).to(device)
+    return padding, visible
 
 
 def gather_pages(
@@ -219,6 +280,7 @@ def chunk_attention(
             spec.scale_for(head_dim),
             with_lse,
         )
+    chunk = chunk.with_masks()
     keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys)
     values = gather_pages(kv_layer.values, chunk.pages, page_size, num_seqs, chunk.num_keys)
     if form == "sdpa" and not with_lse and spec.logit_softcap is None:

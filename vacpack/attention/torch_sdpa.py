@@ -45,9 +45,8 @@ from vacpack.attention.packed_groups import PackedGroup, packed_attention, packe
 from vacpack.attention.paged_decode import (
     DECODE_FORMS,
     DecodeChunk,
-    build_chunk,
+    build_chunks,
     chunk_attention,
-    plan_chunks,
 )
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.kvcache.paged_cache import KVLayer
@@ -149,7 +148,7 @@ def _group_by_length(lengths: Sequence[int], min_fill: float, min_seqs: int) -> 
 
 
 def _windowed_decode_chunks(
-    layout: BatchLayout, window: int, device: torch.device
+    layout: BatchLayout, window: int, device: torch.device, form: str
 ) -> tuple[DecodeChunk, ...]:
     """Chunks for the decodes of a sliding-window layer: each gathers its pages from the one
     holding the first key of its window on, and masks the keys before that key."""
@@ -165,24 +164,16 @@ def _windowed_decode_chunks(
         runs.append(pages[first_page:])
         num_keys.append(context_len - first_page * page_size)
         num_hidden.append(first_key - first_page * page_size)
-    return tuple(
-        build_chunk(
-            members,
-            [runs[i] for i in members],
-            [num_keys[i] for i in members],
-            page_size,
-            device,
-            [num_hidden[i] for i in members],
-        )
-        for members in plan_chunks(num_keys)
-    )
+    rows = range(layout.num_decodes)
+    return build_chunks(rows, runs, num_keys, page_size, device, form, num_hidden)
 
 
 def _decode_metadata(
-    layout: BatchLayout, policy: CascadePolicy | None, device: torch.device
+    layout: BatchLayout, policy: CascadePolicy | None, device: torch.device, form: str
 ) -> tuple[tuple[DecodeChunk, ...], CascadePlan | None]:
-    """Chunks for the decodes (the first layout.num_decodes sequences, one stream row each), and
-    the cascade for those among them that share a long enough prefix of pages."""
+    """Chunks for the decodes (the first layout.num_decodes sequences, one stream row each) in
+    decode form `form`, and the cascade for those among them that share a long enough prefix
+    of pages."""
     num_decodes, page_size = layout.num_decodes, layout.page_size
     page_tables = layout.page_tables[:num_decodes]
     context_lens = layout.context_lens[:num_decodes]
@@ -202,16 +193,8 @@ def _decode_metadata(
 
     def chunks(indices: list[int]) -> tuple[DecodeChunk, ...]:
         num_keys = [context_lens[i] - shared_pages[i] * page_size for i in indices]
-        return tuple(
-            build_chunk(
-                [indices[j] for j in members],
-                [page_tables[indices[j]][shared_pages[indices[j]] :] for j in members],
-                [num_keys[j] for j in members],
-                page_size,
-                device,
-            )
-            for members in plan_chunks(num_keys)
-        )
+        runs = [page_tables[i][shared_pages[i] :] for i in indices]
+        return build_chunks(indices, runs, num_keys, page_size, device, form)
 
     plain = [i for i in range(num_decodes) if shared_pages[i] == 0]
     if not prefixes:
@@ -277,9 +260,12 @@ class TorchSdpaBackend(AttentionBackend):
         page_size = layout.page_size
         num_decodes = layout.num_decodes
         if window is None:
-            decode_chunks, cascade = _decode_metadata(layout, self.cascade, device)
+            decode_chunks, cascade = _decode_metadata(
+                layout, self.cascade, device, self.decode_form
+            )
         else:
-            decode_chunks, cascade = _windowed_decode_chunks(layout, window, device), None
+            decode_chunks = _windowed_decode_chunks(layout, window, device, self.decode_form)
+            cascade = None
         prefills = []
         token_start = num_decodes  # decodes come first, one token each
         for i in range(num_decodes, len(layout.query_lens)):

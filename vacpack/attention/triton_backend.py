@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from vacpack.attention.backend import (
@@ -30,6 +28,7 @@ from vacpack.attention.backend import (
     BatchLayout,
     DecodeGraphBuffers,
 )
+from vacpack.attention.page_tables import padded_page_table, used_pages
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.attention.triton_paged import decode_config, paged_attention, prefill_config
 from vacpack.kvcache.paged_cache import KVLayer
@@ -167,29 +166,6 @@ def _aligned_starts(lengths: Sequence[int], alignment: int) -> list[int]:
     return starts
 
 
-def _padded_page_table(tables: Sequence[Sequence[int]], fill_page: int) -> torch.Tensor:
-    """The tables as rows of one int32 tensor, short rows padded with `fill_page`.
-
-    Built through numpy from one flat run of ids: a tensor from nested lists took 2 ms for a
-    decode step of 256 sequences on a 2-core EPYC, on the host's critical path, against 0.35 ms
-    this way."""
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    width = int(lengths.max())
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32)
-    padded = np.full((len(tables), width), fill_page, dtype=np.int32)
-    padded[np.arange(width)[None, :] < lengths[:, None]] = flat
-    return torch.from_numpy(padded)
-
-
-def _used_pages(layout: BatchLayout) -> list[Sequence[int]]:
-    """Each sequence's pages that hold its context (a page table may reach further ahead)."""
-    page_size = layout.page_size
-    return [
-        pages[: -(-context_len // page_size)]
-        for pages, context_len in zip(layout.page_tables, layout.context_lens, strict=True)
-    ]
-
-
 class TritonBackend(AttentionBackend):
     name = "triton"
 
@@ -225,7 +201,7 @@ class TritonBackend(AttentionBackend):
         query_lens = torch.tensor(layout.query_lens, dtype=torch.int32)
         context_lens = torch.tensor(layout.context_lens, dtype=torch.int32)
         cu_seqlens_q = torch.nn.functional.pad(query_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        page_table = _padded_page_table(_used_pages(layout), fill_page=0)
+        page_table = padded_page_table(used_pages(layout), fill_page=0)
 
         token_seq = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
         first_position = (context_lens - query_lens).long()
@@ -386,8 +362,8 @@ class TritonDecodeGraphBuffers(DecodeGraphBuffers):
         if layout.num_tokens != num_real:
             raise ValueError("graph buffers hold decode-only steps (one query token a sequence)")
         num_padding = num_seqs - num_real
-        tables = [*_used_pages(layout), *[[scratch_page]] * num_padding]
-        page_table = _padded_page_table(tables, fill_page=scratch_page)
+        tables = [*used_pages(layout), *[[scratch_page]] * num_padding]
+        page_table = padded_page_table(tables, fill_page=scratch_page)
         if page_table.shape[1] > self.max_pages_per_seq:
             raise ValueError(
                 f"a context of {page_table.shape[1]} pages exceeds the buffers' "

@@ -248,14 +248,25 @@ def _sampling_row(sequence: Sequence) -> SamplingRow:
     too_short = sequence.num_scheduled_output_tokens < params.min_tokens and not (
         params.structured_outputs is not None
     )
-    suppress = sequence.stop_token_ids if too_short else frozenset()
+    if not params.has_penalties:
+        # Without penalties nothing in the row changes from step to step but the suppression:
+        # built once per sequence and state, not once per step (host time per sequence).
+        cached = sequence.sampling_rows.get(too_short)
+        if cached is None:
+            cached = sequence.sampling_rows[too_short] = _new_sampling_row(sequence, too_short)
+        return cached
+    return _new_sampling_row(sequence, too_short)
+
+
+def _new_sampling_row(sequence: Sequence, too_short: bool) -> SamplingRow:
+    params = sequence.params
     return SamplingRow(
         params=params,
         prompt_token_ids=sequence.prompt_token_ids,
         # Read by penalties alone: no copy of every sequence's output at every step otherwise.
         output_token_ids=sequence.output_token_ids if params.has_penalties else (),
         generator=sequence.generator,
-        stop_token_ids_to_suppress=suppress,
+        stop_token_ids_to_suppress=sequence.stop_token_ids if too_short else frozenset(),
     )
 
 

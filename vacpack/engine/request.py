@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.detokenizer import RequestDetokenizer
-from vacpack.engine.sampler import make_request_generator
+from vacpack.engine.sampler import SamplingRow, make_request_generator
 from vacpack.kvcache.page_pool import page_hashes
 from vacpack.outputs import PositionLogprobs, RequestMetrics, RequestOutputKind
 from vacpack.sampling import SamplingParams
@@ -60,6 +60,9 @@ class Sequence:
     prompt_logprobs_start: int = 1
     # A grammar, allowed / banned tokens, biases (vacpack.structured); None when unconstrained.
     constraints: SequenceConstraints | None = None
+    # Its rows of the sampler's input without penalties, by whether stop tokens are still
+    # suppressed (model_runner._sampling_row): the same every step.
+    sampling_rows: dict[bool, SamplingRow] = field(default_factory=dict, repr=False)
     # Page hashes this sequence has announced as being computed and not yet indexed.
     in_flight_hashes: set[int] = field(default_factory=set, repr=False)
     _token_page_hashes: list[int] = field(default_factory=list, repr=False)
