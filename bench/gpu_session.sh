@@ -7,7 +7,12 @@
 #   bash bench/gpu_session.sh --stages setup,tests,o1  # some stages, in the order given
 #   bash bench/gpu_session.sh --budget-s 540 --archive /tmp/results.tar.gz
 #
-# Stages: setup, tests, o1, g1-0.5b, g1-1.5b. Each runs under a time limit: its own nominal one,
+# Stages: setup, tests, o1, g1-0.5b, g1-1.5b, and two on the GPU machine's host CPU (often an
+# Intel Xeon with AMX, where the CPU issue's targets are also checked), pinned to two of its
+# cores as on the project's 2-core machines, the GPU hidden: cpu-decode
+# (bench/decode_attention.py, bf16) and cpu-g1 (G1 against transformers' generate, bf16; the
+# measured kernel choices are in its JSON). They are not in the default list: name them.
+# Each runs under a time limit: its own nominal one,
 # cut to what is left of --budget-s, so the whole run ends within the budget; a stage that runs
 # past its limit is stopped and the next one starts. Within o1 and g1 every system runs in its
 # own worker with its own limit (--worker-timeout-s), so one slow system costs only its own row.
@@ -91,6 +96,8 @@ declare -A NOMINAL_LIMIT_S=(
     [o1]=600
     [g1-0.5b]=540
     [g1-1.5b]=600
+    [cpu-decode]=300
+    [cpu-g1]=560
 )
 MIN_STAGE_S=60      # a stage with less time than this left is skipped, not started
 ARCHIVE_RESERVE_S=15
@@ -156,6 +163,23 @@ stage_g1() {
         --worker-timeout-s "$WORKER_TIMEOUT_S" $(benchmark_budget_args) $quick_args $G1_ARGS
 }
 
+# The host CPU's stages: two of its cores, as on the project's 2-core machines, and no GPU.
+on_two_host_cores() {
+    CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=2 taskset -c 0,1 "$@"
+}
+
+stage_cpu_decode() {
+    on_two_host_cores "$PYTHON" bench/decode_attention.py --layers 8 --rounds 4 \
+        --output "$RESULTS_DIR/decode_attention_cpu_gpu_host.json"
+}
+
+stage_cpu_g1() {
+    # shellcheck disable=SC2086
+    on_two_host_cores "$PYTHON" bench/g1_generation.py --device cpu --systems vacpack,hf_generate \
+        --output "$RESULTS_DIR/g1_qwen2.5-0.5b_cpu_gpu_host.json" \
+        --worker-timeout-s "$(( STAGE_LIMIT_S / 2 ))" $(benchmark_budget_args) $G1_ARGS
+}
+
 stage_call() {
     case "$1" in
         setup) stage_setup ;;
@@ -163,6 +187,8 @@ stage_call() {
         o1) stage_o1 ;;
         g1-0.5b) stage_g1 qwen2.5-0.5b ;;
         g1-1.5b) stage_g1 qwen2.5-1.5b ;;
+        cpu-decode) stage_cpu_decode ;;
+        cpu-g1) stage_cpu_g1 ;;
     esac
 }
 

@@ -1,5 +1,6 @@
 """One engine step for attention backend tests: a decode and a 300-token prefill, each over its
-own pages of a random bf16 KV cache, the prefill optionally after cached tokens."""
+own pages of a random KV cache (bf16 unless asked), the prefill optionally after cached
+tokens."""
 
 from __future__ import annotations
 
@@ -27,14 +28,19 @@ class MixedStep:
 
 
 def mixed_step(
-    cached_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int = 0
+    cached_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> MixedStep:
     generator = torch.Generator().manual_seed(seed)
     context_len = cached_tokens + PREFILL_LEN
     decode_pages = list(range(-(-DECODE_CONTEXT // PAGE_SIZE)))
     num_pages = len(decode_pages) + -(-context_len // PAGE_SIZE)
     prefill_pages = list(range(len(decode_pages), num_pages))
-    cache = PagedKVCache(1, num_pages, PAGE_SIZE, num_kv_heads, head_dim, torch.bfloat16, "cpu")
+    cache = PagedKVCache(1, num_pages, PAGE_SIZE, num_kv_heads, head_dim, dtype, "cpu")
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
     cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
     layout = BatchLayout(
@@ -46,7 +52,7 @@ def mixed_step(
 
     def rand(count: int) -> torch.Tensor:
         shape = (1 + PREFILL_LEN, count, head_dim)
-        return torch.randn(shape, generator=generator).to(torch.bfloat16)
+        return torch.randn(shape, generator=generator).to(dtype)
 
     slots = torch.tensor(
         [p * PAGE_SIZE + i for p in prefill_pages for i in range(PAGE_SIZE)][:context_len]

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, BertConfig, PreTrainedModel
 from transformers import BertForSequenceClassification as HfBertForSequenceClassification
 from transformers import BertModel as HfBertModel
 
+from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.models.loader import load_hf_config
 from vacpack.models.pooling import pool, pooling_config_for
 from vacpack.testing.packed_forward import load_for_test, packed_forward
@@ -71,7 +72,22 @@ def minilm_sentences() -> list[str]:
     return _sentences(NUM_SENTENCES)
 
 
-def test_minilm_embeddings_equal_sentence_transformers(minilm_sentences: list[str]) -> None:
+@pytest.mark.parametrize(
+    "attention_backend",
+    [
+        "torch_sdpa",
+        pytest.param(
+            "cpu_kernels",
+            marks=pytest.mark.skipif(
+                not varlen_attention_supported(torch.device("cpu"), torch.float32, 32),
+                reason="needs a C compiler",
+            ),
+        ),
+    ],
+)
+def test_minilm_embeddings_equal_sentence_transformers(
+    minilm_sentences: list[str], attention_backend: str
+) -> None:
     reference_model = SentenceTransformer(str(MINILM_DIR), device="cpu")
     reference = reference_model.encode(minilm_sentences, batch_size=64, convert_to_tensor=True)
 
@@ -86,7 +102,10 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm_sentences: list[st
     assert len(batches) > 1 and max(map(len, batches)) > 10, "sequences must share forwards"
     assert max(map(len, token_lists)) == reference_model.max_seq_length
     ours = torch.cat(
-        [pool(packed_forward(model, batch), [len(t) for t in batch], config) for batch in batches]
+        [
+            pool(packed_forward(model, batch, attention_backend), [len(t) for t in batch], config)
+            for batch in batches
+        ]
     )
 
     assert ours.dtype == torch.float32 and ours.shape == reference.shape

@@ -346,7 +346,9 @@ def test_greedy_outputs_equal_with_the_prefix_cache_on_and_off(
 
     monkeypatch.setattr(torch_sdpa, "cascade_attention", counting)
     model_dir = tiny_checkpoint("qwen3")
-    kwargs = dict(dtype="float32", block_size=8, max_num_batched_tokens=256)
+    kwargs = dict(
+        dtype="float32", attention_backend="torch_sdpa", block_size=8, max_num_batched_tokens=256
+    )
     on = LLM(str(model_dir), enable_prefix_caching=True, **kwargs)
     off = LLM(str(model_dir), enable_prefix_caching=False, **kwargs)
     for llm in (on, off):

@@ -17,9 +17,9 @@ from vacpack.cpu_kernels.elementwise import (
     silu_and_mul,
 )
 from vacpack.models.layer_ops import CpuKernelLayerOps, LayerOps
-from vacpack.models.llama import LlamaAttention, LlamaMLP
 from vacpack.models.norm import RMSNorm
-from vacpack.models.rotary import RotaryEmbedding, apply_rotary
+from vacpack.models.rotary import RopeSettings, RotaryEmbedding, apply_rotary
+from vacpack.testing.layer_ops import layer_ops_holders, set_layer_ops
 from vacpack.testing.packed_forward import load_for_test, packed_forward
 
 CPU = torch.device("cpu")
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.skipif(
 )
 # One bf16 step, relative: what a float32 sum of squares in another order can move a value by.
 BF16_STEP = 2.0**-7
-FUSED_MODULES = (RMSNorm, LlamaAttention, LlamaMLP)
 
 
 def _torch_norm(hidden_size: int, weight: torch.Tensor, eps: float) -> RMSNorm:
@@ -96,7 +95,7 @@ def test_rotary_equals_pytorch_bit_for_bit_on_views_of_the_projection(head_dim: 
     q, k, _ = qkv.split(widths, dim=-1)
     q = q.view(num_tokens, num_heads, head_dim)
     k = k.view(num_tokens, num_kv_heads, head_dim)
-    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    rotary = RotaryEmbedding(RopeSettings(head_dim, 10000.0, None, 4096))
     rotary.build_cache(CPU, BF16)
     cos_sin = rotary.cos_sin_for(torch.randint(0, 4096, (num_tokens,), generator=generator))
     q_out, k_out = rotary_qk(q, k, *cos_sin)
@@ -109,8 +108,8 @@ def test_bad_inputs_are_refused() -> None:
     x = torch.randn(4, 6).to(BF16)
     with pytest.raises(ValueError, match="even number of columns"):
         silu_and_mul(torch.randn(4, 7).to(BF16))
-    with pytest.raises(ValueError, match="bf16 CPU"):
-        silu_and_mul(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="bf16 or float32 CPU"):
+        silu_and_mul(torch.randn(4, 8).half())
     with pytest.raises(ValueError, match="bad weight"):
         rms_norm(x, torch.ones(5, dtype=BF16), 1e-6)
     with pytest.raises(ValueError, match="heads"):
@@ -119,25 +118,17 @@ def test_bad_inputs_are_refused() -> None:
         rotary_qk(q, q, cos, cos)
 
 
-def _set_fused(model: torch.nn.Module, enabled: bool) -> int:
-    modules = [m for m in model.modules() if isinstance(m, FUSED_MODULES)]
-    for module in modules:
-        rows_per_pass = module.ops.mlp_rows_per_pass
-        module.ops = (CpuKernelLayerOps if enabled else LayerOps)(rows_per_pass)
-    return len(modules)
-
-
-def _fused(module: torch.nn.Module) -> bool:
-    return isinstance(module.ops, CpuKernelLayerOps)
+def _fused(model: torch.nn.Module) -> bool:
+    return all(isinstance(getattr(m, a), CpuKernelLayerOps) for m, a in layer_ops_holders(model))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_a_bf16_model_with_the_kernels_matches_itself_without(tiny_checkpoint, family) -> None:
     model = load_for_test(tiny_checkpoint(family), BF16)
-    assert all(_fused(m) for m in model.modules() if isinstance(m, FUSED_MODULES))
+    assert _fused(model)
     sequences = [list(range(3, 3 + n)) for n in (1, 17, 60, 5)]
     fused = packed_forward(model, sequences)
-    _set_fused(model, False)
+    set_layer_ops(model, LayerOps)
     unfused = packed_forward(model, sequences)
     assert fused.shape == unfused.shape
     # Only sums of squares in another order differ, by a bf16 step where they land on a
@@ -146,18 +137,14 @@ def test_a_bf16_model_with_the_kernels_matches_itself_without(tiny_checkpoint, f
     assert (fused == unfused).float().mean() > 0.9
 
 
-def test_float32_models_keep_the_pytorch_ops(tiny_checkpoint) -> None:
-    model = load_for_test(tiny_checkpoint("qwen2"), torch.float32)
-    assert not any(_fused(m) for m in model.modules() if isinstance(m, FUSED_MODULES))
-
-
 def test_greedy_generation_is_unchanged_by_the_kernels(tiny_checkpoint) -> None:
     llm = LLM(
         str(tiny_checkpoint("qwen2")), dtype="bfloat16", block_size=8, enable_prefix_caching=False
     )
     prompts = [" ".join(["word"] * n) + " end" for n in (1, 9, 40, 120)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert set_layer_ops(llm.loaded.model, CpuKernelLayerOps) > 0
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert _set_fused(llm.loaded.model, False) > 0
+    set_layer_ops(llm.loaded.model, LayerOps)
     unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fused == unfused

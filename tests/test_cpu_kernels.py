@@ -1,6 +1,7 @@
-"""The C varlen attention kernel against float32 attention; the backend built on it against the
-portable one, in packed corpus batches, engine steps with decodes and cached pages, and whole
-jobs; and how the kernel library builds, caches and falls back."""
+"""The C varlen attention kernels (bf16 where the CPU has AVX512-BF16, float32 wherever a C
+compiler is) against float32 attention; the backend built on them against the portable one, in
+packed corpus batches, engine steps with decodes and cached pages, and whole jobs; and how the
+kernel library builds, caches and falls back."""
 
 from __future__ import annotations
 
@@ -35,11 +36,22 @@ from vacpack.kvcache.paged_cache import PagedKVCache
 
 CPU = torch.device("cpu")
 KERNELS_RUN_HERE = varlen_attention_supported(CPU, torch.bfloat16, 64)
+F32_KERNEL_RUNS_HERE = varlen_attention_supported(CPU, torch.float32, 64)
 needs_kernels = pytest.mark.skipif(
     not KERNELS_RUN_HERE, reason="needs an x86 CPU with AVX512-BF16 and a C compiler"
 )
-# bf16 inputs and output; probabilities rounded to bf16 before the value product.
-BF16_ATOL = 2e-2
+# Each test of a kernel runs once per dtype, where that dtype's kernel runs.
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=needs_kernels, id="bf16"),
+    pytest.param(
+        torch.float32,
+        marks=pytest.mark.skipif(not F32_KERNEL_RUNS_HERE, reason="needs a C compiler"),
+        id="f32",
+    ),
+]
+# bf16 inputs and output, probabilities rounded to bf16 before the value product; float32
+# differs from the reference only in the order of its sums.
+ATOL = {torch.bfloat16: 2e-2, torch.float32: 2e-5}
 
 
 def _reference(
@@ -72,11 +84,17 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths]).cumsum(0)
 
 
-def _random(tokens: int, heads: int, head_dim: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randn(tokens, heads, head_dim, generator=generator).bfloat16()
+def _random(
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    return torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
 
 
-@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("heads", "head_dim", "causal", "lens_q", "lens_k"),
     [
@@ -88,31 +106,44 @@ def _random(tokens: int, heads: int, head_dim: int, generator: torch.Generator) 
         ((6, 2), 64, True, [40, 7, 1], [300, 7, 129]),
         ((8, 8), 128, False, [70], [70]),
         ((4, 1), 64, True, [129], [1000]),
+        # Head sizes only the float32 kernel takes (a multiple of 8, its last 8 dims alone).
+        ((4, 2), 40, True, [70, 1], [70, 9]),
+        ((2, 2), 8, False, [3, 20], [3, 20]),
     ],
-    ids=["embedding-bin", "gqa-causal", "cached-keys", "dim128", "mqa-long-context"],
+    ids=[
+        "embedding-bin",
+        "gqa-causal",
+        "cached-keys",
+        "dim128",
+        "mqa-long-context",
+        "dim40",
+        "dim8",
+    ],
 )
-def test_kernel_equals_float32_attention(heads, head_dim, causal, lens_q, lens_k) -> None:
+def test_kernel_equals_float32_attention(dtype, heads, head_dim, causal, lens_q, lens_k) -> None:
+    if not varlen_attention_supported(CPU, dtype, head_dim):
+        pytest.skip(f"the {dtype} kernel takes no head size of {head_dim}")
     num_heads, num_kv_heads = heads
     generator = torch.Generator().manual_seed(sum(lens_q) + head_dim)
-    q = _random(sum(lens_q), num_heads, head_dim, generator)
-    k = _random(sum(lens_k), num_kv_heads, head_dim, generator)
-    v = _random(sum(lens_k), num_kv_heads, head_dim, generator)
+    q = _random(sum(lens_q), num_heads, head_dim, generator, dtype)
+    k = _random(sum(lens_k), num_kv_heads, head_dim, generator, dtype)
+    v = _random(sum(lens_k), num_kv_heads, head_dim, generator, dtype)
 
     out = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), causal=causal)
 
-    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert out.shape == q.shape and out.dtype == dtype
     expected = _reference(q, k, v, lens_q, lens_k, causal)
-    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
-@needs_kernels
-def test_queries_may_be_a_view_into_a_fused_projection() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_queries_may_be_a_view_into_a_fused_projection(dtype) -> None:
     """A model hands over q, k and v as column slices of one qkv output: rows further apart
     than their heads. The kernel reads them in place and gives the same result."""
     generator = torch.Generator().manual_seed(0)
     lengths, num_heads, num_kv_heads, head_dim = [50, 90], 4, 2, 32
     qkv = torch.randn(sum(lengths), (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
-    q, k, v = qkv.bfloat16().split(
+    q, k, v = qkv.to(dtype).split(
         [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1
     )
     q = q.view(-1, num_heads, head_dim)
@@ -124,30 +155,37 @@ def test_queries_may_be_a_view_into_a_fused_projection() -> None:
     assert torch.equal(strided, dense)
 
 
-@needs_kernels
-def test_bad_shapes_are_refused() -> None:
-    q = torch.zeros(10, 4, 32, dtype=torch.bfloat16)
-    kv = torch.zeros(5, 2, 32, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bad_shapes_are_refused(dtype) -> None:
+    q = torch.zeros(10, 4, 32, dtype=dtype)
+    kv = torch.zeros(5, 2, 32, dtype=dtype)
     with pytest.raises(ValueError, match="at least as many keys"):
         varlen_attention(q, kv, kv, _cu([10]), _cu([5]), causal=True)
     with pytest.raises(ValueError, match="mismatched shapes"):
         varlen_attention(q, kv[:, :, :16], kv, _cu([10]), _cu([5]), causal=False)
     with pytest.raises(ValueError, match="different numbers of sequences"):
         varlen_attention(q, kv, kv, _cu([5, 5]), _cu([5]), causal=False)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="keys and values"):
+        varlen_attention(q, kv.to(other), kv, _cu([10]), _cu([10]), causal=False)
 
 
 def test_auto_times_the_kernels_only_where_they_run() -> None:
     expected = ["cpu_kernels", "torch_sdpa"] if KERNELS_RUN_HERE else ["torch_sdpa"]
     assert auto_candidates(CPU, torch.bfloat16, 64) == expected
-    assert auto_candidates(CPU, torch.float32, 64) == ["torch_sdpa"]
     assert auto_candidates(CPU, torch.bfloat16, 16) == ["torch_sdpa"]
+    expected = ["cpu_kernels", "torch_sdpa"] if F32_KERNEL_RUNS_HERE else ["torch_sdpa"]
+    assert auto_candidates(CPU, torch.float32, 64) == expected
+    assert auto_candidates(CPU, torch.float32, 16) == expected
+    assert auto_candidates(CPU, torch.float32, 12) == ["torch_sdpa"]
+    assert auto_candidates(CPU, torch.float16, 64) == ["torch_sdpa"]
     assert auto_candidates(CPU) == ["torch_sdpa"]
     assert resolve_backend_name("torch_sdpa", CPU, torch.bfloat16, 64) == "torch_sdpa"
 
 
-@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False], ids=["decoder", "encoder"])
-def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool) -> None:
+def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool, dtype) -> None:
     calls = []
 
     def counting(*args, **kwargs) -> torch.Tensor:
@@ -157,8 +195,9 @@ def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool) -> Non
     monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.attend", counting)
     lengths = [3, 200, 1, 64, 65]
     generator = torch.Generator().manual_seed(1)
-    q = _random(sum(lengths), 6, 64, generator)
-    k, v = _random(sum(lengths), 2, 64, generator), _random(sum(lengths), 2, 64, generator)
+    q = _random(sum(lengths), 6, 64, generator, dtype)
+    k = _random(sum(lengths), 2, 64, generator, dtype)
+    v = _random(sum(lengths), 2, 64, generator, dtype)
     layout = BatchLayout(lengths, lengths, causal=causal)
 
     kernels = create_backend("cpu_kernels")
@@ -168,13 +207,13 @@ def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool) -> Non
 
     assert calls == [_cu(lengths).tolist()]
     expected = _reference(q, k, v, lengths, lengths, causal)
-    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
-    torch.testing.assert_close(out.float(), reference.float(), atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(out.float(), reference.float(), atol=ATOL[dtype], rtol=0)
 
 
-@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [8, 16, 48], ids=["page8", "page16", "page48"])
-def test_paged_attention_reads_keys_in_place(page_size: int) -> None:
+def test_paged_attention_reads_keys_in_place(page_size: int, dtype) -> None:
     """Decodes, a fresh prefill and a prefill chunk over cached pages in one call, with pages
     scattered through the cache: each sequence equals float32 attention over its own slots.
     8-token pages put every 16-key block across two pages; 48-token pages hold three blocks."""
@@ -185,14 +224,14 @@ def test_paged_attention_reads_keys_in_place(page_size: int) -> None:
     pages_per_seq = [-(-n // page_size) for n in context_lens]
     num_pages = sum(pages_per_seq)
     shape = (num_pages * page_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).bfloat16()
-    value_cache = torch.randn(shape, generator=generator).bfloat16()
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
     order = torch.randperm(num_pages, generator=generator).tolist()
     tables = [order[sum(pages_per_seq[:i]) :][:n] for i, n in enumerate(pages_per_seq)]
     padded = torch.zeros(len(tables), max(pages_per_seq), dtype=torch.int64)
     for row, pages in enumerate(tables):
         padded[row, : len(pages)] = torch.tensor(pages)
-    q = _random(sum(query_lens), num_heads, head_dim, generator)
+    q = _random(sum(query_lens), num_heads, head_dim, generator, dtype)
 
     out = paged_attention(
         q,
@@ -213,12 +252,12 @@ def test_paged_attention_reads_keys_in_place(page_size: int) -> None:
     expected = _reference(
         q, key_cache[slots], value_cache[slots], query_lens, context_lens, causal=True
     )
-    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
-@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cached_tokens", [0, 90], ids=["fresh", "over-cached-pages"])
-def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> None:
+def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens, dtype) -> None:
     """A decode and a 300-token prefill in one step: one kernel call over the cache, after this
     step's keys and values were written there; the prefill equals float32 attention over its
     slots and the decode the portable backend's."""
@@ -229,7 +268,7 @@ def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> 
         return attend(*args, **kwargs)
 
     monkeypatch.setattr("vacpack.attention.cpu_kernel_backend.attend", counting)
-    step = mixed_step(cached_tokens, num_heads=4, num_kv_heads=2, head_dim=64)
+    step = mixed_step(cached_tokens, num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype)
     kernels = create_backend("cpu_kernels")
     metadata = kernels.build_metadata(step.layout, CPU)
 
@@ -244,23 +283,23 @@ def test_backend_runs_an_engine_step_in_one_call(monkeypatch, cached_tokens) -> 
     keys, values = step.layer.keys[step.prefill_slots], step.layer.values[step.prefill_slots]
     assert torch.equal(keys[cached_tokens:], step.k[1:]), "new keys are in the cache"
     expected = _reference(step.q[1:], keys, values, [PREFILL_LEN], [step.context_len], True)
-    torch.testing.assert_close(out[1:].float(), expected, atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out[1:].float(), expected, atol=ATOL[dtype], rtol=0)
     portable = create_backend("torch_sdpa")
     decode = portable.forward(
         step.q, step.k, step.v, step.layer, portable.build_metadata(step.layout, CPU)
     )[:1]
-    torch.testing.assert_close(out[:1].float(), decode.float(), atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out[:1].float(), decode.float(), atol=ATOL[dtype], rtol=0)
 
 
-@needs_kernels
-def test_log_sum_exp_is_each_rows_over_its_keys() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_sum_exp_is_each_rows_over_its_keys(dtype) -> None:
     generator = torch.Generator().manual_seed(3)
     page_size, num_heads, num_kv_heads, head_dim = 16, 4, 2, 32
     context_lens = [40, 5]
-    key_cache = torch.randn(64, num_kv_heads, head_dim, generator=generator).bfloat16()
-    value_cache = torch.randn(64, num_kv_heads, head_dim, generator=generator).bfloat16()
+    key_cache = torch.randn(64, num_kv_heads, head_dim, generator=generator).to(dtype)
+    value_cache = torch.randn(64, num_kv_heads, head_dim, generator=generator).to(dtype)
     page_tables = torch.tensor([[3, 0, 2], [1, 0, 0]])
-    q = _random(2, num_heads, head_dim, generator)
+    q = _random(2, num_heads, head_dim, generator, dtype)
 
     _, lse = paged_attention_with_lse(
         q, key_cache, value_cache, _cu([1, 1]), torch.tensor(context_lens), page_tables, page_size
@@ -273,8 +312,8 @@ def test_log_sum_exp_is_each_rows_over_its_keys() -> None:
         torch.testing.assert_close(lse[row], scores.logsumexp(-1), atol=1e-3, rtol=0)
 
 
-@needs_kernels
-def test_decodes_sharing_a_prefix_run_as_a_cascade() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decodes_sharing_a_prefix_run_as_a_cascade(dtype) -> None:
     """Six decodes whose page tables start with the same 20 pages (and two that share nothing):
     the cascade (prefix once per group, own pages apart, merged by log-sum-exp) equals every
     decode reading its whole context, and float32 attention."""
@@ -292,14 +331,14 @@ def test_decodes_sharing_a_prefix_run_as_a_cascade() -> None:
         tables.append(list(range(next_page, next_page + -(-alone // page_size))))
         context_lens.append(alone)
         next_page += len(tables[-1])
-    cache = PagedKVCache(1, next_page, page_size, num_kv_heads, head_dim, torch.bfloat16, "cpu")
+    cache = PagedKVCache(1, next_page, page_size, num_kv_heads, head_dim, dtype, "cpu")
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
     cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
     layer = cache.layer(0)
     layout = BatchLayout([1] * len(tables), context_lens, tables, page_size)
-    q = _random(len(tables), num_heads, head_dim, generator)
-    k = _random(len(tables), num_kv_heads, head_dim, generator)
-    v = _random(len(tables), num_kv_heads, head_dim, generator)
+    q = _random(len(tables), num_heads, head_dim, generator, dtype)
+    k = _random(len(tables), num_kv_heads, head_dim, generator, dtype)
+    v = _random(len(tables), num_kv_heads, head_dim, generator, dtype)
 
     cascading = CpuKernelBackend(CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1))
     metadata = cascading.build_metadata(layout, CPU)
@@ -309,7 +348,7 @@ def test_decodes_sharing_a_prefix_run_as_a_cascade() -> None:
     plain = CpuKernelBackend(cascade=None)
     whole = plain.forward(q, k, v, layer, plain.build_metadata(layout, CPU))
 
-    torch.testing.assert_close(out.float(), whole.float(), atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out.float(), whole.float(), atol=ATOL[dtype], rtol=0)
     slots = torch.cat(
         [
             (torch.tensor(t).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()[:n]
@@ -319,7 +358,7 @@ def test_decodes_sharing_a_prefix_run_as_a_cascade() -> None:
     expected = _reference(
         q, layer.keys[slots], layer.values[slots], [1] * len(tables), context_lens, causal=True
     )
-    torch.testing.assert_close(out.float(), expected, atol=BF16_ATOL, rtol=0)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
 @needs_kernels
@@ -343,6 +382,26 @@ def test_a_bf16_decoder_gives_the_same_greedy_tokens_and_scores(tiny_checkpoint)
     for ours, portable in zip(results["auto"][1], results["torch_sdpa"][1], strict=True):
         assert ours.num_tokens == portable.num_tokens
         assert abs(ours.logprob - portable.logprob) <= 0.02 * max(1.0, abs(portable.logprob))
+
+
+@pytest.mark.skipif(not F32_KERNEL_RUNS_HERE, reason="needs a C compiler")
+def test_a_float32_decoder_on_the_kernel_equals_the_portable_backend(tiny_checkpoint) -> None:
+    """A tiny Qwen2 in float32 with grouped 16-dim heads, every step on the float32 kernel:
+    the same greedy tokens and document scores as the portable backend."""
+    model_dir = str(tiny_checkpoint("qwen2", head_dim=16, hidden_size=64))
+    prompts = [" ".join(["word"] * n) + " end" for n in (1, 3, 40, 90, 150, 7, 64, 33)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for backend in ("cpu_kernels", "torch_sdpa"):
+        llm = LLM(model_dir, dtype="float32", attention_backend=backend, block_size=16)
+        assert llm.engine.attention.name == backend
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        scores = llm.loglikelihood(prompts, use_tqdm=False)
+        results[backend] = ([o.outputs[0].token_ids for o in outputs], scores)
+    assert results["cpu_kernels"][0] == results["torch_sdpa"][0]
+    for ours, portable in zip(results["cpu_kernels"][1], results["torch_sdpa"][1], strict=True):
+        assert ours.num_tokens == portable.num_tokens
+        assert abs(ours.logprob - portable.logprob) <= 1e-4 * max(1.0, abs(portable.logprob))
 
 
 @pytest.mark.skipif(not argmax_supported(torch.zeros(1, 1).bfloat16()), reason="needs the kernel")

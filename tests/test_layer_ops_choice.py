@@ -106,7 +106,7 @@ def test_an_op_is_forced_by_its_environment_variable(monkeypatch: pytest.MonkeyP
 
 def test_a_sole_implementation_is_taken_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
     clock, calls = inject(monkeypatch, fused_wins=set(OP_NAMES))
-    ops, choices = choose_layer_ops(CPU, SHAPES, torch.float32, clock=clock)  # no fused fp32
+    ops, choices = choose_layer_ops(CPU, SHAPES, torch.float16, clock=clock)  # no fused fp16
     assert type(ops) is LayerOps and choices == () and calls == []
 
 

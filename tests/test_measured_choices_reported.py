@@ -1,19 +1,26 @@
 """A loaded model runs what was chosen by measurement and says so: in EngineSetup, in a job's
 report, and on a second load from the cache. Real timings on a tiny float32 model (the portable
-backend is its sole attention backend; its prefill and decode kernels and cascade are timed)."""
+backend's prefill and decode kernels and cascade are timed, and where the float32 C attention
+kernel builds, the two backends against each other for decodes and for prefill steps)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from vacpack import LLM
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
+from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
+from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
+from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
 from vacpack.tuning import ChoiceSource
 
-ENGINE_PHASES = ["sdpa_prefill", "sdpa_decode"]  # then one attention_cascade per prefix length
+CPU = torch.device("cpu")
+# torch_sdpa's options, then one attention_cascade per prefix length.
+OPTION_PHASES = ["sdpa_prefill", "sdpa_decode"]
 
 
 def test_a_loaded_model_reports_and_runs_its_choices(
@@ -23,34 +30,55 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     model_dir = str(tiny_checkpoint("qwen2"))
     llm = LLM(model_dir, dtype="float32", device="cpu")
     setup = llm.engine.setup
+    two_backends = varlen_attention_supported(CPU, torch.float32, llm.loaded.config.head_dim)
     phases = [c.phase for c in setup.measured_choices]
-    assert phases[:2] == ENGINE_PHASES and phases[2:] and set(phases[2:]) == {"attention_cascade"}
     assert all(c.source is ChoiceSource.MEASURED for c in setup.measured_choices)
-    prefill, decode, *cascades = setup.measured_choices
+    choices = list(setup.measured_choices)
+    if two_backends:  # the backends for decodes first, for prefill steps last
+        decodes, *choices, prefills = choices
+        assert (decodes.phase, prefills.phase) == ("attention_paged", "attention_paged_prefill")
+        assert (
+            set(decodes.best_time_s) == set(prefills.best_time_s) == {"cpu_kernels", "torch_sdpa"}
+        )
+    prefill, decode, *cascades = choices
+    assert [prefill.phase, decode.phase] == OPTION_PHASES
+    assert cascades and {c.phase for c in cascades} == {"attention_cascade"}
     assert set(prefill.best_time_s) == {"sdpa", "blocked"}
     kernel = {"kernel"} if load_kernel_library("paged_decode", portable=True) else set()
     assert set(decode.best_time_s) == {"sdpa", "matmuls"} | kernel
     assert all(set(c.best_time_s) == {"cascade", "no_cascade"} for c in cascades)
-    # The engine runs what was chosen.
+    # The engine runs what was chosen: decodes on one backend, prefill steps on another where
+    # another won them.
     attention = llm.engine.attention
-    assert attention.name == setup.attention_backend == "torch_sdpa"
-    assert attention.blocked_prefill == (prefill.chosen == "blocked")
-    assert attention.decode_form == decode.chosen
+    decoding = getattr(attention, "decode", attention)
+    if two_backends:
+        assert decoding.name == decodes.chosen
+        assert getattr(attention, "prefill", attention).name == prefills.chosen
+    else:
+        assert attention.name == setup.attention_backend == "torch_sdpa"
+    if decoding.name == "torch_sdpa":
+        assert decoding.blocked_prefill == (prefill.chosen == "blocked")
+        assert decoding.decode_form == decode.chosen
     wins = [c.chosen == "cascade" for c in cascades]
     if not wins[-1]:  # lost behind the longest prefix: never a cascade
-        assert attention.cascade is None
+        assert decoding.cascade is None
     elif all(wins):
-        assert attention.cascade == DEFAULT_CASCADE_POLICY
+        assert decoding.cascade == DEFAULT_CASCADE_POLICY
     else:  # from a longer prefix than the default's
-        assert attention.cascade is not None
-        assert attention.cascade.min_prefix_tokens > DEFAULT_CASCADE_POLICY.min_prefix_tokens
+        assert decoding.cascade is not None
+        assert decoding.cascade.min_prefix_tokens > DEFAULT_CASCADE_POLICY.min_prefix_tokens
 
     llm.embed(["a short text", "another one"], use_tqdm=False)
     report = llm.corpus_runner.last_report
     assert report is not None
     lines = [line for line in report.summary().splitlines() if "chosen by measurement" in line]
-    # The prefill kernel: measured by the engine for the same shapes, read from the cache.
-    assert len(lines) == 1 and "sdpa_prefill" in lines[0] and "(cached;" in lines[0]
+    # The prefill kernel: measured by the engine for the same shapes, read from the cache; and
+    # the model's layer ops, measured at its load, where the fused float32 kernels build.
+    prefill_lines = [line for line in lines if "sdpa_prefill" in line]
+    assert len(prefill_lines) == 1 and "(cached;" in prefill_lines[0]
+    # With two backends the corpus job times them on its bin (attention_packed) too.
+    layer_ops = elementwise_kernels_available(CPU, torch.float32)
+    assert len(lines) == 1 + two_backends + (len(LAYER_OP_PHASES) if layer_ops else 0)
 
     again = LLM(model_dir, dtype="float32", device="cpu").engine.setup
     assert [c.phase for c in again.measured_choices] == phases

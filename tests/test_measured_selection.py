@@ -195,8 +195,8 @@ def test_a_backend_that_raises_is_skipped(inject) -> None:
 
 def test_a_sole_candidate_is_taken_without_timing(inject) -> None:
     timings = inject({})
-    float32 = AttentionShapes(4, 2, 32, torch.float32, max_model_len=128)  # no C kernel
-    selected = select(timings, shapes=float32)
+    odd_heads = AttentionShapes(4, 2, 12, torch.float32, max_model_len=128)  # no C kernel
+    selected = select(timings, shapes=odd_heads)
     assert selected.backend.name == "torch_sdpa" and selected.choices == ()
     assert timings.calls == []
     windowed = AttentionShapes(

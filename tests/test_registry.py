@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vacpack.attention import Phase, auto_candidates, eligible_backends, resolve_backend_name
-from vacpack.models.layer_ops import LayerOps, select_layer_ops
+from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
+from vacpack.models.layer_ops import CpuKernelLayerOps, LayerOps, select_layer_ops
 from vacpack.models.registry import model_class_for
 from vacpack.registry import LazyRegistry
 
@@ -48,9 +49,11 @@ def test_an_unknown_architecture_names_the_supported_ones() -> None:
 
 
 def test_each_backend_declares_what_it_runs() -> None:
-    # The portable backend runs everything; the C kernels want bf16 and head sizes of 32k.
+    # The portable backend runs everything; the C kernels want bf16 with head sizes of 32k,
+    # or float32 with head sizes of 8k, and no float16.
     assert eligible_backends(CPU, torch.float32, 64, Phase.PAGED)[-1] == "torch_sdpa"
-    assert "cpu_kernels" not in eligible_backends(CPU, torch.float32, 64, Phase.PAGED)
+    assert "cpu_kernels" not in eligible_backends(CPU, torch.float32, 44, Phase.PAGED)
+    assert "cpu_kernels" not in eligible_backends(CPU, torch.float16, 64, Phase.PAGED)
     assert "cpu_kernels" not in eligible_backends(CPU, torch.bfloat16, 48, Phase.PACKED)
     assert eligible_backends(CPU, torch.bfloat16, 64, Phase.PACKED)[-1] == "torch_sdpa"
     # Triton runs on a CPU only in its interpreter (the kernels' tests): never picked there.
@@ -58,8 +61,8 @@ def test_each_backend_declares_what_it_runs() -> None:
 
 
 def test_a_forced_backend_that_cannot_run_here_says_why() -> None:
-    with pytest.raises(ValueError, match="'cpu_kernels' cannot run packed attention for a float32"):
-        resolve_backend_name("cpu_kernels", CPU, torch.float32, 64, Phase.PACKED)
+    with pytest.raises(ValueError, match="'cpu_kernels' cannot run packed attention for a float16"):
+        resolve_backend_name("cpu_kernels", CPU, torch.float16, 64, Phase.PACKED)
     with pytest.raises(ValueError, match="attention backend 'flash' is not supported"):
         resolve_backend_name("flash", CPU, torch.float32, 64)
     assert resolve_backend_name("torch_sdpa", CPU, torch.bfloat16, 64) == "torch_sdpa"
@@ -67,5 +70,8 @@ def test_a_forced_backend_that_cannot_run_here_says_why() -> None:
 
 def test_layer_ops_are_chosen_for_the_device_and_dtype() -> None:
     ops = select_layer_ops(CPU, torch.float32)
-    assert type(ops) is LayerOps  # PyTorch's ops: the C kernels are bf16 only
+    # The fused float32 C kernels, wherever a C compiler builds them.
+    fused = elementwise_kernels_available(CPU, torch.float32)
+    assert type(ops) is (CpuKernelLayerOps if fused else LayerOps)
     assert ops.mlp_rows_per_pass == 512  # a CPU's caches hold a slice of rows, not a whole step
+    assert type(select_layer_ops(CPU, torch.float16)) is LayerOps  # no fused float16 kernels

@@ -8,14 +8,19 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from server_process import ServerProcess, metric_value, running_server
 
+from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
+from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
+from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
 
 MAX_MODEL_LEN = 256
 PAGE_SIZE_TOKENS = 16
+TINY_HEAD_DIM = 16
 # The tiny float32 model keeps 2 layers x (K + V) x 2 heads x 16 dims x 4 bytes per token.
-KV_BYTES_PER_PAGE = 2 * 2 * 2 * 16 * 4 * PAGE_SIZE_TOKENS
+KV_BYTES_PER_PAGE = 2 * 2 * 2 * TINY_HEAD_DIM * 4 * PAGE_SIZE_TOKENS
 # 20 pages (320 tokens): one full-length sequence fits, four long ones running together do not.
 NUM_KV_PAGES = 20
 
@@ -93,14 +98,23 @@ def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> No
     chosen = [line for line in text.splitlines() if line.startswith("vacpack:measured_choice{")]
     phases = {line.split('phase="')[1].split('"')[0] for line in chosen}
     # torch_sdpa's prefill and decode kernels, as prefills reach 256 tokens here (the dtype is
-    # named and the context too short for the cascade's shortest prefix).
-    assert phases == {"sdpa_prefill", "sdpa_decode"}
+    # named and the context too short for the cascade's shortest prefix); where the float32 C
+    # attention kernel builds, the backends for decodes and for prefill steps; and the layer
+    # ops where the fused float32 kernels build.
+    cpu = torch.device("cpu")
+    layer_ops = elementwise_kernels_available(cpu, torch.float32)
+    two_backends = varlen_attention_supported(cpu, torch.float32, TINY_HEAD_DIM)
+    backends = {"attention_paged", "attention_paged_prefill"} if two_backends else set()
+    options = {"sdpa_prefill", "sdpa_decode"}
+    assert phases == options | backends | set(LAYER_OP_PHASES if layer_ops else ())
     assert all(line.endswith(" 1.0") and 'model_name="tiny"' in line for line in chosen)
     timed = [
         line for line in text.splitlines() if line.startswith("vacpack:measured_choice_candidate")
     ]
     candidates = {line.split('candidate="')[1].split('"')[0] for line in timed}
-    # The portable C decode kernel competes wherever it builds.
+    # The portable C decode kernel competes wherever it builds; the layer ops' two sets too.
     kernel = {"kernel"} if load_kernel_library("paged_decode", portable=True) else set()
-    assert candidates == {"sdpa", "blocked", "matmuls"} | kernel
+    fused = {"cpu_kernels", "torch"} if layer_ops else set()
+    backend_names = {"cpu_kernels", "torch_sdpa"} if two_backends else set()
+    assert candidates == {"sdpa", "blocked", "matmuls"} | kernel | fused | backend_names
     assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in timed)

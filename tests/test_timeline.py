@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vacpack.cli import main
 from vacpack.cli.bench import parse_length_range
+from vacpack.cpu_kernels import varlen_attention_supported
+from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
 from vacpack.engine.timeline import (
     StepTimeline,
     StepTiming,
@@ -19,6 +22,8 @@ from vacpack.engine.timeline import (
     summary_from_dict,
 )
 from vacpack.engine.timeline_plot import plot_timeline
+from vacpack.models.cpu_dtype import DTYPES
+from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -208,8 +213,10 @@ def test_bench_writes_timeline_plot_and_json(
 ) -> None:
     png, report = tmp_path / "timeline.png", tmp_path / "bench.json"
     num_prompts, output_len = 4, 5
+    model_dir = tiny_checkpoint("qwen3")
+    head_dim = json.loads((model_dir / "config.json").read_text())["head_dim"]
     argv = [
-        "bench", "--model", str(tiny_checkpoint("qwen3")), "--device", "cpu",
+        "bench", "--model", str(model_dir), "--device", "cpu",
         "--num-prompts", str(num_prompts), "--input-len", "4:12", "--output-len", str(output_len),
         "--timeline", str(png), "--json", str(report), "--quiet", "--no-warmup",
     ]  # fmt: skip
@@ -220,11 +227,25 @@ def test_bench_writes_timeline_plot_and_json(
     assert "chosen by measurement: cpu_dtype" in out
     assert_png(png)
     results = json.loads(report.read_text())
-    # The model's choice, then the engine's: torch_sdpa's prefill and decode kernels and its
-    # cascade, behind each shared prefix length timed.
-    phases = [c["phase"] for c in results["measured_choices"]]
-    assert phases[:3] == ["cpu_dtype", "sdpa_prefill", "sdpa_decode"]
-    assert phases[3:] and set(phases[3:]) == {"attention_cascade"}
+    # The model's choices (its dtype, then its layer ops where fused kernels run for that
+    # dtype), then the engine's: where the C attention kernel runs for that dtype, the backend
+    # for decodes first and for prefill steps last; between them torch_sdpa's prefill and
+    # decode kernels and the cascade, behind each shared prefix length timed.
+    every_phase = [c["phase"] for c in results["measured_choices"]]
+    phases = [phase for phase in every_phase if phase not in LAYER_OP_PHASES]
+    dtype = DTYPES[results["dtype"]]
+    layer_ops = elementwise_kernels_available(torch.device("cpu"), dtype)
+    layer_phases = list(LAYER_OP_PHASES) if layer_ops else []
+    assert every_phase[1 : 1 + len(layer_phases)] == layer_phases
+    assert len(phases) == len(every_phase) - len(layer_phases)
+    assert phases[0] == "cpu_dtype"
+    engine_phases = phases[1:]
+    if varlen_attention_supported(torch.device("cpu"), dtype, head_dim):
+        assert engine_phases[0] == "attention_paged"
+        assert engine_phases[-1] == "attention_paged_prefill"
+        engine_phases = engine_phases[1:-1]
+    assert engine_phases[:2] == ["sdpa_prefill", "sdpa_decode"]
+    assert engine_phases[2:] and set(engine_phases[2:]) == {"attention_cascade"}
     assert "chosen by measurement: attention_cascade" in out
     assert results["dtype"] == results["measured_choices"][0]["chosen"]
     assert results["num_output_tokens"] == num_prompts * output_len

@@ -96,8 +96,9 @@ BACKEND_SPECS: tuple[BackendSpec, ...] = (
         target="vacpack.attention.cpu_kernel_backend:CpuKernelBackend",
         devices=frozenset({"cpu"}),
         phases=BOTH_PHASES,
-        dtypes=frozenset({torch.bfloat16}),
-        head_dim_multiple=32,
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
+        # 8 for float32 and 32 for bf16: the kernels' own check (_cpu_kernels_build) says which.
+        head_dim_multiple=8,
         max_head_dim=256,
         available=_cpu_kernels_build,
         options=frozenset({"cascade"}),

@@ -1,12 +1,16 @@
-"""Attention on bf16 CPUs, from varlen_attention.c: packed variable-length sequences, and
-queries over a paged KV cache (with log-sum-exp, for cascades).
+"""Attention on CPUs in one C call per batch: packed variable-length sequences, and queries
+over a paged KV cache (with log-sum-exp, for cascades). bf16 from varlen_attention.c (x86 with
+AVX512-BF16), float32 from varlen_attention_f32.c (plain C vectorised for the CPU at hand: any
+CPU with a C compiler).
 
-PyTorch's CPU attention kernel runs at a fraction of the CPU's bf16 matmul speed on small
-heads: with 32-dim heads (all-MiniLM-L6-v2) it is bound by its float32 exponentials and the
+PyTorch's CPU attention kernel runs at a fraction of the CPU's matmul speed on small heads:
+with 32-dim heads (all-MiniLM-L6-v2) it is bound by its float32 exponentials and the
 [queries, keys] matrices it writes, and with 64-dim grouped heads (Qwen2.5-0.5B) it measured
-50-130 GFLOPS. The C kernel keeps a block of scores in registers and cache, uses the CPU's
-bf16 dot-product instruction for both products and a polynomial exp2, and reads the packed
-token stream or the cache's pages directly: one call per batch, no padding, no gathers.
+50-130 GFLOPS in bf16. The C kernels keep a block of scores in registers and cache, use a
+polynomial exp2 (and in bf16 the CPU's bf16 dot-product instruction for both products), and
+read the packed token stream or the cache's pages directly: one call per batch, no padding, no
+gathers. Which of them runs a model's attention is measured against PyTorch's paths
+(vacpack/attention/selection.py).
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import torch.nn.functional as F
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
-_LIBRARY_NAME = "varlen_attention"
-# The value product works on 32 dims at a time.
-HEAD_DIM_MULTIPLE = 32
+# Per dtype: the library, whether it is portable (built for any CPU), its function, and the
+# multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
+# kernel on 8-lane vectors).
+_LIBRARIES: dict[torch.dtype, tuple[str, bool, str, int]] = {
+    torch.bfloat16: ("varlen_attention", False, "varlen_attention_bf16", 32),
+    torch.float32: ("varlen_attention_f32", True, "varlen_attention_f32", 8),
+}
 MAX_HEAD_DIM = 256
 PROFILER_NAME = "vacpack::varlen_attention"
 
@@ -38,18 +46,27 @@ _ARGTYPES = [
 ]
 
 
-def _kernel() -> KernelFunction | None:
-    return kernel_function(_LIBRARY_NAME, "varlen_attention_bf16", _ARGTYPES, ctypes.c_int)
+def _kernel(dtype: torch.dtype) -> KernelFunction | None:
+    if dtype not in _LIBRARIES:
+        return None
+    library, portable, function, _ = _LIBRARIES[dtype]
+    return kernel_function(library, function, _ARGTYPES, ctypes.c_int, portable=portable)
+
+
+def head_dim_multiple(dtype: torch.dtype) -> int:
+    """The kernel of `dtype` takes head sizes that are a multiple of this (0: no kernel)."""
+    return _LIBRARIES[dtype][3] if dtype in _LIBRARIES else 0
 
 
 def varlen_attention_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether varlen_attention runs here for tensors of this device, dtype and head size."""
+    multiple = head_dim_multiple(dtype)
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
-        and head_dim % HEAD_DIM_MULTIPLE == 0
+        and multiple > 0
+        and head_dim % multiple == 0
         and head_dim <= MAX_HEAD_DIM
-        and _kernel() is not None
+        and _kernel(dtype) is not None
     )
 
 
@@ -210,13 +227,18 @@ def _attention(
     scale: float | None,
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    kernel = _kernel()
+    kernel = _kernel(q.dtype)
     if kernel is None or not varlen_attention_supported(q.device, q.dtype, q.shape[-1]):
-        raise RuntimeError("the CPU attention kernel needs bf16 CPU tensors and its library")
+        raise RuntimeError(
+            "the CPU attention kernel needs bf16 or float32 CPU tensors, a head size it takes "
+            "and its library"
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     if k.shape[2] != head_dim or v.shape[1:] != k.shape[1:] or num_heads % num_kv_heads:
         raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"queries are {q.dtype}, keys and values {k.dtype} / {v.dtype}")
     page_tables = sequences.page_tables
     q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)

@@ -1,6 +1,7 @@
-"""The decoder block's elementwise ops on bf16 CPU tensors, from elementwise.c: RMSNorm (alone
-or after the residual add), SiLU(gate) * up and rotary embeddings, each one pass over its rows
-that rounds where PyTorch's ops round (see elementwise.c)."""
+"""The decoder block's elementwise ops on CPU tensors, each one pass over its rows: RMSNorm
+(alone or after the residual add), SiLU(gate) * up and rotary embeddings. bf16 from
+elementwise.c (AVX512-BF16; rounding where PyTorch's ops round), float32 from elementwise_f32.c
+(plain C vectorised for the CPU at hand: any CPU with a C compiler)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,24 @@ import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
-_LIBRARY_NAME = "elementwise"
 _POINTER, _INT, _FLOAT, _THREADS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+# Per dtype: the library, whether it is portable (built for any CPU), and its name suffix.
+_LIBRARIES: dict[torch.dtype, tuple[str, bool, str]] = {
+    torch.bfloat16: ("elementwise", False, "bf16"),
+    torch.float32: ("elementwise_f32", True, "f32"),
+}
 
 _SIGNATURES: dict[str, list[type]] = {
     # x, x row stride, weight, out, rows, columns, eps, threads
-    "rms_norm_bf16": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
+    "rms_norm": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
     # x, residual (updated in place), weight, out, rows, columns, eps, threads
-    "add_rms_norm_bf16": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
+    "add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
     # gate_up, its row stride, out, rows, columns of out, threads
-    "silu_and_mul_bf16": [_POINTER, _INT, _POINTER, _INT, _INT, _THREADS],
+    "silu_and_mul": [_POINTER, _INT, _POINTER, _INT, _INT, _THREADS],
     # q, its token stride, its heads; k, its token stride, its heads; cos, sin, their token
     # stride; q out, k out; tokens, head_dim, threads
-    "rotary_qk_bf16": [
+    "rotary_qk": [
         *(_POINTER, _INT, _INT),
         *(_POINTER, _INT, _INT),
         *(_POINTER, _POINTER, _INT),
@@ -32,22 +38,23 @@ _SIGNATURES: dict[str, list[type]] = {
 }
 
 
-def _function(name: str) -> KernelFunction | None:
-    return kernel_function(_LIBRARY_NAME, name, _SIGNATURES[name])
+def _function(op: str, dtype: torch.dtype) -> KernelFunction | None:
+    if dtype not in _LIBRARIES:
+        return None
+    library, portable, suffix = _LIBRARIES[dtype]
+    return kernel_function(library, f"{op}_{suffix}", _SIGNATURES[op], portable=portable)
 
 
-def _kernel(name: str) -> KernelFunction:
-    function = _function(name)
+def _kernel(op: str, dtype: torch.dtype) -> KernelFunction:
+    function = _function(op, dtype)
     if function is None:
-        raise RuntimeError(f"the {name} CPU kernel cannot run here (see the log for why)")
+        raise RuntimeError(f"the {op} CPU kernel for {dtype} cannot run here (see the log)")
     return function
 
 
 def elementwise_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model on `device` in `dtype` can run its norms, activation and rotary here."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return False
-    return _function("rms_norm_bf16") is not None
+    return device.type == "cpu" and _function("rms_norm", dtype) is not None
 
 
 def _check(name: str, condition: bool, what: str) -> None:
@@ -55,8 +62,12 @@ def _check(name: str, condition: bool, what: str) -> None:
         raise ValueError(f"{name}: {what}")
 
 
+def _on_cpu(name: str, x: torch.Tensor) -> None:
+    _check(name, x.device.type == "cpu" and x.dtype in _LIBRARIES, "needs bf16 or float32 CPU")
+
+
 def _rows(name: str, x: torch.Tensor) -> None:
-    _check(name, x.device.type == "cpu" and x.dtype == torch.bfloat16, "needs bf16 CPU tensors")
+    _on_cpu(name, x)
     _check(name, x.dim() == 2 and x.stride(1) == 1, f"needs 2-D rows, got {tuple(x.shape)}")
 
 
@@ -65,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rows("rms_norm", x)
     _check("rms_norm", weight.shape == (x.shape[1],) and weight.dtype == x.dtype, "bad weight")
     out = torch.empty(x.shape, dtype=x.dtype)
-    _normalize("rms_norm_bf16", x, x.stride(0), weight, out, eps)
+    _normalize("rms_norm", x, x.stride(0), weight, out, eps)
     return out
 
 
@@ -78,7 +89,7 @@ def add_rms_norm(
     _check("add_rms_norm", residual.shape == x.shape and residual.dtype == x.dtype, "bad residual")
     _check("add_rms_norm", weight.shape == (x.shape[1],) and weight.dtype == x.dtype, "bad weight")
     out = torch.empty_like(x)
-    _normalize("add_rms_norm_bf16", x, residual.data_ptr(), weight, out, eps)
+    _normalize("add_rms_norm", x, residual.data_ptr(), weight, out, eps)
     return out, residual
 
 
@@ -89,7 +100,7 @@ def _normalize(
     the residual's address (add_rms_norm)."""
     rows, columns = x.shape
     threads = torch.get_num_threads()
-    _kernel(name)(
+    _kernel(name, x.dtype)(
         x.data_ptr(), second, weight.data_ptr(), out.data_ptr(), rows, columns, eps, threads
     )
 
@@ -100,7 +111,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _check("silu_and_mul", gate_up.shape[1] % 2 == 0, "needs an even number of columns")
     n = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype)
-    _kernel("silu_and_mul_bf16")(
+    _kernel("silu_and_mul", gate_up.dtype)(
         gate_up.data_ptr(),
         gate_up.stride(0),
         out.data_ptr(),
@@ -118,18 +129,19 @@ def rotary_qk(
     (views into a fused projection are fine: heads contiguous within a token) with cos and sin
     [tokens, 1, head_dim // 2] sharing one token stride; new contiguous q and k."""
     for name, x in (("q", q), ("k", k)):
-        _check("rotary_qk", x.device.type == "cpu" and x.dtype == torch.bfloat16, "bf16 CPU")
+        _on_cpu("rotary_qk", x)
         _check("rotary_qk", x.dim() == 3, f"{name} must be [tokens, heads, head_dim]")
         _check("rotary_qk", x.stride(2) == 1 and x.stride(1) == x.shape[2], f"{name} heads")
     num_tokens, _, head_dim = q.shape
     half_dim = head_dim // 2
-    _check("rotary_qk", k.shape[0] == num_tokens and k.shape[2] == head_dim, "q and k differ")
+    same_layout = k.shape[0] == num_tokens and k.shape[2] == head_dim and k.dtype == q.dtype
+    _check("rotary_qk", same_layout, "q and k differ")
     for name, x in (("cos", cos), ("sin", sin)):
         _check("rotary_qk", x.dtype == q.dtype and x.shape == (num_tokens, 1, half_dim), name)
         _check("rotary_qk", x.stride(2) == 1 and x.stride(0) == cos.stride(0), f"{name} strides")
     q_out = torch.empty(q.shape, dtype=q.dtype)
     k_out = torch.empty(k.shape, dtype=k.dtype)
-    _kernel("rotary_qk_bf16")(
+    _kernel("rotary_qk", q.dtype)(
         q.data_ptr(),
         q.stride(0),
         q.shape[1],

@@ -10,16 +10,15 @@ adds the pooler and the classifier on each sequence's first ([CLS]) token.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vacpack.models.activations import ACTIVATIONS, ONEDNN_POST_OPS
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.labels import id2label_from_hf, num_labels_from_hf
@@ -32,16 +31,6 @@ from vacpack.models.parallel import (
     VocabEmbedding,
 )
 from vacpack.models.pooling import PoolingConfig, pool
-
-# transformers' activation names; "gelu" is the exact (erf) GELU that BERT was trained with.
-ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType(
-    {
-        "gelu": F.gelu,
-        "gelu_new": partial(F.gelu, approximate="tanh"),
-        "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-        "relu": F.relu,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -157,7 +146,7 @@ class EncoderAttention(nn.Module):
 class EncoderMLP(nn.Module):
     def __init__(self, config: EncoderConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.activation = ACTIVATIONS[config.hidden_act]
+        self.hidden_act = config.hidden_act
         self.up_proj = ColumnParallelLinear(
             config.hidden_size, [config.intermediate_size], bias=True, tp=tp
         )
@@ -166,7 +155,10 @@ class EncoderMLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.up_proj(hidden)))
+        if self.hidden_act in ONEDNN_POST_OPS:
+            # On a prepacked CPU weight the activation is fused into the matmul.
+            return self.down_proj(self.up_proj(hidden, activation=self.hidden_act))
+        return self.down_proj(ACTIVATIONS[self.hidden_act](self.up_proj(hidden)))
 
 
 class EncoderLayer(nn.Module):

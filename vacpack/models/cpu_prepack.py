@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from vacpack.models.activations import ONEDNN_POST_OPS
+
 logger = logging.getLogger(__name__)
 
 # Rows the packed layout is tuned for: oneDNN picks blocking from it, and every row count still
@@ -53,10 +55,16 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None = None,
 ) -> torch.Tensor:
-    """x @ W^T + b with W prepacked; any leading dimensions, like F.linear."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """x @ W^T + b with W prepacked; any leading dimensions, like F.linear. `activation` (a
+    key of activations.ONEDNN_POST_OPS) is applied to each output block while it is still in
+    cache, instead of in another pass over the whole output."""
+    post_op, algorithm = ONEDNN_POST_OPS[activation] if activation else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, post_op, [], algorithm)
 
 
 def meta_like(parameter: torch.Tensor) -> torch.nn.Parameter:

@@ -1,7 +1,8 @@
 """The elementwise ops of a decoder layer, and which implementation a model is built with.
 
 `LayerOps` is PyTorch's own ops, portable and the reference; `CpuKernelLayerOps` runs each op
-as one fused C pass (vacpack/cpu_kernels/elementwise.c) on bf16 CPUs, and `TritonLayerOps`
+as one fused C pass on CPUs (vacpack/cpu_kernels: elementwise.c for bf16 where the CPU has
+AVX512-BF16, elementwise_f32.c for float32 on any CPU), and `TritonLayerOps`
 (triton_layer_ops.py) as one fused Triton kernel on GPUs, each rounding where the PyTorch ops
 round. Each declares where it runs; where both run, each op takes the one measured
 faster at the model's shapes (layer_ops_choice.py, `PerOpLayerOps`). The loader builds the
@@ -149,7 +150,7 @@ LAYER_OPS_SPECS: tuple[LayerOpsSpec, ...] = (
         name="cpu_kernels",
         target="vacpack.models.layer_ops:CpuKernelLayerOps",
         devices=frozenset({"cpu"}),
-        dtypes=frozenset({torch.bfloat16}),
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
         needs_cpu_kernels=True,
     ),
     LayerOpsSpec(

@@ -1,11 +1,12 @@
 """Each elementwise op of a decoder layer from the implementation measured fastest for it.
 
-Where fused kernels run (the C kernels: bf16 on a CPU with AVX512-BF16; the Triton kernels: on
-a GPU), each op (RMSNorm, the residual add with RMSNorm, SiLU(gate) * up, rotary embeddings) is
-timed against its PyTorch twin on the model's own shapes, a slice of a prefill's rows as the MLP
-runs them, through vacpack.tuning (phase layer_op_<op>; VACPACK_CHOICE_LAYER_OP_<OP> forces
-one). A fused pass saves memory traffic, but PyTorch's vectorised ops may still win on a CPU
-whose kernels were not tuned for it; where only PyTorch's ops run, nothing is timed.
+Where fused kernels run (the C kernels: bf16 on a CPU with AVX512-BF16, float32 on any CPU
+with a C compiler; the Triton kernels: on a GPU), each op (RMSNorm, the residual add with
+RMSNorm, SiLU(gate) * up, rotary embeddings) is timed against its PyTorch twin on the model's
+own shapes, a slice of a prefill's rows as the MLP runs them, through vacpack.tuning (phase
+layer_op_<op>; VACPACK_CHOICE_LAYER_OP_<OP> forces one). A fused pass saves memory traffic, but
+PyTorch's vectorised ops may still win on a CPU whose kernels were not tuned for it; where only
+PyTorch's ops run, nothing is timed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from vacpack.models.layer_ops import (
 from vacpack.tuning import ChoiceSource, MeasuredChoice, choose
 from vacpack.tuning.timing import Clock
 
+# The tuning phase of each op's choice, in OP_NAMES' order.
+LAYER_OP_PHASES = tuple(f"layer_op_{op}" for op in OP_NAMES)
 # Each op's share of the load-time budget for measured choices: these ops are short.
 BUDGET_S = 0.06
 RMS_NORM_EPS = 1e-6
@@ -124,10 +127,10 @@ def choose_layer_ops(
         return preferred, ()
     choices = []
     with torch.inference_mode():
-        for op in OP_NAMES:
+        for op, phase in zip(OP_NAMES, LAYER_OP_PHASES, strict=True):
             choices.append(
                 choose(
-                    f"layer_op_{op}",
+                    phase,
                     shapes.key(op),
                     list(implementations),
                     functools.partial(op_calls, op, implementations, shapes, device),

@@ -10,14 +10,12 @@ different layer, norm or MLP: they override `make_layer` and the checkpoint name
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vacpack.models.activations import ACTIVATIONS
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.layer_ops import current_layer_ops
@@ -34,12 +32,6 @@ from vacpack.models.parallel import (
     kv_head_rows,
 )
 from vacpack.models.rotary import RotaryEmbedding
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 
 class LlamaAttention(nn.Module):

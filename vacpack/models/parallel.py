@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vacpack.distributed.collectives import Collectives
+from vacpack.models.activations import ACTIVATIONS
 from vacpack.models.base import TensorSource
 from vacpack.models.cpu_prepack import meta_like, packed_linear, prepack
 
@@ -154,10 +155,13 @@ class ColumnParallelLinear(nn.Module):
         """Call once loading is done: the weight in oneDNN's layout (cpu_prepack.py)."""
         _prepack_weight(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x W^T + b, then `activation` (a name in activations.ONEDNN_POST_OPS) where given:
+        on a prepacked CPU weight, fused into the matmul."""
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed_weight, self.bias, activation)
+        y = F.linear(x, self.weight, self.bias)
+        return y if activation is None else ACTIVATIONS[activation](y)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -223,14 +227,16 @@ class RowParallelLinear(nn.Module):
         _prepack_weight(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the reduction, not once per rank.
+        # The bias is added once, after the reduction, not once per rank; on one rank the
+        # matmul adds it as it writes its output.
+        bias = self.bias if self.tp.size == 1 else None
         if self.packed_weight is not None:
-            y = packed_linear(x, self.packed_weight, None)
+            y = packed_linear(x, self.packed_weight, bias)
         else:
-            y = F.linear(x, self.weight)
+            y = F.linear(x, self.weight, bias)
         if self.reduce_results:
             self.tp.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or bias is not None else y + self.bias
 
 
 class VocabEmbedding(nn.Module):

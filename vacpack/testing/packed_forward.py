@@ -21,11 +21,16 @@ def load_for_test(model_dir: Path, dtype: torch.dtype = torch.float32) -> Packed
 
 
 @torch.inference_mode()
-def packed_forward(model: PackedModel, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+def packed_forward(
+    model: PackedModel,
+    sequences: Sequence[Sequence[int]],
+    attention_backend: str = "torch_sdpa",
+) -> torch.Tensor:
     """Final hidden states [total tokens, hidden] of all sequences packed into one stream.
 
     Attention is bidirectional within each sequence for encoders (model.is_causal False) and
-    causal for decoders; no KV cache is kept.
+    causal for decoders, through `attention_backend` (the portable one unless named); no KV
+    cache is kept.
     """
     seq_lens = [len(tokens) for tokens in sequences]
     layout = BatchLayout(
@@ -34,7 +39,7 @@ def packed_forward(model: PackedModel, sequences: Sequence[Sequence[int]]) -> to
         causal=getattr(model, "is_causal", True),
         attention_windows=attention_windows(model),
     )
-    backend = create_backend("torch_sdpa")
+    backend = create_backend(attention_backend)
     ctx = ForwardContext(backend, backend.build_metadata(layout, CPU), kv_cache=None)
     token_ids = torch.tensor([token for tokens in sequences for token in tokens])
     positions = torch.cat([torch.arange(n) for n in seq_lens])

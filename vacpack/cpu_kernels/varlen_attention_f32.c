@@ -1,0 +1,398 @@
+// Packed (variable-length) attention on float32, in plain C for any CPU: the float32 twin of
+// varlen_attention.c (whose bf16 kernel needs AVX512-BF16), with the same arguments and the same
+// layouts, so that one call serves corpus bins, encoders and whole engine steps.
+//
+// q, k and v are 1-D token streams: [tokens, heads, head_dim] with any token stride; sequence b
+// owns query rows cu_q[b]..cu_q[b+1] and key rows cu_k[b]..cu_k[b+1]. Causal attention is
+// aligned bottom-right: query i of a sequence with n_q queries and n_k keys sees keys
+// 0..n_k-n_q+i (a fresh prefill, or a prefill chunk over cached keys). With page tables, keys
+// and values are slots of a paged KV cache: key j of sequence b sits in slot
+// pages[b][j / page_size] * page_size + j % page_size.
+//
+// One task is (sequence, KV head, chunk of queries). Its rows are the chunk's queries times the
+// query heads that share the KV head, query-major, so that a block's rows see almost the same
+// keys. The task copies the keys it can see into the layout a broadcast-and-FMA product reads
+// (for each block of KEY_BLOCK keys, dim-major: the block's keys side by side for every dim),
+// and notes where each value row lies. Then for each block of ROW_BLOCK rows: scores in
+// registers (ROW_BLOCK rows by KEY_BLOCK keys of accumulators, one query element broadcast per
+// FMA pair), already in log2 units (the queries are scaled by scale * log2 e when copied), a
+// float32 softmax with a polynomial exp2, and the value product with the rows' output dims in
+// registers while the value rows stream past from cache. Nothing of size [queries, keys] is
+// written to memory: a block's scores live in a per-thread buffer.
+//
+// PyTorch's CPU paths either run this as batched matmuls over padded copies of each sequence,
+// writing and re-reading the [queries, keys] matrices, or through its flash kernel, whose
+// per-block softmax bookkeeping dominates at head sizes of 32 to 64.
+//
+// Written with eight-lane vectors (GCC's vector extension) and built with -O3 -march=native
+// for the machine at hand (see build.py): AVX-512, AVX2 or NEON, whatever the CPU has. The
+// register blocking (12 accumulators, two loaded vectors and a broadcast) fits the 16 vector
+// registers of AVX2.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KEY_BLOCK 16  // keys per packed block: two vectors of eight
+#define ROW_BLOCK 6   // query rows whose products share each loaded key or value vector
+// Queries per task: a causal chunk sees only the keys up to its last query, so short chunks
+// keep the work per task even; every bidirectional query sees all keys, and longer chunks pay
+// for copying them once over more rows.
+#define CAUSAL_QUERY_CHUNK 64
+#define BIDIRECTIONAL_QUERY_CHUNK 256
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) {
+    v8f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
+
+// x in every lane: one broadcast (`(v8f){0} + x` costs an add before it, as 0 + -0 is not -0).
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+static inline v8f select8(v8i mask, v8f a, v8f b) {
+    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+// 2^x for x <= 0 on eight lanes, to float32 accuracy: x = n + f with n the nearest integer
+// (adding and subtracting 1.5 * 2^23 rounds) and f in [-0.5, 0.5]; 2^f by its Taylor terms
+// (ln 2)^k / k! to degree 6, 2^n built in the exponent bits. Below -126 it gives 2^-126, a
+// weight no visible key reaches against the row's largest (whose weight is 1).
+static inline v8f exp2_nonpositive8(v8f x) {
+    const v8f lowest = (v8f){0} - 126.0f;
+    x = select8(x < lowest, lowest, x);
+    const v8f n = (x + 12582912.0f) - 12582912.0f;
+    const v8f f = x - n;
+    v8f p = (v8f){0} + 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)exponent_bits;
+}
+
+static const v8i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
+
+// Lanes of two vectors picked by constant indices (0-7: a's, 8-15: b's), in GCC's or clang's
+// spelling; the compiler turns each into one or two shuffle instructions.
+#if defined(__clang__)
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+// Transposes 8 rows of 8 floats in registers: out[d] holds element d of every row. Three
+// rounds: pairs of rows interleaved, pairs of pairs, then the 128-bit halves.
+static inline void transpose8x8(const v8f r[8], v8f out[8]) {
+    v8f t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = SHUFFLE2(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = SHUFFLE2(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; ++j) {
+            u[i + 2 * j] = SHUFFLE2(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[i + 2 * j + 1] = SHUFFLE2(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    // u[0..3] hold dims (0, 4), (1, 5), (2, 6), (3, 7) of rows 0-3; u[4..7] of rows 4-7.
+    for (int d = 0; d < 4; ++d) {
+        out[d] = SHUFFLE2(u[d], u[d + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        out[d + 4] = SHUFFLE2(u[d], u[d + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+// Where row j of one KV head is: a row of the stream, or a slot of a paged cache.
+typedef struct {
+    const float* base;     // the KV head's first element of row 0 (or of slot 0)
+    int64_t stride;        // elements from one row (slot) to the next
+    const int64_t* pages;  // NULL for stream rows; else this sequence's page table
+    int64_t page_size;
+} KeyRows;
+
+static inline const float* key_row(const KeyRows* rows, int64_t j) {
+    if (!rows->pages) return rows->base + j * rows->stride;
+    const int64_t page = rows->pages[j / rows->page_size];
+    return rows->base + (page * rows->page_size + j % rows->page_size) * rows->stride;
+}
+
+// Asks for `floats` floats from `row` on into cache. Rows of a token stream or of a cache's
+// pages lie a stride apart that the hardware prefetchers follow poorly (and stop at every
+// page's end); a prefetch never faults, so one past the data is harmless.
+static inline void prefetch_row(const float* row, int64_t floats) {
+    for (int64_t at = 0; at < floats; at += 16) __builtin_prefetch(row + at);
+}
+
+// How many rows ahead of use rows read from memory are prefetched.
+#define PREFETCH_ROWS 8
+
+// keys[0..n) -> packed[block][dim][KEY_BLOCK], zero past n up to n_padded. Eight whole keys at
+// a time are transposed in registers, eight dims at a time; a last partial group goes key by
+// key.
+static void pack_keys(const KeyRows* keys, int64_t n, int64_t n_padded, int64_t head_dim,
+                      float* packed) {
+    for (int64_t first = 0; first < n_padded; first += 8) {
+        float* dst = packed + (first / KEY_BLOCK) * head_dim * KEY_BLOCK + first % KEY_BLOCK;
+        for (int64_t i = first + PREFETCH_ROWS; i < first + PREFETCH_ROWS + 8 && i < n; ++i)
+            prefetch_row(key_row(keys, i), head_dim);
+        if (first + 8 <= n) {
+            const float* rows[8];
+            for (int i = 0; i < 8; ++i) rows[i] = key_row(keys, first + i);
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
+                v8f in[8], out[8];
+                for (int i = 0; i < 8; ++i) in[i] = load8(rows[i] + d0);
+                transpose8x8(in, out);
+                for (int d = 0; d < 8; ++d) store8(dst + (d0 + d) * KEY_BLOCK, out[d]);
+            }
+            continue;
+        }
+        for (int64_t lane = 0; lane < 8; ++lane) {
+            const int64_t key = first + lane;
+            const float* src = key < n ? key_row(keys, key) : NULL;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d * KEY_BLOCK + lane] = src ? src[d] : 0.0f;
+        }
+    }
+}
+
+// scores[r][0..n_padded) = q_r . key (q_r already scaled) for ROW_BLOCK rows of `queries`
+// ([ROW_BLOCK][head_dim]); rows past the block repeat a real row and are never read back.
+static void block_scores(const float* queries, const float* packed_keys, int64_t head_dim,
+                         int64_t n_padded, float* scores, int64_t stride) {
+    for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
+        const float* keys = packed_keys + block * head_dim * KEY_BLOCK;
+        v8f acc[ROW_BLOCK][2];
+        for (int r = 0; r < ROW_BLOCK; ++r) acc[r][0] = acc[r][1] = (v8f){0};
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const v8f k0 = load8(keys + d * KEY_BLOCK);
+            const v8f k1 = load8(keys + d * KEY_BLOCK + 8);
+#pragma GCC unroll 6
+            for (int r = 0; r < ROW_BLOCK; ++r) {
+                const v8f q = splat8(queries[r * head_dim + d]);
+                acc[r][0] += q * k0;
+                acc[r][1] += q * k1;
+            }
+        }
+        for (int r = 0; r < ROW_BLOCK; ++r) {
+            store8(scores + r * stride + block * KEY_BLOCK, acc[r][0]);
+            store8(scores + r * stride + block * KEY_BLOCK + 8, acc[r][1]);
+        }
+    }
+}
+
+// Softmax of one row over its first `visible` scores (log2 units), in place as weights
+// 2^(score - max), zero from `visible` up to n_padded. Returns the weights' sum and sets
+// max_log2 to the largest score.
+static float row_softmax(float* scores, int64_t visible, int64_t n_padded, float* max_log2) {
+    v8f top = (v8f){0} - INFINITY;
+    for (int64_t j = 0; j < visible; j += 8) {
+        const v8f s = load8(scores + j);
+        top = select8((s > top) & (LANE_INDEX < (v8i){0} + (int32_t)(visible - j)), s, top);
+    }
+    float max = top[0];
+    for (int lane = 1; lane < 8; ++lane) max = top[lane] > max ? top[lane] : max;
+    *max_log2 = max;
+    v8f total = {0};
+    for (int64_t j = 0; j < n_padded; j += 8) {
+        const v8i inside = LANE_INDEX < (v8i){0} + (int32_t)(visible - j);
+        const v8f weights =
+            visible > j ? select8(inside, exp2_nonpositive8(load8(scores + j) - max), (v8f){0})
+                        : (v8f){0};
+        store8(scores + j, weights);
+        total += weights;
+    }
+    return ((total[0] + total[4]) + (total[1] + total[5])) +
+           ((total[2] + total[6]) + (total[3] + total[7]));
+}
+
+// values[0..n) -> packed[chunk][key][16]: each 16-dim chunk of every key's row side by side
+// (the last chunk 8 wide where head_dim is an odd multiple of 8), so that the value product
+// streams each chunk from one run of memory. Read in place, rows a cache's or a token
+// stream's stride apart (1.5 KiB for MiniLM's 12 heads) fall into a few L1 sets and evict each
+// other between the product's passes.
+static void pack_values(const KeyRows* values, int64_t n, int64_t head_dim, float* packed) {
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + PREFETCH_ROWS < n) prefetch_row(key_row(values, j + PREFETCH_ROWS), head_dim);
+        const float* row = key_row(values, j);
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+            const int64_t width = head_dim - d0 >= 16 ? 16 : 8;
+            float* dst = packed + d0 * n + j * width;
+            store8(dst, load8(row + d0));
+            if (width == 16) store8(dst + 8, load8(row + d0 + 8));
+        }
+    }
+}
+
+// acc_r = sum_j weights_r[j] * chunk_j for ROW_BLOCK rows over one packed chunk of 8 * VECTORS
+// dims. Always inlined with a constant VECTORS (two, or one for a head_dim's last eight dims).
+static inline __attribute__((always_inline)) void accumulate_values(
+    const float* weights, int64_t stride, const float* chunk, int64_t n_seen,
+    v8f acc[ROW_BLOCK][2], const int vectors) {
+    for (int r = 0; r < ROW_BLOCK; ++r) acc[r][0] = acc[r][1] = (v8f){0};
+    for (int64_t j = 0; j < n_seen; ++j) {
+        const v8f v0 = load8(chunk + j * 8 * vectors);
+        const v8f v1 = vectors == 2 ? load8(chunk + j * 16 + 8) : (v8f){0};
+#pragma GCC unroll 6
+        for (int r = 0; r < ROW_BLOCK; ++r) {
+            const v8f w = splat8(weights[r * stride + j]);
+            acc[r][0] += w * v0;
+            if (vectors == 2) acc[r][1] += w * v1;
+        }
+    }
+}
+
+// out_r = (weights_r . values) / sums_r for ROW_BLOCK rows, num_rows of them written; values
+// packed by pack_values for n_packed keys, of which the first n_seen are read.
+static void block_values(const float* weights, int64_t stride, const float* sums,
+                         const float* values, int64_t n_packed, int64_t n_seen,
+                         int64_t head_dim, float* const out_rows[ROW_BLOCK], int num_rows) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+        const int vectors = head_dim - d0 >= 16 ? 2 : 1;
+        const float* chunk = values + d0 * n_packed;
+        v8f acc[ROW_BLOCK][2];
+        if (vectors == 2)
+            accumulate_values(weights, stride, chunk, n_seen, acc, 2);
+        else
+            accumulate_values(weights, stride, chunk, n_seen, acc, 1);
+        for (int r = 0; r < num_rows; ++r) {
+            // A row that sees no key (an empty bidirectional sequence) gets zeros.
+            const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+            store8(out_rows[r] + d0, acc[r][0] * inverse);
+            if (vectors == 2) store8(out_rows[r] + d0 + 8, acc[r][1] * inverse);
+        }
+    }
+}
+
+typedef struct {
+    int64_t seq, kv_head, query_start, query_end;
+} Task;
+
+// Returns 0, or -1 when a buffer could not be allocated or head_dim is not a multiple of 8.
+// With page_tables NULL, keys and values of sequence b are rows cu_k[b].. of k and v; else k
+// and v are the cache's slots and page_tables[b * pages_stride ..] is b's page table (cu_k still
+// gives the key counts). With lse not NULL, each row's log-sum-exp of its scaled scores goes to
+// lse[token * num_heads + head], for merging with attention over other keys.
+int varlen_attention_f32(const float* q, const float* k, const float* v, float* out,
+                         const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t q_stride, int64_t k_stride, int64_t v_stride,
+                         int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
+                         int64_t page_size, float* lse, float scale, int causal,
+                         int num_threads) {
+    if (head_dim % 8) return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t query_chunk = causal ? CAUSAL_QUERY_CHUNK : BIDIRECTIONAL_QUERY_CHUNK;
+    int64_t num_tasks = 0, max_keys = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t n_q = cu_q[s + 1] - cu_q[s], n_k = cu_k[s + 1] - cu_k[s];
+        num_tasks += num_kv_heads * ((n_q + query_chunk - 1) / query_chunk);
+        if (n_k > max_keys) max_keys = n_k;
+    }
+    Task* tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
+    if (!tasks) return -1;
+    int64_t t = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t n_q = cu_q[s + 1] - cu_q[s];
+        for (int64_t start = 0; start < n_q; start += query_chunk)
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                tasks[t].seq = s;
+                tasks[t].kv_head = h;
+                tasks[t].query_start = start;
+                tasks[t].query_end = start + query_chunk < n_q ? start + query_chunk : n_q;
+                ++t;
+            }
+    }
+    const int64_t max_padded = round_up(max_keys > 0 ? max_keys : 1, KEY_BLOCK);
+    const float log2_scale = scale * LOG2E;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float* keys = aligned_alloc(64, round_up(max_padded * head_dim * 4, 64));
+        float* values = aligned_alloc(64, round_up(max_padded * head_dim * 4, 64));
+        float* scores = aligned_alloc(64, round_up(ROW_BLOCK * max_padded * 4, 64));
+        float* queries = aligned_alloc(64, round_up(ROW_BLOCK * head_dim * 4, 64));
+        const int allocated = keys && values && scores && queries;
+        if (!allocated) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_tasks; ++i) {
+            if (!allocated) continue;  // reported through `failed`
+            const Task task = tasks[i];
+            const int64_t n_q = cu_q[task.seq + 1] - cu_q[task.seq];
+            const int64_t n_k = cu_k[task.seq + 1] - cu_k[task.seq];
+            const int64_t first_position = n_k - n_q;  // of query 0, when causal
+            const int64_t n_seen = causal ? first_position + task.query_end : n_k;
+            const int64_t* pages = page_tables ? page_tables + task.seq * pages_stride : NULL;
+            const int64_t first_row = pages ? 0 : cu_k[task.seq];
+            const KeyRows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
+                                      k_stride, pages, page_size};
+            const KeyRows value_source = {v + first_row * v_stride + task.kv_head * head_dim,
+                                          v_stride, pages, page_size};
+            pack_keys(&key_rows, n_seen, round_up(n_seen, KEY_BLOCK), head_dim, keys);
+            pack_values(&value_source, n_seen, head_dim, values);
+            // Rows: (query, head of the group), query-major.
+            const int64_t num_task_rows = (task.query_end - task.query_start) * group;
+            for (int64_t r0 = 0; r0 < num_task_rows; r0 += ROW_BLOCK) {
+                const int num_rows =
+                    (int)(num_task_rows - r0 < ROW_BLOCK ? num_task_rows - r0 : ROW_BLOCK);
+                float* out_rows[ROW_BLOCK];
+                int64_t visible[ROW_BLOCK], lse_index[ROW_BLOCK];
+                float sums[ROW_BLOCK], maxima[ROW_BLOCK];
+                for (int r = 0; r < ROW_BLOCK; ++r) {
+                    // Rows past the block's end repeat its first row and are never written.
+                    const int64_t row = r0 + (r < num_rows ? r : 0);
+                    const int64_t query = task.query_start + row / group;
+                    const int64_t head = task.kv_head * group + row % group;
+                    const int64_t token = cu_q[task.seq] + query;
+                    const float* q_row = q + token * q_stride + head * head_dim;
+                    for (int64_t d = 0; d < head_dim; ++d)
+                        queries[r * head_dim + d] = q_row[d] * log2_scale;
+                    // The next block's query row, read after this block's products.
+                    const int64_t ahead = row + ROW_BLOCK;
+                    if (ahead < num_task_rows) {
+                        const int64_t ahead_token = cu_q[task.seq] + task.query_start + ahead / group;
+                        prefetch_row(q + ahead_token * q_stride +
+                                         (task.kv_head * group + ahead % group) * head_dim,
+                                     head_dim);
+                    }
+                    out_rows[r] = out + token * out_stride + head * head_dim;
+                    lse_index[r] = token * num_heads + head;
+                    visible[r] = causal ? first_position + query + 1 : n_k;
+                }
+                // Query-major rows: the block's last row sees the most keys.
+                const int64_t block_seen = visible[num_rows - 1];
+                const int64_t block_padded = round_up(block_seen, KEY_BLOCK);
+                block_scores(queries, keys, head_dim, block_padded, scores, max_padded);
+                for (int r = 0; r < ROW_BLOCK; ++r)
+                    sums[r] = row_softmax(scores + r * max_padded, visible[r], block_padded,
+                                          &maxima[r]);
+                if (lse)
+                    for (int r = 0; r < num_rows; ++r)
+                        lse[lse_index[r]] =
+                            sums[r] > 0.0f ? (maxima[r] + log2f(sums[r])) * LN2 : -INFINITY;
+                block_values(scores, max_padded, sums, values, n_seen, block_seen, head_dim,
+                             out_rows, num_rows);
+            }
+        }
+        free(keys);
+        free(values);
+        free(scores);
+        free(queries);
+    }
+    free(tasks);
+    return failed ? -1 : 0;
+}
