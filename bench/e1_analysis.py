@@ -1,6 +1,6 @@
-"""E1's analysis of where the time goes: the encoder's FLOPs, the bf16 matmul peak at its shapes
-and the torch.profiler split by kind of op (each run in a worker process of
-bench/e1_embeddings.py), and from them every system's model FLOPs utilisation."""
+"""E1's analysis of where the time goes: the encoder's FLOPs, the matmul peak at its shapes and
+the torch.profiler split by kind of op, in the dtype of the systems run (each run in a worker
+process of bench/e1_embeddings.py), and from them every system's model FLOPs utilisation."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from e1_workload import (
     DTYPE_NAMES,
     DTYPES,
     MATMUL_PEAK_ROWS,
-    MATMUL_PEAK_WORKER,
+    MATMUL_PEAK_WORKERS,
     OP_KINDS,
     PROFILE_TEXTS,
     PROFILE_WORKERS,
@@ -59,8 +59,8 @@ def workload_seq_lens(model_dir: Path, texts: list[str]) -> list[int]:
     return [len(ids) for ids in encoded]
 
 
-def run_matmul_peak(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
-    """Best bfloat16 F.linear throughput at the encoder's own shapes."""
+def run_matmul_peak(args: argparse.Namespace, texts: list[str], dtype_name: str) -> dict[str, Any]:
+    """Best linear-layer throughput in one dtype at the encoder's own shapes."""
     del texts  # the same worker signature as the systems
     shape = encoder_shapes(args.model_dir)
     hidden, intermediate = shape["hidden"], shape["intermediate"]
@@ -76,11 +76,17 @@ def run_matmul_peak(args: argparse.Namespace, texts: list[str]) -> dict[str, Any
             ):
                 per_shape.append(
                     matmul_peak.best_linear_tflops(
-                        num_rows, in_features, out_features, generator, args.device
+                        num_rows,
+                        in_features,
+                        out_features,
+                        generator,
+                        args.device,
+                        DTYPES[dtype_name],
                     )
                 )
                 log(f"matmul peak: {per_shape[-1]['shape']}: {per_shape[-1]['best_tflops']:.3f}")
     return {
+        "dtype": dtype_name,
         "per_shape": per_shape,
         "best_tflops": max(s["best_tflops"] for s in per_shape),
         "other_processes_core_share": section.fields()["other_processes_core_share"],
@@ -135,29 +141,33 @@ def time_analysis(
     texts: list[str],
     systems: dict[str, dict[str, Any]],
     analysis: dict[str, dict[str, Any]],
+    dtype_name: str,
 ) -> dict[str, Any]:
-    """Model FLOPs utilisation of every system against the measured bf16 matmul peak, and the
-    profiles' shares of time by kind of op: how far each system is from the peak, and why."""
+    """Model FLOPs utilisation of every system in `dtype_name` against the matmul peak measured
+    in it, and the profiles' shares of time by kind of op: how far each system is from the
+    peak, and why."""
     flops = encoder_flops(args.model_dir, workload_seq_lens(args.model_dir, texts))
-    peak = analysis.get(MATMUL_PEAK_WORKER, {})
+    peak_worker = next(w for w, dtype in MATMUL_PEAK_WORKERS.items() if dtype == dtype_name)
+    peak = analysis.get(peak_worker, {})
     peak_tflops = peak.get("best_tflops")
     utilisation = {}
     for name, system in systems.items():
-        if "wall_s" not in system:
+        if "wall_s" not in system or not name.endswith(f"_{dtype_name}"):
             continue
         tflops = flops["total"] / system["wall_s"] / 1e12
         utilisation[name] = {
             "useful_tflops": tflops,
             "mfu": tflops / peak_tflops if peak_tflops else None,
         }
-    baseline = utilisation.get("st_bf16", {}).get("mfu")
+    baseline = utilisation.get(f"st_{dtype_name}", {}).get("mfu")
     return {
+        "dtype": dtype_name,
         "flops": flops,
         "flops_note": "what any system must compute: linear layers and attention over the "
         "texts' real tokens, no padding; MFU is that over the wall time, over the peak",
-        "bf16_matmul_peak": peak,
+        "matmul_peak": peak,
         "utilisation": utilisation,
-        # The MFU vacpack_bf16 would need to run at TARGET_SPEEDUP_SAME_DTYPE x st_bf16.
+        # The MFU vacpack would need to run at TARGET_SPEEDUP_SAME_DTYPE x sentence-transformers.
         "mfu_needed_for_target": baseline * TARGET_SPEEDUP_SAME_DTYPE if baseline else None,
         "profiles": {name: analysis[name] for name in PROFILE_WORKERS if name in analysis},
     }

@@ -15,10 +15,11 @@ vacpack measures its bin budget):
 
 Every worker saves its embeddings for the agreement check: the cosine between vacpack's and
 sentence-transformers' embedding of each text. Three more workers say where the time goes
-(`--no-analysis` skips them): the bf16 matmul peak at the encoder's shapes, against which each
-system's model FLOPs utilisation (MFU) is computed, and a torch.profiler run of vacpack_bf16
-and st_bf16 over the first 1,000 texts, whose self CPU time is split by kind of op (matmul,
-attention, GELU, LayerNorm, other). Writes JSON and a bar chart, and prints a markdown table.
+(`--no-analysis` skips them), in bf16 where a bf16 system ran, else in float32: the matmul peak
+at the encoder's shapes, against which each system's model FLOPs utilisation (MFU) in that
+dtype is computed, and a torch.profiler run of vacpack and sentence-transformers over the first
+1,000 texts, whose self CPU time is split by kind of op (matmul, attention, GELU, LayerNorm,
+other). Writes JSON and a bar chart, and prints a markdown table.
 
 Full run (10 to 15 minutes on a 2-core CPU, estimated from small runs; 20,000 texts on a GPU):
     python bench/e1_embeddings.py
@@ -45,11 +46,10 @@ from e1_analysis import run_matmul_peak, run_profile, time_analysis
 from e1_report import cosine_agreement, markdown_table, save_plot, speedup_ratios, target_checks
 from e1_vllm import VLLM_SYSTEMS, run_vllm
 from e1_workload import (
-    ANALYSIS_WORKERS,
     DEFAULT_NUM_TEXTS,
     DTYPE_NAMES,
     DTYPES,
-    MATMUL_PEAK_WORKER,
+    MATMUL_PEAK_WORKERS,
     PASSAGE_WORDS,
     PROFILE_WORKERS,
     QUERY_SHARE,
@@ -58,6 +58,8 @@ from e1_workload import (
     SYSTEMS,
     TEXT_SEED,
     WARMUP_TEXTS,
+    analysis_dtype,
+    analysis_workers,
     default_model_dir,
     log,
     make_texts,
@@ -160,7 +162,10 @@ def run_st(args: argparse.Namespace, texts: list[str], dtype_name: str) -> dict[
 
 
 WORKERS: dict[str, Callable[[argparse.Namespace, list[str]], dict[str, Any]]] = {
-    MATMUL_PEAK_WORKER: run_matmul_peak,
+    **{
+        worker: lambda args, texts, dtype_name=dtype_name: run_matmul_peak(args, texts, dtype_name)
+        for worker, dtype_name in MATMUL_PEAK_WORKERS.items()
+    },
     **{
         worker: lambda args, texts, system=system: run_profile(args, texts, system)
         for worker, system in PROFILE_WORKERS.items()
@@ -208,6 +213,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     word_counts = [len(t.split()) for t in texts]
     log(f"{len(texts)} texts, {sum(word_counts):,} words, on {args.device}")
 
+    dtype_name = analysis_dtype(systems_to_run)
     systems: dict[str, dict[str, Any]] = {}
     embeddings: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="e1-embeddings-") as tmp_dir:
@@ -235,7 +241,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 worker,
                 "e1",
             )
-            for worker in (ANALYSIS_WORKERS if args.analysis else ())
+            for worker in (analysis_workers(dtype_name) if args.analysis else ())
         }
     token_counts = {s["num_real_tokens"] for s in systems.values() if "num_real_tokens" in s}
     ratios = speedup_ratios(systems)
@@ -264,7 +270,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         "ratios": ratios,
         "targets": target_checks(ratios, agreement),
         "cosine_agreement": agreement,
-        "where_the_time_goes": time_analysis(args, texts, systems, analysis),
+        "where_the_time_goes": time_analysis(args, texts, systems, analysis, dtype_name),
         "notes": {
             "peak_memory": "the worker process's ru_maxrss on CPU, "
             "torch.cuda.max_memory_allocated on CUDA",

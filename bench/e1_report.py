@@ -108,16 +108,17 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"cosine {pair}: min {cosines['min_cosine']:.6f}, mean {cosines['mean_cosine']:.6f}"
         )
     analysis = results["where_the_time_goes"]
+    dtype = analysis["dtype"]
     for name, use in analysis["utilisation"].items():
         if use["mfu"] is not None:
             lines.append(
                 f"{name}: {use['useful_tflops']:.3f} TFLOPS of model FLOPs, "
-                f"MFU {use['mfu']:.0%} of the measured bf16 matmul peak "
-                f"({analysis['bf16_matmul_peak']['best_tflops']:.3f} TFLOPS)"
+                f"MFU {use['mfu']:.0%} of the measured {dtype} matmul peak "
+                f"({analysis['matmul_peak']['best_tflops']:.3f} TFLOPS)"
             )
     if analysis["mfu_needed_for_target"] is not None:
         lines.append(
-            f"MFU vacpack_bf16 needs for {TARGET_SPEEDUP_SAME_DTYPE}x st_bf16: "
+            f"MFU vacpack_{dtype} needs for {TARGET_SPEEDUP_SAME_DTYPE}x st_{dtype}: "
             f"{analysis['mfu_needed_for_target']:.0%}"
         )
     for name, profile in analysis["profiles"].items():

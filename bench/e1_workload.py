@@ -44,14 +44,30 @@ SENTENCE_WORDS = (6, 20)
 ZIPF_OFFSET = 10
 WARMUP_TEXTS = 8
 
-# Not systems: where the time goes, each measured in a worker of its own like the systems.
-MATMUL_PEAK_WORKER = "matmul_peak"
-# profile worker -> the system it profiles (bf16 only: the target's dtype on a bf16 CPU).
+# Not systems: where the time goes, each measured in a worker of its own like the systems, in
+# one dtype: bf16 where a bf16 system ran, else float32 (a CPU without fast bf16 runs float32
+# alone, and a profile of its emulated bf16 would say nothing of the systems it ran).
+# matmul-peak worker -> its dtype.
+MATMUL_PEAK_WORKERS: dict[str, str] = {"matmul_peak_bf16": "bf16", "matmul_peak_fp32": "fp32"}
+# profile worker -> the system it profiles.
 PROFILE_WORKERS: dict[str, str] = {
-    "profile_vacpack_bf16": "vacpack_bf16",
-    "profile_st_bf16": "st_bf16",
+    f"profile_{system}": system for system in ("vacpack_bf16", "st_bf16", "vacpack_fp32", "st_fp32")
 }
-ANALYSIS_WORKERS: tuple[str, ...] = (MATMUL_PEAK_WORKER, *PROFILE_WORKERS)
+
+
+def analysis_dtype(systems_run: list[str]) -> str:
+    """The dtype the analysis workers measure in, for the systems a run ran."""
+    return "bf16" if any(system.endswith("_bf16") for system in systems_run) else "fp32"
+
+
+def analysis_workers(dtype_name: str) -> list[str]:
+    """The matmul-peak worker and the profile workers of one dtype, in the order they run."""
+    return [
+        *(w for w, dtype in MATMUL_PEAK_WORKERS.items() if dtype == dtype_name),
+        *(w for w, system in PROFILE_WORKERS.items() if system.endswith(f"_{dtype_name}")),
+    ]
+
+
 PROFILE_TEXTS = 1000  # the first texts of the workload, embedded once under torch.profiler
 # Rows per matmul in the peak measurement: a 256-token bin and a large padded batch.
 MATMUL_PEAK_ROWS: tuple[int, ...] = (256, 2048)

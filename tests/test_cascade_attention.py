@@ -14,7 +14,7 @@ from vacpack import LLM, SamplingParams
 from vacpack.attention import cascade as cascade_module
 from vacpack.attention import paged_decode, torch_sdpa
 from vacpack.attention.backend import BatchLayout
-from vacpack.attention.cascade import CascadePolicy, merge_by_lse
+from vacpack.attention.cascade import PREFIX_FORMS, CascadePolicy, merge_by_lse
 from vacpack.attention.paged_decode import (
     KeyPadding,
     attend,
@@ -24,6 +24,7 @@ from vacpack.attention.paged_decode import (
 )
 from vacpack.attention.shared_prefix import SharedPrefix, find_shared_prefixes
 from vacpack.attention.torch_sdpa import SdpaMetadata, TorchSdpaBackend
+from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
 PAGE_SIZE = 4
@@ -123,16 +124,26 @@ GROUPINGS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 1), (3, 3)], ids=["gqa", "mqa", "mha"])
 @pytest.mark.parametrize("grouping", list(GROUPINGS), ids=list(GROUPINGS))
-@pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "paged"])
-def test_decodes_equal_per_sequence_sdpa(dtype, heads, grouping, cascade) -> None:
+@pytest.mark.parametrize(
+    "prefix_form", [None, *PREFIX_FORMS], ids=["paged", "cascade", "cascade-kernel"]
+)
+def test_decodes_equal_per_sequence_sdpa(dtype, heads, grouping, prefix_form) -> None:
+    """Every decode reads its own context (prefix_form None), or a cascade attends the shared
+    prefixes as matmuls or through the C varlen kernel (where it runs for the dtype)."""
+    if prefix_form == "kernel" and not varlen_attention_supported(CPU, dtype, HEAD_DIM):
+        pytest.skip(f"the C attention kernel does not run {dtype} here")
     generator = torch.Generator().manual_seed(len(grouping) + heads[0])
     num_heads, num_kv_heads = heads
     groups, num_unshared = GROUPINGS[grouping]
     batch = _decode_batch(groups, num_unshared, generator)
     kv_layer = _kv_layer(dtype, num_kv_heads, generator)
-    backend = TorchSdpaBackend(ALWAYS if cascade else None)
+    cascade = prefix_form is not None
+    backend = TorchSdpaBackend(ALWAYS if cascade else None, prefix_form=prefix_form or "matmuls")
     q, out, metadata = _run_decodes(backend, batch, kv_layer, num_heads, generator)
     assert (metadata.cascade is not None) == (cascade and bool(groups))
+    if metadata.cascade is not None:
+        uses_kernel = [g.kernel_prefix is not None for g in metadata.cascade.groups]
+        assert set(uses_kernel) == {prefix_form == "kernel"}
     for i, (table, context_len) in enumerate(
         zip(batch.page_tables, batch.context_lens, strict=True)
     ):

@@ -1,7 +1,8 @@
 """A loaded model runs what was chosen by measurement and says so: in EngineSetup, in a job's
 report, and on a second load from the cache. Real timings on a tiny float32 model (the portable
 backend's prefill and decode kernels and cascade are timed, and where the float32 C attention
-kernel builds, the two backends against each other for decodes and for prefill steps)."""
+kernel builds, the form of the cascade's prefixes and the two backends against each other for
+decodes and for prefill steps)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def test_a_loaded_model_reports_and_runs_its_choices(
         )
     prefill, decode, *cascades = choices
     assert [prefill.phase, decode.phase] == OPTION_PHASES
+    # Where the C attention kernel runs, the form of the cascade's prefixes comes first.
+    if two_backends:
+        prefix_form, *cascades = cascades
+        assert prefix_form.phase == "cascade_prefix"
+        assert set(prefix_form.best_time_s) == {"matmuls", "kernel"}
     assert cascades and {c.phase for c in cascades} == {"attention_cascade"}
     assert set(prefill.best_time_s) == {"sdpa", "blocked"}
     kernel = {"kernel"} if load_kernel_library("paged_decode", portable=True) else set()
@@ -59,6 +65,7 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     if decoding.name == "torch_sdpa":
         assert decoding.blocked_prefill == (prefill.chosen == "blocked")
         assert decoding.decode_form == decode.chosen
+        assert decoding.prefix_form == (prefix_form.chosen if two_backends else "matmuls")
     wins = [c.chosen == "cascade" for c in cascades]
     if not wins[-1]:  # lost behind the longest prefix: never a cascade
         assert decoding.cascade is None

@@ -235,10 +235,11 @@ def test_no_prefill_choice_where_it_never_applies(inject) -> None:
 
 @pytest.fixture
 def prefill_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch_sdpa's prefill and decode kernels forced (their real candidates are slow in bf16
-    here)."""
+    """torch_sdpa's prefill, decode and cascade prefix kernels forced (their real candidates are
+    slow in bf16 here, or do not run)."""
     monkeypatch.setenv(force_env_var("sdpa_prefill"), "sdpa")
     monkeypatch.setenv(force_env_var("sdpa_decode"), "sdpa")
+    monkeypatch.setenv(force_env_var("cascade_prefix"), "matmuls")
 
 
 @pytest.mark.parametrize("fastest", ["cascade", "no_cascade"])
@@ -252,6 +253,7 @@ def test_decodes_sharing_a_prefix_cascade_as_measured(inject, prefill_forced, fa
         "attention_paged",
         "sdpa_prefill",
         "sdpa_decode",
+        "cascade_prefix",
         "attention_cascade",
     ]
     cascade = selected.choices[-1]

@@ -230,7 +230,8 @@ def test_bench_writes_timeline_plot_and_json(
     # The model's choices (its dtype, then its layer ops where fused kernels run for that
     # dtype), then the engine's: where the C attention kernel runs for that dtype, the backend
     # for decodes first and for prefill steps last; between them torch_sdpa's prefill and
-    # decode kernels and the cascade, behind each shared prefix length timed.
+    # decode kernels (and the form of a cascade's prefixes where the C kernel runs) and the
+    # cascade, behind each shared prefix length timed.
     every_phase = [c["phase"] for c in results["measured_choices"]]
     phases = [phase for phase in every_phase if phase not in LAYER_OP_PHASES]
     dtype = DTYPES[results["dtype"]]
@@ -240,12 +241,15 @@ def test_bench_writes_timeline_plot_and_json(
     assert len(phases) == len(every_phase) - len(layer_phases)
     assert phases[0] == "cpu_dtype"
     engine_phases = phases[1:]
+    options = ["sdpa_prefill", "sdpa_decode"]
     if varlen_attention_supported(torch.device("cpu"), dtype, head_dim):
         assert engine_phases[0] == "attention_paged"
         assert engine_phases[-1] == "attention_paged_prefill"
         engine_phases = engine_phases[1:-1]
-    assert engine_phases[:2] == ["sdpa_prefill", "sdpa_decode"]
-    assert engine_phases[2:] and set(engine_phases[2:]) == {"attention_cascade"}
+        options.append("cascade_prefix")  # the form of a cascade's shared prefixes
+    assert engine_phases[: len(options)] == options
+    cascades = engine_phases[len(options) :]
+    assert cascades and set(cascades) == {"attention_cascade"}
     assert "chosen by measurement: attention_cascade" in out
     assert results["dtype"] == results["measured_choices"][0]["chosen"]
     assert results["num_output_tokens"] == num_prompts * output_len

@@ -7,6 +7,12 @@ in one matmul per KV head ([seqs * grouped heads, head_dim] x [head_dim, prefix 
 compute-bound matmul instead of one bandwidth-bound read of the prefix per sequence), each
 sequence's own remaining pages by the ordinary paged decode, and the two merged by LSE weights
 in float32.
+
+The prefix part runs in one of PREFIX_FORMS, measured at the model's shapes
+(attention/selection.py): "matmuls", batched matmuls around a float32 softmax over the gathered
+prefix; or "kernel", the C varlen attention kernel (vacpack/cpu_kernels), which reads the
+prefix's pages in place and keeps the scores in registers, where it runs for the model's dtype
+and head size.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import torch
 
 from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
 from vacpack.attention.paged_decode import DecodeChunk, attend, chunk_attention, gather_pages
+from vacpack.cpu_kernels import KernelSequences, attend_with_lse, paged_sequences
 from vacpack.kvcache.paged_cache import KVLayer
+
+PREFIX_FORMS = ("matmuls", "kernel")
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,37 @@ class CascadeGroup:
     rows: torch.Tensor  # [seqs] stream rows of the group's query tokens
     prefix_pages: torch.Tensor  # [prefix pages] the shared page ids, in order
     num_prefix_tokens: int
+    # The prefix as the C kernel reads it, for the "kernel" prefix form (else None): one
+    # bidirectional sequence whose queries are all the group's rows.
+    kernel_prefix: KernelSequences | None = None
+
+
+def cascade_group(
+    rows: list[int],
+    prefix_pages: list[int],
+    page_size: int,
+    device: torch.device,
+    prefix_form: str = "matmuls",
+) -> CascadeGroup:
+    """The group of decodes at stream rows `rows` sharing the pages `prefix_pages`."""
+    if prefix_form not in PREFIX_FORMS:
+        raise ValueError(f"prefix_form must be one of {PREFIX_FORMS}, got {prefix_form!r}")
+    num_prefix_tokens = len(prefix_pages) * page_size
+    kernel_prefix = None
+    if prefix_form == "kernel":
+        kernel_prefix = paged_sequences(
+            torch.tensor([0, len(rows)]),
+            torch.tensor([num_prefix_tokens]),
+            torch.tensor([prefix_pages], dtype=torch.int64),
+            page_size,
+            causal=False,
+        )
+    return CascadeGroup(
+        rows=torch.tensor(rows, dtype=torch.int64).to(device),
+        prefix_pages=torch.tensor(prefix_pages, dtype=torch.int64).to(device),
+        num_prefix_tokens=num_prefix_tokens,
+        kernel_prefix=kernel_prefix,
+    )
 
 
 @dataclass(frozen=True)
@@ -67,6 +107,10 @@ def prefix_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [seqs, heads, head_dim], the group's query rows. Returns their attention over the
     shared prefix alone, shaped like q, and its float32 log-sum-exp, [seqs, heads]."""
+    if group.kernel_prefix is not None and spec.logit_softcap is None:
+        return attend_with_lse(
+            q, kv_layer.keys, kv_layer.values, group.kernel_prefix, scale=spec.scale
+        )
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
     group_size = num_heads // num_kv_heads

@@ -1,4 +1,5 @@
-"""Attention for bf16 models on x86 CPUs, all of it in the C kernel (vacpack/cpu_kernels).
+"""Attention on CPUs, all of it in one C kernel call per layer (vacpack/cpu_kernels): bf16
+models on x86 CPUs with AVX512-BF16, float32 models on any CPU with a C compiler.
 
 A packed prefill-only batch (corpus jobs: embeddings, scoring, classification) is one kernel
 call over the whole token stream: no padding, no per-sequence calls. An engine step is one

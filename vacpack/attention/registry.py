@@ -44,7 +44,8 @@ class BackendSpec:
     auto_devices: frozenset[str] | None = None
     # Constructor options that measured selection may set (cascade: a CascadePolicy or None;
     # blocked_prefill: long causal prefills as blocked matmuls or not; decode_form: decodes as
-    # plain matmuls, through SDPA's kernel or through the C paged-decode kernel).
+    # plain matmuls, through SDPA's kernel or through the C paged-decode kernel; prefix_form: a
+    # cascade's shared prefixes as matmuls or through the C varlen kernel).
     options: frozenset[str] = frozenset()
 
     def supports(
@@ -108,7 +109,7 @@ BACKEND_SPECS: tuple[BackendSpec, ...] = (
         target="vacpack.attention.torch_sdpa:TorchSdpaBackend",
         devices=frozenset({"cpu", "cuda"}),
         phases=BOTH_PHASES,
-        options=frozenset({"cascade", "blocked_prefill", "decode_form"}),
+        options=frozenset({"cascade", "blocked_prefill", "decode_form", "prefix_form"}),
     ),
 )
 SPECS_BY_NAME = {spec.name: spec for spec in BACKEND_SPECS}

@@ -14,6 +14,10 @@ Options of a backend are measured the same way, each a phase of its own:
 - sdpa_decode: how torch_sdpa runs decodes: as plain matmuls, through SDPA's kernel, or
   through the C kernel that reads pages in place where it builds (paged_decode.py), timed on
   the engine's decode batch. Also decided before the backends are timed.
+- cascade_prefix: how torch_sdpa's cascade attends a shared prefix: as matmuls or through the
+  C varlen kernel (cascade.py), on a CPU where that kernel runs for the model's dtype and head
+  size. Timed on the engine's decode batch behind the longest prefix the cascade is timed at,
+  after sdpa_decode (the cascade's own pages run in that form).
 - attention_cascade: from which shared prefix length decodes sharing a prefix run as a cascade
   (cascade.py), for the chosen backend where it takes one. Timed on the engine's decode batch
   behind prefixes of a few lengths (PREFIX_BANDS), from the shortest the policy cascades: where
@@ -32,9 +36,10 @@ from typing import Any
 
 import torch
 
+from vacpack import cpu_kernels
 from vacpack.attention.backend import AttentionBackend
 from vacpack.attention.blocked_prefill import MIN_KEYS
-from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy
+from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, PREFIX_FORMS, CascadePolicy
 from vacpack.attention.registry import (
     SPECS_BY_NAME,
     Phase,
@@ -63,10 +68,12 @@ Measure = Callable[..., MeasuredChoice]  # vacpack.tuning.choose, with the cache
 BACKEND_BUDGET_S = 0.3
 PREFILL_BUDGET_S = 0.25
 DECODE_BUDGET_S = 0.25
+PREFIX_FORM_BUDGET_S = 0.12
 CASCADE_BUDGET_S = 0.12  # per prefix length timed
 
 SDPA_PREFILL_PHASE = "sdpa_prefill"
 SDPA_DECODE_PHASE = "sdpa_decode"
+CASCADE_PREFIX_PHASE = "cascade_prefix"
 CASCADE_PHASE = "attention_cascade"
 # The prefill timed for sdpa_prefill: long enough to be past MIN_KEYS, where the choice applies,
 # short enough that a slow candidate's one call stays within the budget.
@@ -154,6 +161,11 @@ def select_backend(
             if decode is not None:
                 tuned.append(decode)
                 options.append(("decode_form", decode.chosen))
+        if "prefix_form" in declared and isinstance(workload, DecodeBatchShape):
+            prefix_form = _choose_prefix_form(device, shapes, workload, dict(options), measure)
+            if prefix_form is not None:
+                tuned.append(prefix_form)
+                options.append(("prefix_form", prefix_form.chosen))
         return tuple(options)
 
     def build(backend_name: str, **options: Any) -> AttentionBackend:
@@ -264,6 +276,55 @@ def _choose_decode_form(
             device,
         ),
         budget_s=DECODE_BUDGET_S,
+    )
+
+
+def _choose_prefix_form(
+    device: torch.device,
+    shapes: AttentionShapes,
+    decodes: DecodeBatchShape,
+    options: dict[str, Any],
+    measure: Measure,
+) -> MeasuredChoice | None:
+    """Matmuls or the C varlen kernel for torch_sdpa's cascade prefixes (built with the
+    backend's `options` measured so far), timed behind the longest prefix the cascade is timed
+    at; None where the kernel cannot run them (a GPU, the model's dtype or head size, no
+    full-attention layer without a soft cap) or no cascade is timed."""
+    full_layers = tuple(
+        spec
+        for spec in shapes.distinct_specs
+        if spec.sliding_window is None and spec.logit_softcap is None
+    )
+    bands = cascade_shapes(decodes, shapes.max_model_len)
+    if (
+        device.type != "cpu"
+        or not full_layers
+        or not bands
+        or not cpu_kernels.varlen_attention_supported(device, shapes.dtype, shapes.head_dim)
+    ):
+        return None
+    timed_shapes = replace(shapes, specs=full_layers)
+    shared = bands[-1]
+    return measure(
+        CASCADE_PREFIX_PHASE,
+        f"{timed_shapes.key()}; {shared.key()}",
+        list(PREFIX_FORMS),
+        lambda: timed_calls(
+            {
+                form: functools.partial(
+                    create_backend,
+                    "torch_sdpa",
+                    **options,
+                    cascade=DEFAULT_CASCADE_POLICY,
+                    prefix_form=form,
+                )
+                for form in PREFIX_FORMS
+            },
+            timed_shapes,
+            shared,
+            device,
+        ),
+        budget_s=PREFIX_FORM_BUDGET_S,
     )
 
 

@@ -36,10 +36,11 @@ from vacpack.attention.backend import (
 from vacpack.attention.blocked_prefill import blocked_causal_attention, use_blocked_prefill
 from vacpack.attention.cascade import (
     DEFAULT_CASCADE_POLICY,
-    CascadeGroup,
+    PREFIX_FORMS,
     CascadePlan,
     CascadePolicy,
     cascade_attention,
+    cascade_group,
 )
 from vacpack.attention.packed_groups import PackedGroup, packed_attention, packed_group
 from vacpack.attention.paged_decode import (
@@ -169,11 +170,15 @@ def _windowed_decode_chunks(
 
 
 def _decode_metadata(
-    layout: BatchLayout, policy: CascadePolicy | None, device: torch.device, form: str
+    layout: BatchLayout,
+    policy: CascadePolicy | None,
+    device: torch.device,
+    form: str,
+    prefix_form: str,
 ) -> tuple[tuple[DecodeChunk, ...], CascadePlan | None]:
     """Chunks for the decodes (the first layout.num_decodes sequences, one stream row each) in
     decode form `form`, and the cascade for those among them that share a long enough prefix
-    of pages."""
+    of pages, its prefixes in `prefix_form` (cascade.PREFIX_FORMS)."""
     num_decodes, page_size = layout.num_decodes, layout.page_size
     page_tables = layout.page_tables[:num_decodes]
     context_lens = layout.context_lens[:num_decodes]
@@ -200,12 +205,12 @@ def _decode_metadata(
     if not prefixes:
         return chunks(plain), None
     groups = tuple(
-        CascadeGroup(
-            rows=torch.tensor(prefix.members, dtype=torch.int64).to(device),
-            prefix_pages=torch.tensor(
-                page_tables[prefix.members[0]][: prefix.num_pages], dtype=torch.int64
-            ).to(device),
-            num_prefix_tokens=prefix.num_pages * page_size,
+        cascade_group(
+            list(prefix.members),
+            list(page_tables[prefix.members[0]][: prefix.num_pages]),
+            page_size,
+            device,
+            prefix_form,
         )
         for prefix in prefixes
     )
@@ -221,6 +226,7 @@ class TorchSdpaBackend(AttentionBackend):
         cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY,
         blocked_prefill: bool | None = None,
         decode_form: str = "matmuls",
+        prefix_form: str = "matmuls",
     ) -> None:
         self.cascade = cascade  # None: every decode reads its whole context itself
         # Long causal prefills as blocked matmuls (True) or SDPA (False), as measured at the
@@ -231,6 +237,11 @@ class TorchSdpaBackend(AttentionBackend):
         if decode_form not in DECODE_FORMS:
             raise ValueError(f"decode_form must be one of {DECODE_FORMS}, got {decode_form!r}")
         self.decode_form = decode_form
+        # A cascade's shared prefixes as matmuls or through the C varlen kernel, as measured
+        # (cascade.py).
+        if prefix_form not in PREFIX_FORMS:
+            raise ValueError(f"prefix_form must be one of {PREFIX_FORMS}, got {prefix_form!r}")
+        self.prefix_form = prefix_form
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         return None  # every window, scale and softcap
@@ -261,7 +272,7 @@ class TorchSdpaBackend(AttentionBackend):
         num_decodes = layout.num_decodes
         if window is None:
             decode_chunks, cascade = _decode_metadata(
-                layout, self.cascade, device, self.decode_form
+                layout, self.cascade, device, self.decode_form, self.prefix_form
             )
         else:
             decode_chunks = _windowed_decode_chunks(layout, window, device, self.decode_form)
