@@ -133,6 +133,11 @@ def test_a_new_key_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyP
     )
     new_torch = choose_with(clock, tmp_path, {"a": clock.costing(1), "b": clock.costing(3)})
     assert new_torch.source is ChoiceSource.MEASURED and new_torch.chosen == "a"
+    # Other C kernel sources (a kernel changed without a version bump).
+    monkeypatch.setattr(cache_module, "kernel_sources_digest", lambda: "another kernel")
+    monkeypatch.setattr(cache_module, "machine_key", real_machine_key)
+    new_kernels = choose_with(clock, tmp_path, {"a": clock.costing(3), "b": clock.costing(1)})
+    assert new_kernels.source is ChoiceSource.MEASURED and new_kernels.chosen == "b"
     # Another set of candidates.
     more = {"a": clock.costing(3), "b": clock.costing(3), "c": clock.costing(1)}
     assert choose_with(clock, tmp_path, more).chosen == "c"

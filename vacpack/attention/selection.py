@@ -192,7 +192,9 @@ def select_backend(
     options_of(chosen)  # measured before the cascade, whose candidates are built with them
     options: dict[str, Any] = {}
     if isinstance(workload, DecodeBatchShape):
-        cascade_timed = _choose_cascade(chosen, device, shapes, workload, build, measure)
+        cascade_timed = _choose_cascade(
+            chosen, options_of(chosen), device, shapes, workload, build, measure
+        )
         if cascade_timed:
             tuned.extend(choice for _, choice in cascade_timed)
             options["cascade"] = cascade_policy(cascade_timed)
@@ -368,6 +370,7 @@ def cascade_policy(timed: list[tuple[int, MeasuredChoice]]) -> CascadePolicy | N
 
 def _choose_cascade(
     backend_name: str,
+    backend_options: tuple[tuple[str, Any], ...],
     device: torch.device,
     shapes: AttentionShapes,
     decodes: DecodeBatchShape,
@@ -376,7 +379,9 @@ def _choose_cascade(
 ) -> list[tuple[int, MeasuredChoice]]:
     """Cascade or not behind each timed prefix length, shortest first, as (prefix tokens,
     choice), where the backend takes the option and the model's full-attention layers could run
-    one (a windowed layer never cascades); empty where no cascade is possible."""
+    one (a windowed layer never cascades); empty where no cascade is possible. The backend's
+    measured options are part of each choice's key: a cascade timed with other decode or prefix
+    forms is another measurement."""
     if "cascade" not in SPECS_BY_NAME[backend_name].options:
         return []
     full_layers = tuple(s for s in shapes.distinct_specs if s.sliding_window is None)
@@ -389,7 +394,8 @@ def _choose_cascade(
             shared.shared_prefix_tokens,
             measure(
                 CASCADE_PHASE,
-                f"{backend_name}; {timed_shapes.key()}; {shared.key()}",
+                f"{backend_name}{_describe_options(backend_options)}; {timed_shapes.key()}; "
+                f"{shared.key()}",
                 list(policies),
                 functools.partial(
                     timed_calls,
@@ -406,3 +412,8 @@ def _choose_cascade(
         )
         for shared in cascade_shapes(decodes, shapes.max_model_len)
     ]
+
+
+def _describe_options(options: tuple[tuple[str, Any], ...]) -> str:
+    """ " (decode_form kernel, prefix_form kernel)" for a backend's measured options."""
+    return f" ({', '.join(f'{name} {value}' for name, value in options)})" if options else ""

@@ -57,6 +57,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def kernel_sources_digest() -> str:
+    """A digest of every C kernel's source: timings measured with other kernels are stale."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.c")):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def user_cache_root() -> Path:
     """vacpack's folder in the user's cache: built kernels and measured choices live here."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -1,7 +1,9 @@
 """Measured choices kept on disk, so that a later load on the same machine costs nothing.
 
-A choice is valid for one CPU (model name and instruction-set flags), one torch, one vacpack,
-one phase, one shape key and one set of candidates; all of it makes up the key, and each key is
+A choice is valid for one CPU (model name and instruction-set flags), one torch, one vacpack
+(its version, and the sources of its C kernels, which change between versions while it is
+developed), one phase, one shape key and one set of candidates; all of it makes up the key,
+and each key is
 a file of its own (named by the key's hash), so that processes measuring different phases never
 rewrite each other's results. A file is written beside its target and renamed into place, so a
 reader never sees half of one; a file that does not parse, or holds another key, is measured
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vacpack.cpu_kernels.build import cpu_flags, user_cache_root
+from vacpack.cpu_kernels.build import cpu_flags, kernel_sources_digest, user_cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ def machine_key() -> dict[str, str]:
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
         "torch": torch.__version__,
         "vacpack": vacpack.__version__,
+        "cpu_kernels_sha256": kernel_sources_digest(),
     }
 
 
