@@ -404,17 +404,22 @@ def test_a_float32_decoder_on_the_kernel_equals_the_portable_backend(tiny_checkp
         assert abs(ours.logprob - portable.logprob) <= 1e-4 * max(1.0, abs(portable.logprob))
 
 
-@pytest.mark.skipif(not argmax_supported(torch.zeros(1, 1).bfloat16()), reason="needs the kernel")
-def test_argmax_equals_torch_on_ties_infinities_nans_and_strides() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_argmax_equals_torch_on_ties_infinities_nans_and_strides(dtype) -> None:
+    if not argmax_supported(torch.zeros(1, 1, dtype=dtype)):
+        pytest.skip(f"the {dtype} argmax kernel does not build here")
     generator = torch.Generator().manual_seed(5)
-    logits = torch.randn(9, 151936, generator=generator).bfloat16()
+    logits = torch.randn(9, 151936, generator=generator).to(dtype)
     logits[1] = float("-inf")  # all equal: index 0
     logits[2, 70_000] = logits[2, 90_000] = 50.0  # a tie: the first
     logits[3, 5] = float("nan")  # a NaN wins where it stands
     logits[4, 151_935] = 99.0  # in the tail past the last whole vector
-    short = torch.randn(3, 13, generator=generator).bfloat16()
-    strided = torch.randn(4, 300, generator=generator).bfloat16()[:, 7:250]
-    for x in (logits, short, strided):
+    logits[5, 100_000] = float("nan")  # a NaN after the maximum still wins
+    logits[5, 10] = 99.0
+    short = torch.randn(3, 13, generator=generator).to(dtype)
+    strided = torch.randn(4, 300, generator=generator).to(dtype)[:, 7:250]
+    ties = torch.randint(-2, 2, (16, 37), generator=generator).to(dtype)  # ties across lanes
+    for x in (logits, short, strided, ties):
         assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
 
 

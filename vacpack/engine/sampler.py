@@ -129,9 +129,11 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     the winner is the same, and the float32 copy of a [rows, vocab] block is skipped (on a CPU
     it cost 37 ms of a 190 ms G1 decode step, 64 rows of a 151,936-token vocabulary)."""
     if argmax_supported(logits):
-        return argmax_rows(logits)  # PyTorch's own CPU argmax is scalar on bf16
-    # Still faster than widening first: 23 against 30 ms for G1's 64 rows on an AVX2-only
-    # AMD EPYC (Zen 3), where the C kernel does not build.
+        # PyTorch's own CPU argmax is scalar: on G1's 64 rows, 25 ms in bf16 (Zen 4), 9.8 ms in
+        # float32 (Zen 3) against 2 ms for the float32 kernel.
+        return argmax_rows(logits)
+    # Still faster than widening first: 23 against 30 ms for G1's 64 bf16 rows on an AVX2-only
+    # AMD EPYC (Zen 3), where the bf16 kernel does not build.
     return logits.argmax(dim=-1)
 
 
