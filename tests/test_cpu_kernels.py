@@ -5,9 +5,6 @@ kernel library builds, caches and falls back."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +21,6 @@ from vacpack.attention.cascade import CascadePolicy
 from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
 from vacpack.cpu_kernels import (
     attend,
-    build,
     paged_attention,
     paged_attention_with_lse,
     varlen_attention,
@@ -451,36 +447,3 @@ def test_plain_greedy_rows_skip_the_float32_copy(monkeypatch) -> None:
     assert (4, vocab_size) in widened
     assert torch.equal(plain, original_float(logits).argmax(dim=-1))
     assert plain.dtype == penalized.dtype == torch.int64
-
-
-def test_the_library_builds_once_into_its_cache(monkeypatch, tmp_path: Path) -> None:
-    if shutil.which("gcc") is None or not set(build.REQUIRED_CPU_FLAGS) <= build.cpu_flags():
-        pytest.skip("needs gcc and an x86 CPU with AVX512-BF16")
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
-    monkeypatch.delenv("CC", raising=False)
-    library = build.load_kernel_library.__wrapped__("varlen_attention")
-    assert library is not None and hasattr(library, "varlen_attention_bf16")
-    (built,) = tmp_path.glob("varlen_attention-*.so")
-    modified_ns = built.stat().st_mtime_ns
-    assert build.load_kernel_library.__wrapped__("varlen_attention") is not None
-    assert built.stat().st_mtime_ns == modified_ns, "a cached library is not rebuilt"
-
-
-def test_a_failing_build_falls_back_with_a_warning(monkeypatch, tmp_path: Path, caplog) -> None:
-    if not set(build.REQUIRED_CPU_FLAGS) <= build.cpu_flags():
-        pytest.skip("needs an x86 CPU with AVX512-BF16")
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level("WARNING"):
-        assert build.load_kernel_library.__wrapped__("varlen_attention") is None
-    assert "failed to build" in caplog.text
-    assert not list(tmp_path.glob("*.so*")), "no partial library is left behind"
-    monkeypatch.setenv("CC", "no-such-compiler")
-    with caplog.at_level("WARNING"):
-        assert build.load_kernel_library.__wrapped__("varlen_attention") is None
-    assert "no C compiler" in caplog.text
-
-
-def test_the_switch_turns_the_kernels_off(monkeypatch) -> None:
-    monkeypatch.setenv(build.DISABLE_ENV, "0")
-    assert build.load_kernel_library.__wrapped__("varlen_attention") is None

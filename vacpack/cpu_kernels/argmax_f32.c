@@ -13,20 +13,8 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8f load8(const float* p) {
-    v8f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline v8f select8(v8i mask, v8f a, v8f b) {
-    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
-}
+#include "vec8.h"
 
 static inline v8i select8i(v8i mask, v8i a, v8i b) { return (a & mask) | (b & ~mask); }
 

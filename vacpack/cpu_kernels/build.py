@@ -57,11 +57,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _headers_bytes() -> bytes:
+    """The shared headers beside the kernels (vec8.h), which a kernel's source may include."""
+    return b"".join(h.read_bytes() for h in sorted(Path(__file__).parent.glob("*.h")))
+
+
 @functools.cache
 def kernel_sources_digest() -> str:
-    """A digest of every C kernel's source: timings measured with other kernels are stale."""
+    """A digest of every C kernel's source and header: timings measured with other kernels are
+    stale."""
     digest = hashlib.sha256()
-    for source in sorted(Path(__file__).parent.glob("*.c")):
+    for source in sorted([*Path(__file__).parent.glob("*.c"), *Path(__file__).parent.glob("*.h")]):
         digest.update(source.name.encode() + source.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -116,10 +122,15 @@ def load_kernel_library(name: str, portable: bool = False) -> ctypes.CDLL | None
     source = Path(__file__).with_name(f"{name}.c")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # The CPU's flags too: a library built with -march=native on one CPU may not run on another
-    # that shares this cache (a home directory on a cluster).
+    # that shares this cache (a home directory on a cluster); and the headers a kernel may
+    # include.
     cpu = " ".join(sorted(cpu_flags()))
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join(flags).encode() + version.encode() + cpu.encode()
+        source.read_bytes()
+        + _headers_bytes()
+        + " ".join(flags).encode()
+        + version.encode()
+        + cpu.encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists():

@@ -15,20 +15,11 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "vec8.h"
 
 #define LOG2E 1.4426950408889634f
 #define LN2_HI 0.693145751953125f  // ln 2 split in two, so n * LN2_HI is exact for |n| < 2^9
 #define LN2_LO 1.428606765330187e-06f
-
-static inline v8f load8(const float* p) {
-    v8f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
 
 // The first `count` (< 8) values of p, the other lanes 0.
 static inline v8f load_tail(const float* p, int64_t count) {
@@ -41,11 +32,6 @@ static inline void store_tail(float* p, v8f v, int64_t count) {
     float lanes[8];
     store8(lanes, v);
     memcpy(p, lanes, count * sizeof(float));
-}
-
-// Lanes of a where `mask` is set (all ones), of b elsewhere.
-static inline v8f select8(v8i mask, v8f a, v8f b) {
-    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
 }
 
 // e^x to about one unit in the last place for x in [-87, 88] (clamped there: e^-87 is still a

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec8.h"
+
 #define KEY_BLOCK 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256  // a multiple of 8, as every supported head_dim is
@@ -69,17 +71,8 @@ static inline int64_t partial_floats(const Problem* pr) {
     return pr->num_heads * (2 + pr->head_dim);
 }
 
-// Eight float32 lanes as GCC's vector extension: AVX registers on x86, pairs of NEON registers
-// on ARM, pairs of SSE registers where nothing wider exists.
-typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
-
-static inline v8f load8_f32(const float* p) {
-    v8f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
 
 static inline v8f load8_bf16(const bf16* p) {
     v8h half;
@@ -89,16 +82,6 @@ static inline v8f load8_bf16(const bf16* p) {
     memcpy(&v, &bits, sizeof(v));
     return v;
 }
-
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-// Lanes of two vectors picked by constant indices (0-7: a's, 8-15: b's), in GCC's or clang's
-// spelling; the compiler turns each into one or two shuffle instructions.
-#if defined(__clang__)
-#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
 
 // Pairwise sums of neighbouring lanes of a and b, per 128-bit half (what x86's hadd does).
 static inline v8f pair_sums(v8f a, v8f b) {
@@ -115,33 +98,8 @@ static inline v8f sum_lanes8(const v8f v[8]) {
            SHUFFLE2(quarter_lo, quarter_hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// Lanes of a where `mask` is set (all ones), of b elsewhere.
-static inline v8f select8(v8i mask, v8f a, v8f b) {
-    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
-}
-
-// 2^x for x <= 0 on eight lanes, to float32 accuracy: x = n + f with n the nearest integer
-// (adding and subtracting 1.5 * 2^23 rounds, exactly for |x| < 2^22) and f in [-0.5, 0.5];
-// 2^f = e^(f ln 2) by its Taylor terms (ln 2)^k / k! to degree 6, 2^n built in the exponent
-// bits. x below -126 gives 2^-126 (a visible key's weight is never that small against the
-// block's largest, whose weight is 1).
-static inline v8f exp2_nonpositive8(v8f x) {
-    const v8f lowest = (v8f){0} - 126.0f;
-    x = select8(x < lowest, lowest, x);
-    const v8f n = (x + 12582912.0f) - 12582912.0f;
-    const v8f f = x - n;
-    v8f p = (v8f){0} + 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)exponent_bits;
-}
-
-// The same for one value (a rescale per head and block, a merge weight per split).
+// exp2_nonpositive8 (vec8.h) for one value (a rescale per head and block, a merge weight per
+// split).
 static inline float exp2_nonpositive(float x) {
     return exp2_nonpositive8((v8f){0} + x)[0];
 }
@@ -152,7 +110,7 @@ static const v8i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
 static inline float block_max(const float* scores, int64_t count, float running) {
     v8f top = (v8f){0} + running;
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
-        const v8f s = load8_f32(scores + j0);
+        const v8f s = load8(scores + j0);
         const v8i take = (s > top) & (LANE_INDEX < (v8i){0} + (int32_t)(count - j0));
         top = select8(take, s, top);
     }
@@ -168,7 +126,7 @@ static inline float block_weights(float* scores, int64_t count, float max) {
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         const v8i inside = LANE_INDEX < (v8i){0} + (int32_t)(count - j0);
         const v8f weights =
-            select8(inside, exp2_nonpositive8(load8_f32(scores + j0) - max), (v8f){0});
+            select8(inside, exp2_nonpositive8(load8(scores + j0) - max), (v8f){0});
         memcpy(scores + j0, &weights, sizeof(weights));
         total += weights;
     }
@@ -265,11 +223,11 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
                     for (int64_t h = 0; h < group; ++h) {                                     \
                         const v8f* query = &queries[h * chunks];                              \
                         v8f dots[8];                                                          \
-                        for (int64_t j = 0; j < 8; ++j) dots[j] = query[0] * load8_f32(rows8[j]); \
+                        for (int64_t j = 0; j < 8; ++j) dots[j] = query[0] * load8(rows8[j]); \
                         for (int64_t c = 1; c < chunks; ++c) {                                \
                             const v8f query_chunk = query[c];                                 \
                             for (int64_t j = 0; j < 8; ++j)                                   \
-                                dots[j] += query_chunk * load8_f32(rows8[j] + 8 * c);         \
+                                dots[j] += query_chunk * load8(rows8[j] + 8 * c);         \
                         }                                                                     \
                         const v8f sums = sum_lanes8(dots);                                    \
                         memcpy(&scores[h][j0], &sums, sizeof(sums));                          \
@@ -292,11 +250,11 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
                     *max = top;                                                               \
                     v8f acc[MAX_HEAD_DIM / 8];                                                \
                     for (int64_t c = 0; c < chunks; ++c)                                      \
-                        acc[c] = load8_f32(acc_out + 8 * c) * rescale;                        \
+                        acc[c] = load8(acc_out + 8 * c) * rescale;                        \
                     for (int64_t j = 0; j < count; ++j) {                                     \
                         const float weight = scores[h][j];                                    \
                         for (int64_t c = 0; c < chunks; ++c)                                  \
-                            acc[c] += weight * load8_f32(value_rows8[j] + 8 * c);             \
+                            acc[c] += weight * load8(value_rows8[j] + 8 * c);             \
                     }                                                                         \
                     memcpy(acc_out, acc, chunks * sizeof(v8f));                               \
                 }                                                                             \
@@ -304,11 +262,11 @@ static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t k
         }                                                                                     \
     }
 
-DEFINE_ATTEND(attend_f32, float, load8_f32, row_in_place, pr->head_dim / 8)
+DEFINE_ATTEND(attend_f32, float, load8, row_in_place, pr->head_dim / 8)
 DEFINE_ATTEND(attend_bf16, bf16, load8_bf16, row_as_f32, pr->head_dim / 8)
-DEFINE_ATTEND(attend_f32_d64, float, load8_f32, row_in_place, 8)
+DEFINE_ATTEND(attend_f32_d64, float, load8, row_in_place, 8)
 DEFINE_ATTEND(attend_bf16_d64, bf16, load8_bf16, row_as_f32, 8)
-DEFINE_ATTEND(attend_f32_d128, float, load8_f32, row_in_place, 16)
+DEFINE_ATTEND(attend_f32_d128, float, load8, row_in_place, 16)
 DEFINE_ATTEND(attend_bf16_d128, bf16, load8_bf16, row_as_f32, 16)
 
 typedef void (*AttendFunction)(const Problem*, int64_t, int64_t, int64_t, float*);

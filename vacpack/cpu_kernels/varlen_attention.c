@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "varlen_tasks.h"
+
 #define KEY_BLOCK 16
 #define ROW_BLOCK 8
 #define QUERY_CHUNK 64
@@ -301,10 +303,6 @@ static void block_values(const bf16* probs, int64_t probs_stride, const float* s
     }
 }
 
-typedef struct {
-    int64_t seq, kv_head, query_start, query_end;
-} Task;
-
 // Returns 0, or -1 when a buffer could not be allocated. With page_tables NULL, keys and values
 // of sequence b are rows cu_k[b].. of k and v; else k and v are the cache's slots and
 // page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts). With lse
@@ -319,26 +317,10 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                           int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_pairs = head_dim / 2;
-    int64_t num_tasks = 0, max_keys = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t n_q = cu_q[s + 1] - cu_q[s], n_k = cu_k[s + 1] - cu_k[s];
-        num_tasks += num_kv_heads * ((n_q + QUERY_CHUNK - 1) / QUERY_CHUNK);
-        if (n_k > max_keys) max_keys = n_k;
-    }
-    Task* tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
+    int64_t num_tasks, max_keys;
+    Task* tasks =
+        build_tasks(cu_q, cu_k, num_seqs, num_kv_heads, QUERY_CHUNK, &num_tasks, &max_keys);
     if (!tasks) return -1;
-    int64_t t = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t n_q = cu_q[s + 1] - cu_q[s];
-        for (int64_t start = 0; start < n_q; start += QUERY_CHUNK)
-            for (int64_t h = 0; h < num_kv_heads; ++h) {
-                tasks[t].seq = s;
-                tasks[t].kv_head = h;
-                tasks[t].query_start = start;
-                tasks[t].query_end = start + QUERY_CHUNK < n_q ? start + QUERY_CHUNK : n_q;
-                ++t;
-            }
-    }
     const int64_t max_padded = round_up(max_keys, 2 * KEY_BLOCK);
     const float log2_scale = scale * LOG2E;
     int failed = 0;
@@ -357,12 +339,11 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
         for (int64_t i = 0; i < num_tasks; ++i) {
             if (!allocated) continue;  // reported through `failed`
             const Task task = tasks[i];
-            const int64_t n_q = cu_q[task.seq + 1] - cu_q[task.seq];
-            const int64_t n_k = cu_k[task.seq + 1] - cu_k[task.seq];
-            const int64_t first_position = n_k - n_q;  // of query 0, when causal
-            const int64_t n_seen = causal ? first_position + task.query_end : n_k;
-            const int64_t* pages = page_tables ? page_tables + task.seq * pages_stride : NULL;
-            const int64_t first_row = pages ? 0 : cu_k[task.seq];
+            const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
+            const int64_t n_k = seen.n_k, n_seen = seen.n_seen;
+            const int64_t first_position = seen.first_position;  // of query 0, when causal
+            const int64_t* pages = seen.pages;
+            const int64_t first_row = seen.first_row;
             const KeyRows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
                                       k_stride, pages, page_size};
             const KeyRows value_rows = {v + first_row * v_stride + task.kv_head * head_dim,

@@ -34,6 +34,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "varlen_tasks.h"
+#include "vec8.h"
+
 #define KEY_BLOCK 16  // keys per packed block: two vectors of eight
 #define ROW_BLOCK 6   // query rows whose products share each loaded key or value vector
 // Queries per task: a causal chunk sees only the keys up to its last query, so short chunks
@@ -44,55 +47,9 @@
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8f load8(const float* p) {
-    v8f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
-
-// x in every lane: one broadcast (`(v8f){0} + x` costs an add before it, as 0 + -0 is not -0).
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-static inline v8f select8(v8i mask, v8f a, v8f b) {
-    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
-}
-
-// 2^x for x <= 0 on eight lanes, to float32 accuracy: x = n + f with n the nearest integer
-// (adding and subtracting 1.5 * 2^23 rounds) and f in [-0.5, 0.5]; 2^f by its Taylor terms
-// (ln 2)^k / k! to degree 6, 2^n built in the exponent bits. Below -126 it gives 2^-126, a
-// weight no visible key reaches against the row's largest (whose weight is 1).
-static inline v8f exp2_nonpositive8(v8f x) {
-    const v8f lowest = (v8f){0} - 126.0f;
-    x = select8(x < lowest, lowest, x);
-    const v8f n = (x + 12582912.0f) - 12582912.0f;
-    const v8f f = x - n;
-    v8f p = (v8f){0} + 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)exponent_bits;
-}
-
 static const v8i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
-
-// Lanes of two vectors picked by constant indices (0-7: a's, 8-15: b's), in GCC's or clang's
-// spelling; the compiler turns each into one or two shuffle instructions.
-#if defined(__clang__)
-#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
 
 // Transposes 8 rows of 8 floats in registers: out[d] holds element d of every row. Three
 // rounds: pairs of rows interleaved, pairs of pairs, then the 128-bit halves.
@@ -274,10 +231,6 @@ static void block_values(const float* weights, int64_t stride, const float* sums
     }
 }
 
-typedef struct {
-    int64_t seq, kv_head, query_start, query_end;
-} Task;
-
 // Returns 0, or -1 when a buffer could not be allocated or head_dim is not a multiple of 8.
 // With page_tables NULL, keys and values of sequence b are rows cu_k[b].. of k and v; else k
 // and v are the cache's slots and page_tables[b * pages_stride ..] is b's page table (cu_k still
@@ -293,26 +246,10 @@ int varlen_attention_f32(const float* q, const float* k, const float* v, float* 
     if (head_dim % 8) return -1;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t query_chunk = causal ? CAUSAL_QUERY_CHUNK : BIDIRECTIONAL_QUERY_CHUNK;
-    int64_t num_tasks = 0, max_keys = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t n_q = cu_q[s + 1] - cu_q[s], n_k = cu_k[s + 1] - cu_k[s];
-        num_tasks += num_kv_heads * ((n_q + query_chunk - 1) / query_chunk);
-        if (n_k > max_keys) max_keys = n_k;
-    }
-    Task* tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
+    int64_t num_tasks, max_keys;
+    Task* tasks =
+        build_tasks(cu_q, cu_k, num_seqs, num_kv_heads, query_chunk, &num_tasks, &max_keys);
     if (!tasks) return -1;
-    int64_t t = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t n_q = cu_q[s + 1] - cu_q[s];
-        for (int64_t start = 0; start < n_q; start += query_chunk)
-            for (int64_t h = 0; h < num_kv_heads; ++h) {
-                tasks[t].seq = s;
-                tasks[t].kv_head = h;
-                tasks[t].query_start = start;
-                tasks[t].query_end = start + query_chunk < n_q ? start + query_chunk : n_q;
-                ++t;
-            }
-    }
     const int64_t max_padded = round_up(max_keys > 0 ? max_keys : 1, KEY_BLOCK);
     const float log2_scale = scale * LOG2E;
     int failed = 0;
@@ -332,12 +269,11 @@ int varlen_attention_f32(const float* q, const float* k, const float* v, float* 
         for (int64_t i = 0; i < num_tasks; ++i) {
             if (!allocated) continue;  // reported through `failed`
             const Task task = tasks[i];
-            const int64_t n_q = cu_q[task.seq + 1] - cu_q[task.seq];
-            const int64_t n_k = cu_k[task.seq + 1] - cu_k[task.seq];
-            const int64_t first_position = n_k - n_q;  // of query 0, when causal
-            const int64_t n_seen = causal ? first_position + task.query_end : n_k;
-            const int64_t* pages = page_tables ? page_tables + task.seq * pages_stride : NULL;
-            const int64_t first_row = pages ? 0 : cu_k[task.seq];
+            const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
+            const int64_t n_k = seen.n_k, n_seen = seen.n_seen;
+            const int64_t first_position = seen.first_position;  // of query 0, when causal
+            const int64_t* pages = seen.pages;
+            const int64_t first_row = seen.first_row;
             const KeyRows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
                                       k_stride, pages, page_size};
             const KeyRows value_source = {v + first_row * v_stride + task.kv_head * head_dim,

@@ -1,0 +1,68 @@
+// The tasks of a packed attention call, shared by varlen_attention.c (bf16) and
+// varlen_attention_f32.c: one per (sequence, KV head, chunk of its queries), so that a task's
+// rows (the chunk's queries times the query heads sharing the KV head) see almost the same keys
+// and the threads share the work out dynamically.
+
+#ifndef VACPACK_VARLEN_TASKS_H
+#define VACPACK_VARLEN_TASKS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    int64_t seq, kv_head, query_start, query_end;
+} Task;
+
+// The tasks of sequences 0..num_seqs (queries cu_q[b]..cu_q[b+1], key counts from cu_k), in
+// chunks of at most query_chunk queries; NULL when out of memory. *num_tasks gets their number
+// and *max_keys the most keys any sequence has. The caller frees the array.
+static Task* build_tasks(const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs,
+                         int64_t num_kv_heads, int64_t query_chunk, int64_t* num_tasks,
+                         int64_t* max_keys) {
+    int64_t count = 0, most_keys = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t n_q = cu_q[s + 1] - cu_q[s], n_k = cu_k[s + 1] - cu_k[s];
+        count += num_kv_heads * ((n_q + query_chunk - 1) / query_chunk);
+        if (n_k > most_keys) most_keys = n_k;
+    }
+    Task* tasks = malloc(sizeof(Task) * (count > 0 ? count : 1));
+    if (!tasks) return NULL;
+    int64_t t = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t n_q = cu_q[s + 1] - cu_q[s];
+        for (int64_t start = 0; start < n_q; start += query_chunk)
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                tasks[t].seq = s;
+                tasks[t].kv_head = h;
+                tasks[t].query_start = start;
+                tasks[t].query_end = start + query_chunk < n_q ? start + query_chunk : n_q;
+                ++t;
+            }
+    }
+    *num_tasks = count;
+    *max_keys = most_keys;
+    return tasks;
+}
+
+// Where a task's sequence stands: its keys, the position of its query 0 when causal, how many
+// keys the task's last query sees, and where its keys lie (a page table, or the first stream
+// row of its keys).
+typedef struct {
+    int64_t n_k, first_position, n_seen;
+    const int64_t* pages;  // NULL for stream rows
+    int64_t first_row;     // 0 with pages
+} TaskKeys;
+
+static inline TaskKeys task_keys(Task task, const int64_t* cu_q, const int64_t* cu_k,
+                                 const int64_t* page_tables, int64_t pages_stride, int causal) {
+    TaskKeys keys;
+    const int64_t n_q = cu_q[task.seq + 1] - cu_q[task.seq];
+    keys.n_k = cu_k[task.seq + 1] - cu_k[task.seq];
+    keys.first_position = keys.n_k - n_q;
+    keys.n_seen = causal ? keys.first_position + task.query_end : keys.n_k;
+    keys.pages = page_tables ? page_tables + task.seq * pages_stride : NULL;
+    keys.first_row = keys.pages ? 0 : cu_k[task.seq];
+    return keys;
+}
+
+#endif

@@ -1,0 +1,61 @@
+// Eight float32 lanes as GCC's vector extension, and the few operations the portable kernels
+// (paged_decode.c, varlen_attention_f32.c, elementwise_f32.c, argmax_f32.c) build from them.
+// Built with -march=native (see build.py), a v8f is an AVX register on x86, a pair of NEON
+// registers on ARM, a pair of SSE registers where nothing wider exists. A kernel includes this
+// header; the build hashes it with the kernel's source, so a change here rebuilds them all.
+
+#ifndef VACPACK_VEC8_H
+#define VACPACK_VEC8_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) {
+    v8f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
+
+// Lanes of two vectors picked by constant indices (0-7: a's, 8-15: b's), in GCC's or clang's
+// spelling; the compiler turns each into one or two shuffle instructions.
+#if defined(__clang__)
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+// x in every lane: one broadcast (`(v8f){0} + x` costs an add before it, as 0 + -0 is not -0).
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+// Lanes of a where `mask` is set (all ones), of b elsewhere.
+static inline v8f select8(v8i mask, v8f a, v8f b) {
+    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+// 2^x for x <= 0 on eight lanes, to float32 accuracy (relative error below 2e-7): x = n + f
+// with n the nearest integer (adding and subtracting 1.5 * 2^23 rounds, exactly for |x| <
+// 2^22) and f in [-0.5, 0.5]; 2^f = e^(f ln 2) by its Taylor terms (ln 2)^k / k! to degree 6,
+// 2^n built in the exponent bits. x below -126 gives 2^-126 (a visible key's weight is never
+// that small against the largest, whose weight is 1).
+static inline v8f exp2_nonpositive8(v8f x) {
+    const v8f lowest = splat8(-126.0f);
+    x = select8(x < lowest, lowest, x);
+    const v8f n = (x + 12582912.0f) - 12582912.0f;
+    const v8f f = x - n;
+    v8f p = splat8(1.5403530e-4f);
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)exponent_bits;
+}
+
+#endif
