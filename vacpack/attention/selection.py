@@ -415,5 +415,6 @@ def _choose_cascade(
 
 
 def _describe_options(options: tuple[tuple[str, Any], ...]) -> str:
-    """ " (decode_form kernel, prefix_form kernel)" for a backend's measured options."""
+    """A backend's measured options as text for a choice's key: " (decode_form kernel,
+    prefix_form kernel)", or "" for none."""
     return f" ({', '.join(f'{name} {value}' for name, value in options)})" if options else ""
