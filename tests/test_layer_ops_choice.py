@@ -14,10 +14,18 @@ import pytest
 import torch
 from fake_clock import FakeClock
 
+from vacpack.config import EngineConfig
 from vacpack.cpu_kernels import elementwise
 from vacpack.models import layer_ops_choice
 from vacpack.models.layer_ops import OP_NAMES, CpuKernelLayerOps, LayerOps, PerOpLayerOps
-from vacpack.models.layer_ops_choice import LayerShapes, choose_layer_ops, op_calls
+from vacpack.models.layer_ops_choice import (
+    LAYER_OP_PHASES,
+    LayerShapes,
+    choose_layer_ops,
+    op_calls,
+)
+from vacpack.runtime import load
+from vacpack.testing.tiny_encoders import minilm_dir
 from vacpack.tuning import ChoiceSource, force_env_var
 
 CPU = torch.device("cpu")
@@ -151,3 +159,17 @@ def test_shapes_come_from_a_decoder_config() -> None:
     shapes = LayerShapes.from_hf(Config(), torch.bfloat16)
     assert shapes is not None and (shapes.head_dim, shapes.num_kv_heads) == (16, 2)
     assert LayerShapes.from_hf(object(), torch.bfloat16) is None
+
+
+def test_only_families_built_with_layer_ops_time_them(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder's load times its layer ops where fused float32 kernels run; an encoder, which
+    has no RMSNorm, SiLU or rotary, times none."""
+    monkeypatch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path))
+    fused = elementwise.elementwise_kernels_available(CPU, torch.float32)
+    decoder = load(EngineConfig(str(tiny_checkpoint("qwen2")), dtype="float32", device="cpu"))
+    phases = {c.phase for c in decoder.measured_choices}
+    assert (set(LAYER_OP_PHASES) <= phases) == fused
+    encoder = load(EngineConfig(str(minilm_dir()), dtype="float32", device="cpu"))
+    assert not set(LAYER_OP_PHASES) & {c.phase for c in encoder.measured_choices}

@@ -28,6 +28,7 @@ from vacpack.models.hub import resolve_model_path
 from vacpack.models.layer_ops_choice import LayerShapes, choose_layer_ops
 from vacpack.models.loader import LoadStats, checkpoint_dtype, load_hf_config, load_model_shard
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel, kv_head_rows
+from vacpack.models.registry import model_class_for
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
 from vacpack.tuning import MeasuredChoice
 
@@ -99,6 +100,16 @@ class LoadedModel:
             return self.model.compute_logits(hidden, dtype)
 
 
+def _uses_layer_ops(hf_config: PretrainedConfig) -> bool:
+    """Whether the checkpoint's family builds its layers with layer ops (decoders do, encoders
+    do not): only then are their implementations timed."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    try:
+        return bool(architectures) and model_class_for(architectures[0]).uses_layer_ops
+    except ValueError:
+        return False  # not a supported architecture: loading says so
+
+
 def load(
     config: EngineConfig, tp: TensorParallel = SINGLE_RANK, driver: Driver | None = None
 ) -> LoadedModel:
@@ -116,9 +127,8 @@ def load(
         trust_remote_code=config.trust_remote_code,
         revision=config.revision,
     )
-    layer_ops, layer_ops_choices = choose_layer_ops(
-        device, LayerShapes.from_hf(hf_config, dtype), dtype
-    )
+    layer_shapes = LayerShapes.from_hf(hf_config, dtype) if _uses_layer_ops(hf_config) else None
+    layer_ops, layer_ops_choices = choose_layer_ops(device, layer_shapes, dtype)
     model, load_stats = load_model_shard(model_dir, hf_config, dtype, device, layer_ops, tp)
     if device.type == "cpu":
         check_weights_in_huge_pages(load_stats.parameter_bytes)

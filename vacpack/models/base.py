@@ -22,6 +22,9 @@ class PackedModel(nn.Module):
     # The family's configuration class: `config_class.from_hf(hf_config)` builds `config`.
     config_class: ClassVar[Any]
     is_decoder: ClassVar[bool] = False  # generates: has an LM head and a KV cache layout
+    # Builds its layers with the elementwise ops of layer_ops.py (RMSNorm, SiLU*up, rotary),
+    # whose implementations are then timed at load.
+    uses_layer_ops: ClassVar[bool] = False
     config: Any
 
     @abstractmethod

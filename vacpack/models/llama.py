@@ -160,6 +160,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(PackedModel):
     config_class: ClassVar[Any] = ModelConfig
     is_decoder = True
+    uses_layer_ops = True
     # Checkpoint names that feed one of our merged layers: (our name, shard index).
     MERGED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
