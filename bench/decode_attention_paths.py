@@ -29,7 +29,8 @@ from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
-C_KERNEL = "C paged kernel"  # vacpack/cpu_kernels, where this CPU has AVX512-BF16
+# vacpack/cpu_kernels' varlen kernel: bf16 where this CPU has AVX512-BF16, float32 on any CPU.
+C_KERNEL = "C paged kernel"
 PORTABLE_KERNEL = "portable C decode kernel"  # cpu_kernels/paged_decode.c, any CPU
 
 # ---------------------------------------------------------------------------- the old path
@@ -131,6 +132,10 @@ def step_runners(
         )
     if varlen_attention_supported(CPU, dtype, HEAD_DIM):
         backends.append((C_KERNEL, CpuKernelBackend()))
+        if paged_decode_supported(CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
+            # The cascade's shared prefixes through the varlen kernel (cascade_prefix).
+            cascading = TorchSdpaBackend(cascade_policy, decode_form="kernel", prefix_form="kernel")
+            backends.append((f"{PORTABLE_KERNEL} + kernel cascade", cascading))
     for name, backend in backends:
         metadata = backend.build_metadata(batch.layout, CPU)
 

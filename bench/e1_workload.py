@@ -73,9 +73,16 @@ PROFILE_TEXTS = 1000  # the first texts of the workload, embedded once under tor
 MATMUL_PEAK_ROWS: tuple[int, ...] = (256, 2048)
 # Torch ops by what they compute, for the profile's shares of self CPU time (prefix match).
 OP_KINDS: dict[str, tuple[str, ...]] = {
-    # mkldnn::_linear_pointwise: vacpack's linear layers on prepacked CPU weights.
-    "matmul": ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise"),
-    # vacpack::varlen_attention: vacpack's C kernel on bf16 CPUs (a profiler range).
+    # mkldnn::_linear_pointwise: vacpack's linear layers on prepacked CPU weights;
+    # vacpack::gemm: on its float32 C kernel (a profiler range).
+    "matmul": (
+        "aten::addmm",
+        "aten::mm",
+        "aten::bmm",
+        "mkldnn::_linear_pointwise",
+        "vacpack::gemm",
+    ),
+    # vacpack::varlen_attention: vacpack's C kernel (a profiler range).
     "attention": (
         "aten::_scaled_dot_product",
         "aten::_flash_attention",

@@ -17,6 +17,7 @@ from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
 from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
 from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
+from vacpack.models.linear_choice import eligible_linear_kernels
 from vacpack.tuning import ChoiceSource
 
 CPU = torch.device("cpu")
@@ -80,12 +81,18 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     assert report is not None
     lines = [line for line in report.summary().splitlines() if "chosen by measurement" in line]
     # The prefill kernel: measured by the engine for the same shapes, read from the cache; and
-    # the model's layer ops, measured at its load, where the fused float32 kernels build.
+    # the model's layer ops and its linears' kernel, measured at its load, where the float32 C
+    # kernels build.
     prefill_lines = [line for line in lines if "sdpa_prefill" in line]
     assert len(prefill_lines) == 1 and "(cached;" in prefill_lines[0]
     # With two backends the corpus job times them on its bin (attention_packed) too.
     layer_ops = elementwise_kernels_available(CPU, torch.float32)
-    assert len(lines) == 1 + two_backends + (len(LAYER_OP_PHASES) if layer_ops else 0)
+    # One linear-kernel choice per weight shape where the C kernel competes.
+    linears = [c for c in llm.loaded.measured_choices if c.phase == "cpu_linear"]
+    assert bool(linears) == (len(eligible_linear_kernels(CPU, torch.float32)) > 1)
+    assert len(lines) == 1 + two_backends + (len(LAYER_OP_PHASES) if layer_ops else 0) + len(
+        linears
+    )
 
     again = LLM(model_dir, dtype="float32", device="cpu").engine.setup
     assert [c.phase for c in again.measured_choices] == phases

@@ -15,6 +15,7 @@ from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
 from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
 from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
+from vacpack.models.linear_choice import eligible_linear_kernels
 
 MAX_MODEL_LEN = 256
 PAGE_SIZE_TOKENS = 16
@@ -99,14 +100,15 @@ def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> No
     phases = {line.split('phase="')[1].split('"')[0] for line in chosen}
     # torch_sdpa's prefill and decode kernels, as prefills reach 256 tokens here (the dtype is
     # named and the context too short for the cascade's shortest prefix); where the float32 C
-    # attention kernel builds, the backends for decodes and for prefill steps; and the layer
-    # ops where the fused float32 kernels build.
+    # attention kernel builds, the backends for decodes and for prefill steps; the layer ops
+    # where the fused float32 kernels build, and the linears' kernel where the C one builds.
     cpu = torch.device("cpu")
     layer_ops = elementwise_kernels_available(cpu, torch.float32)
     two_backends = varlen_attention_supported(cpu, torch.float32, TINY_HEAD_DIM)
     backends = {"attention_paged", "attention_paged_prefill"} if two_backends else set()
     options = {"sdpa_prefill", "sdpa_decode"}
-    assert phases == options | backends | set(LAYER_OP_PHASES if layer_ops else ())
+    linears = {"cpu_linear"} if len(eligible_linear_kernels(cpu, torch.float32)) > 1 else set()
+    assert phases == options | backends | set(LAYER_OP_PHASES if layer_ops else ()) | linears
     assert all(line.endswith(" 1.0") and 'model_name="tiny"' in line for line in chosen)
     timed = [
         line for line in text.splitlines() if line.startswith("vacpack:measured_choice_candidate")
@@ -116,5 +118,8 @@ def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> No
     kernel = {"kernel"} if load_kernel_library("paged_decode", portable=True) else set()
     fused = {"cpu_kernels", "torch"} if layer_ops else set()
     backend_names = {"cpu_kernels", "torch_sdpa"} if two_backends else set()
-    assert candidates == {"sdpa", "blocked", "matmuls"} | kernel | fused | backend_names
+    linear_names = {"onednn", "c_gemm"} if linears else set()
+    assert candidates == {"sdpa", "blocked", "matmuls"} | kernel | fused | backend_names | (
+        linear_names
+    )
     assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in timed)

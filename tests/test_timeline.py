@@ -24,6 +24,7 @@ from vacpack.engine.timeline import (
 from vacpack.engine.timeline_plot import plot_timeline
 from vacpack.models.cpu_dtype import DTYPES
 from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
+from vacpack.models.linear_choice import eligible_linear_kernels
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -228,10 +229,11 @@ def test_bench_writes_timeline_plot_and_json(
     assert_png(png)
     results = json.loads(report.read_text())
     # The model's choices (its dtype, then its layer ops where fused kernels run for that
-    # dtype), then the engine's: where the C attention kernel runs for that dtype, the backend
-    # for decodes first and for prefill steps last; between them torch_sdpa's prefill and
-    # decode kernels (and the form of a cascade's prefixes where the C kernel runs) and the
-    # cascade, behind each shared prefix length timed.
+    # dtype, then its linears' kernel where the C kernel runs that dtype), then the engine's:
+    # where the C attention kernel runs for that dtype, the backend for decodes first and for
+    # prefill steps last; between them torch_sdpa's prefill and decode kernels (and the form of
+    # a cascade's prefixes where the C kernel runs) and the cascade, behind each shared prefix
+    # length timed.
     every_phase = [c["phase"] for c in results["measured_choices"]]
     phases = [phase for phase in every_phase if phase not in LAYER_OP_PHASES]
     dtype = DTYPES[results["dtype"]]
@@ -241,6 +243,10 @@ def test_bench_writes_timeline_plot_and_json(
     assert len(phases) == len(every_phase) - len(layer_phases)
     assert phases[0] == "cpu_dtype"
     engine_phases = phases[1:]
+    if len(eligible_linear_kernels(torch.device("cpu"), dtype)) > 1:  # one per weight shape
+        assert engine_phases[0] == "cpu_linear"
+        while engine_phases[0] == "cpu_linear":
+            engine_phases.pop(0)
     options = ["sdpa_prefill", "sdpa_decode"]
     if varlen_attention_supported(torch.device("cpu"), dtype, head_dim):
         assert engine_phases[0] == "attention_paged"

@@ -26,6 +26,7 @@ from vacpack.models.cpu_dtype import choose_cpu_dtype, timed_linear_shape
 from vacpack.models.forward_context import attention_specs
 from vacpack.models.hub import resolve_model_path
 from vacpack.models.layer_ops_choice import LayerShapes, choose_layer_ops
+from vacpack.models.linear_choice import LinearKernelChooser, ModelLinears
 from vacpack.models.loader import LoadStats, checkpoint_dtype, load_hf_config, load_model_shard
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel, kv_head_rows
 from vacpack.models.registry import model_class_for
@@ -127,9 +128,16 @@ def load(
         trust_remote_code=config.trust_remote_code,
         revision=config.revision,
     )
-    layer_shapes = LayerShapes.from_hf(hf_config, dtype) if _uses_layer_ops(hf_config) else None
+    # The decoder layers (the families built on llama.py) are the ones with layer ops.
+    decoder_layers = _uses_layer_ops(hf_config)
+    layer_shapes = LayerShapes.from_hf(hf_config, dtype) if decoder_layers else None
     layer_ops, layer_ops_choices = choose_layer_ops(device, layer_shapes, dtype)
-    model, load_stats = load_model_shard(model_dir, hf_config, dtype, device, layer_ops, tp)
+    # Each linear weight shape's kernel is timed as the loader packs it.
+    linears = ModelLinears.from_hf(hf_config, dtype, gated_mlp=decoder_layers)
+    linear_kernels = LinearKernelChooser(device, linears)
+    model, load_stats = load_model_shard(
+        model_dir, hf_config, dtype, device, layer_ops, tp, linear_kernels
+    )
     if device.type == "cpu":
         check_weights_in_huge_pages(load_stats.parameter_bytes)
     rank_load_stats: tuple[LoadStats, ...] = ()
@@ -154,7 +162,11 @@ def load(
         device=device,
         dtype=dtype,
         max_model_len=max_model_len,
-        measured_choices=(*([dtype_choice] if dtype_choice else []), *layer_ops_choices),
+        measured_choices=(
+            *([dtype_choice] if dtype_choice else []),
+            *layer_ops_choices,
+            *linear_kernels.choices,
+        ),
         tp=tp,
         driver=driver,
         load_stats=load_stats,

@@ -1,4 +1,5 @@
-"""Linear-layer weights reordered once into oneDNN's blocked layout, for matmuls on a CPU.
+"""Linear-layer weights reordered once for the CPU's matmul kernel: oneDNN's blocked layout, or
+the panels of vacpack's own float32 kernel (cpu_kernels/gemm_f32.c) where it measured faster.
 
 `F.linear` on a CPU hands oneDNN a plain [out, in] weight, and oneDNN reorders it into the
 blocked (for bf16 on AMX: VNNI-packed) layout its kernels read, on every call. For a prefill
@@ -8,19 +9,28 @@ CPU freezing pass does, and calling oneDNN's linear on the packed weight removes
 on a 2-core bf16 CPU (Qwen2.5-0.5B shapes): the [9728, 896] gate/up projection 0.63 -> 0.21 ms
 for one row, 2.3 -> 1.7 ms for 64 rows, 11.6 -> 10.8 ms for 512; the same numbers bit for bit.
 
-The packed tensor is opaque (no strides, no storage): it serves the matmul and nothing else,
-so a layer that packs its weight keeps only the packed copy, unless its plain table is still
-read elsewhere (a tied embedding).
+The packed weight is opaque (oneDNN's has no strides, no storage): it serves the matmul and
+nothing else, so a layer that packs its weight keeps only the packed copy, unless its plain
+table is still read elsewhere (a tied embedding). Which kernel packs a model's weights is a
+measured choice made before loading (linear_choice.py): one layout per model, never two copies.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Literal, TypeAlias
 
 import torch
 
-from vacpack.models.activations import ONEDNN_POST_OPS
+from vacpack.cpu_kernels.gemm import (
+    GemmWeight,
+    applies_activation,
+    gemm_linear,
+    gemm_supported,
+    pack_weight,
+)
+from vacpack.models.activations import ACTIVATIONS, ONEDNN_POST_OPS
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +41,31 @@ PACK_FOR_ROWS = 512
 # Setting this to 0 keeps plain weights and F.linear: a switch for comparisons and debugging.
 DISABLE_ENV = "VACPACK_CPU_PREPACK"
 
+# The kernels a CPU linear can run on: oneDNN (torch's), or gemm_f32.c (float32 only).
+LinearKernel: TypeAlias = Literal["onednn", "c_gemm"]
+# A oneDNN-packed tensor, or the C kernel's panels.
+PackedWeight: TypeAlias = torch.Tensor | GemmWeight
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    """Whether `weight` is a CPU tensor oneDNN can pack on this machine."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+
+def can_prepack(weight: torch.Tensor, kernel: LinearKernel = "onednn") -> bool:
+    """Whether `weight` is a CPU tensor `kernel` can pack on this machine."""
+    if os.environ.get(DISABLE_ENV, "1") == "0" or weight.device.type != "cpu":
         return False
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if kernel == "c_gemm":
+        return gemm_supported(weight.dtype)
+    if not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return weight.dtype == torch.float32
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's layout, or None where it cannot be packed (then use F.linear)."""
-    if not can_prepack(weight):
+def prepack(weight: torch.Tensor, kernel: LinearKernel = "onednn") -> PackedWeight | None:
+    """The weight in `kernel`'s layout, or None where it cannot be packed (then use F.linear)."""
+    if not can_prepack(weight, kernel):
         return None
+    if kernel == "c_gemm":
+        return pack_weight(weight.detach())
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
     except RuntimeError as error:  # an unusual build or shape: the plain path still works
@@ -56,13 +75,17 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def packed_linear(
     x: torch.Tensor,
-    packed_weight: torch.Tensor,
+    packed_weight: PackedWeight,
     bias: torch.Tensor | None,
     activation: str | None = None,
 ) -> torch.Tensor:
     """x @ W^T + b with W prepacked; any leading dimensions, like F.linear. `activation` (a
-    key of activations.ONEDNN_POST_OPS) is applied to each output block while it is still in
-    cache, instead of in another pass over the whole output."""
+    key of activations.ONEDNN_POST_OPS) is applied too: by oneDNN to each output block while
+    it is still in cache, by the C kernel as it writes its outputs."""
+    if isinstance(packed_weight, GemmWeight):
+        if activation is None or applies_activation(activation):
+            return gemm_linear(x, packed_weight, bias, activation)
+        return ACTIVATIONS[activation](gemm_linear(x, packed_weight, bias))
     post_op, algorithm = ONEDNN_POST_OPS[activation] if activation else ("none", "")
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, post_op, [], algorithm)
 

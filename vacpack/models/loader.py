@@ -20,7 +20,12 @@ from vacpack.errors import (
 )
 from vacpack.models.base import PackedModel, ShardedParameters
 from vacpack.models.layer_ops import LayerOps, select_layer_ops, use_layer_ops
-from vacpack.models.parallel import SINGLE_RANK, TensorParallel, prepack_linear_weights
+from vacpack.models.parallel import (
+    SINGLE_RANK,
+    LinearKernelFor,
+    TensorParallel,
+    prepack_linear_weights,
+)
 from vacpack.models.registry import DECODER_BODIES, model_class_for
 
 logger = logging.getLogger(__name__)
@@ -193,6 +198,7 @@ def load_model_shard(
     device: torch.device,
     layer_ops: LayerOps | None = None,
     tp: TensorParallel = SINGLE_RANK,
+    linear_kernel_for: LinearKernelFor | None = None,
 ) -> tuple[PackedModel, LoadStats]:
     """Builds this rank's part of the model on the meta device, then streams each checkpoint
     tensor's slice for this rank into place.
@@ -224,9 +230,9 @@ def load_model_shard(
         )
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.finish_loading()
-    num_packed = prepack_linear_weights(model)
+    num_packed = prepack_linear_weights(model, linear_kernel_for)
     if num_packed:
-        logger.info("%d linear weights prepacked for oneDNN", num_packed)
+        logger.info("%d linear weights prepacked", num_packed)
     return model.eval(), LoadStats(bytes_read, parameter_bytes)
 
 

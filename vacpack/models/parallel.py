@@ -14,7 +14,9 @@ no rank ever holds a whole sharded weight, even while loading.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,13 @@ from torch import nn
 from vacpack.distributed.collectives import Collectives
 from vacpack.models.activations import ACTIVATIONS
 from vacpack.models.base import TensorSource
-from vacpack.models.cpu_prepack import meta_like, packed_linear, prepack
+from vacpack.models.cpu_prepack import (
+    LinearKernel,
+    PackedWeight,
+    meta_like,
+    packed_linear,
+    prepack,
+)
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,7 @@ class ColumnParallelLinear(nn.Module):
         output_size = sum(part.length for part in self.row_ranges)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         """The full shape checkpoint tensor `shard_index` must have: all ranks' rows, of every
@@ -151,9 +159,9 @@ class ColumnParallelLinear(nn.Module):
             param.data.narrow(0, local_offset, part.length).copy_(rows)
             source_offset += part.full_size
 
-    def prepack_for_cpu(self) -> None:
-        """Call once loading is done: the weight in oneDNN's layout (cpu_prepack.py)."""
-        _prepack_weight(self)
+    def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
+        """Call once loading is done: the weight in `kernel`'s layout (cpu_prepack.py)."""
+        _prepack_weight(self, kernel)
 
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """x W^T + b, then `activation` (a name in activations.ONEDNN_POST_OPS) where given:
@@ -208,7 +216,7 @@ class RowParallelLinear(nn.Module):
             torch.empty(output_size, self.columns.length), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         """The full shape of the checkpoint tensor (all ranks' input columns)."""
@@ -222,9 +230,9 @@ class RowParallelLinear(nn.Module):
             return
         self.weight.data.copy_(source.read(1, self.columns.start, self.columns.length))
 
-    def prepack_for_cpu(self) -> None:
-        """Call once loading is done: the weight in oneDNN's layout (cpu_prepack.py)."""
-        _prepack_weight(self)
+    def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
+        """Call once loading is done: the weight in `kernel`'s layout (cpu_prepack.py)."""
+        _prepack_weight(self, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank; on one rank the
@@ -257,7 +265,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.rows_per_rank, hidden_size), requires_grad=False
         )
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         return (self.vocab_size, self.weight.shape[1])
@@ -269,9 +277,9 @@ class VocabEmbedding(nn.Module):
             rows = source.read(0, self.first_row, self.num_real_rows)
             self.weight.data[: self.num_real_rows].copy_(rows)
 
-    def prepack_for_cpu(self) -> None:
+    def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
         """A packed copy for `project`; the plain table stays for the lookups."""
-        self.packed_weight = prepack(self.weight)
+        self.packed_weight = prepack(self.weight, kernel)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -298,21 +306,26 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """An untied LM head: it only projects, so once packed its plain table is dropped."""
 
-    def prepack_for_cpu(self) -> None:
-        super().prepack_for_cpu()
+    def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
+        super().prepack_for_cpu(kernel)
         if self.packed_weight is not None:
             self.weight = meta_like(self.weight)
 
 
-def _prepack_weight(layer: ColumnParallelLinear | RowParallelLinear) -> None:
-    layer.packed_weight = prepack(layer.weight)
+def _prepack_weight(layer: ColumnParallelLinear | RowParallelLinear, kernel: LinearKernel) -> None:
+    layer.packed_weight = prepack(layer.weight, kernel)
     if layer.packed_weight is not None:
         layer.weight = meta_like(layer.weight)
 
 
-def prepack_linear_weights(model: nn.Module) -> int:
+# Which kernel packs a weight of shape [out_features, in_features]; `vocabulary`: the LM head.
+LinearKernelFor: TypeAlias = Callable[[int, int, bool], LinearKernel]
+
+
+def prepack_linear_weights(model: nn.Module, kernel_for: LinearKernelFor | None = None) -> int:
     """Packs `model`'s linear layers and its LM head, if it has one, where they can be (a no-op
-    off the CPU); returns how many were packed."""
+    off the CPU), each for the kernel `kernel_for` names (oneDNN where None); returns how many
+    were packed."""
     layers: list[ColumnParallelLinear | RowParallelLinear | VocabEmbedding] = [
         m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
     ]
@@ -320,5 +333,8 @@ def prepack_linear_weights(model: nn.Module) -> int:
     if isinstance(lm_head, VocabEmbedding):
         layers.append(lm_head)
     for layer in layers:
-        layer.prepack_for_cpu()
+        out_features, in_features = layer.weight.shape
+        vocabulary = isinstance(layer, VocabEmbedding)
+        kernel = kernel_for(out_features, in_features, vocabulary) if kernel_for else "onednn"
+        layer.prepack_for_cpu(kernel)
     return sum(layer.packed_weight is not None for layer in layers)

@@ -1,0 +1,190 @@
+"""Which kernel each of a CPU model's linear layers runs on, chosen by timing both on its shape.
+
+On a CPU the linears are most of every step (over 90% of a float32 prefill on a 2-core Zen 3).
+oneDNN's packed matmul is the default; in float32 vacpack's own register-blocked kernel
+(cpu_kernels/gemm_f32.c) is a second candidate. Which is faster depends on the CPU, the layer's
+shape and the row count: on the Zen 3 the C kernel won wide layers and decode-sized products by
+10-50% and lost narrow ones (few output features) by up to 20%. So each distinct weight shape
+of the model is timed with both kernels, as the model runs it (an encoder's up projection with
+its activation) at a prefill slice's rows and at a decode batch's, one call covering both in the
+proportion a generation job runs them, and the faster kernel packs the weights of that shape
+(phase `cpu_linear`, one choice per shape; VACPACK_CHOICE_CPU_LINEAR=onednn|c_gemm forces
+one). Each weight is packed once, for its kernel: never held twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vacpack.models.activations import ONEDNN_POST_OPS
+from vacpack.models.cpu_prepack import (
+    LinearKernel,
+    can_prepack,
+    packed_linear,
+    prepack,
+)
+from vacpack.tuning import ChoiceSource, MeasuredChoice, choose
+from vacpack.tuning.timing import Clock
+
+PHASE = "cpu_linear"
+# oneDNN stays unless the C kernel is this much faster: torch's own kernel is the one more
+# users have run.
+C_GEMM_MIN_SPEEDUP = 1.02
+# A slice of a prefill bin's rows, and a decode step's (the scheduler's default batch).
+PREFILL_ROWS = 512
+DECODE_ROWS = 64
+# Decode steps per prefill slice, as G1 runs them: 64 prompts of 528 tokens on average (66
+# slices of 512) and 128 output tokens each (128 steps of 64 rows).
+DECODE_STEPS_PER_PREFILL_SLICE = 2
+# Each weight shape's share of the load-time budget for measured choices (vacpack.tuning);
+# a model has four or five (attention in and out, MLP in and out, LM head).
+BUDGET_S = 0.3
+
+
+@dataclass(frozen=True)
+class LinearTiming:
+    """The layer a linear kernel is timed on, and at which row counts."""
+
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
+    row_counts: tuple[int, ...]
+    activation: str | None = None  # applied by the matmul, as the model's layer does
+
+    def key(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        rows = " + ".join(str(n) for n in self.row_counts)
+        inner, out = self.in_features, self.out_features
+        activation = f" then {self.activation}" if self.activation else ""
+        return f"[{rows} rows, {inner}] x [{inner}, {out}]{activation} {dtype}"
+
+
+@dataclass(frozen=True)
+class ModelLinears:
+    """What a model's linear layers are timed at, besides each weight's shape."""
+
+    dtype: torch.dtype
+    gated_mlp: bool  # decoder layers: timed at prefill and decode rows; else prefill rows
+    # An encoder's up projection ([out, in]) and the activation its matmul applies.
+    activation_shape: tuple[int, int] | None = None
+    activation: str | None = None
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, dtype: torch.dtype, gated_mlp: bool) -> ModelLinears:
+        hidden_size = getattr(hf_config, "hidden_size", None)
+        intermediate_size = getattr(hf_config, "intermediate_size", None)
+        activation = getattr(hf_config, "hidden_act", None)
+        sizes_known = isinstance(hidden_size, int) and isinstance(intermediate_size, int)
+        if gated_mlp or activation not in ONEDNN_POST_OPS or not sizes_known:
+            return cls(dtype, gated_mlp)
+        assert isinstance(hidden_size, int) and isinstance(intermediate_size, int)
+        return cls(dtype, gated_mlp, (intermediate_size, hidden_size), activation)
+
+    def timing(self, out_features: int, in_features: int, vocabulary: bool) -> LinearTiming:
+        """The timing of a weight [out_features, in_features]; `vocabulary`: the LM head, which
+        a generation step runs on its decode rows only."""
+        if vocabulary:
+            rows: tuple[int, ...] = (DECODE_ROWS,)
+        elif self.gated_mlp:
+            rows = (PREFILL_ROWS, *[DECODE_ROWS] * DECODE_STEPS_PER_PREFILL_SLICE)
+        else:
+            rows = (PREFILL_ROWS,)
+        activated = (out_features, in_features) == self.activation_shape
+        activation = self.activation if activated and not vocabulary else None
+        return LinearTiming(in_features, out_features, self.dtype, rows, activation)
+
+
+def eligible_linear_kernels(device: torch.device, dtype: torch.dtype) -> list[LinearKernel]:
+    """The kernels that can pack `dtype` weights here, oneDNN (or F.linear) first."""
+    if device.type != "cpu":
+        return []
+    kernels: list[LinearKernel] = ["onednn"]
+    if can_prepack(torch.empty(1, 1, dtype=dtype), "c_gemm"):
+        kernels.append("c_gemm")
+    return kernels
+
+
+def linear_calls(
+    timing: LinearTiming, kernels: list[LinearKernel]
+) -> dict[str, Callable[[], object]]:
+    """One call per kernel: the timed layer at each of the row counts, on the same inputs."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(timing.out_features, timing.in_features, generator=generator) * 0.02
+    weight = weight.to(timing.dtype)
+    bias = torch.zeros(timing.out_features, dtype=timing.dtype) if timing.activation else None
+    inputs = [
+        torch.randn(rows, timing.in_features, generator=generator).to(timing.dtype)
+        for rows in timing.row_counts
+    ]
+
+    def run(packed: Any) -> None:
+        for x in inputs:
+            if packed is None:
+                torch.nn.functional.linear(x, weight, bias)
+            else:
+                packed_linear(x, packed, bias, timing.activation)
+
+    return {kernel: functools.partial(run, prepack(weight, kernel)) for kernel in kernels}
+
+
+def choose_linear_kernel(
+    device: torch.device,
+    timing: LinearTiming,
+    *,
+    candidates: Mapping[str, Callable[[], object]] | None = None,
+    cache_dir: Path | None = None,
+    clock: Clock = time.perf_counter,
+) -> tuple[LinearKernel, MeasuredChoice | None]:
+    """The kernel to pack weights of `timing`'s shape for, and the choice that picked it (None
+    where no kernel or only one runs here). `candidates` replaces the real
+    matmuls (tests inject timings through it and `clock`)."""
+    kernels = eligible_linear_kernels(device, timing.dtype)
+    if not kernels:
+        return "onednn", None
+    with torch.inference_mode():
+        choice = choose(
+            PHASE,
+            timing.key(),
+            list(kernels),
+            (lambda: candidates)
+            if candidates is not None
+            else functools.partial(linear_calls, timing, kernels),
+            preferred="onednn",
+            preferred_tolerance=C_GEMM_MIN_SPEEDUP,
+            budget_s=BUDGET_S,
+            cache_dir=cache_dir,
+            clock=clock,
+        )
+    chosen = next(kernel for kernel in kernels if kernel == choice.chosen)
+    return chosen, None if choice.source is ChoiceSource.ONLY_CANDIDATE else choice
+
+
+class LinearKernelChooser:
+    """Each weight shape's kernel, chosen when the loader first asks for it (timed, or read from
+    the cache); `choices` holds the measurements, in the order the shapes came."""
+
+    def __init__(
+        self, device: torch.device, linears: ModelLinears, cache_dir: Path | None = None
+    ) -> None:
+        self.device = device
+        self.linears = linears
+        self.cache_dir = cache_dir
+        self.choices: list[MeasuredChoice] = []
+        self._kernels: dict[tuple[int, int, bool], LinearKernel] = {}
+
+    def __call__(self, out_features: int, in_features: int, vocabulary: bool) -> LinearKernel:
+        shape = (out_features, in_features, vocabulary)
+        if shape not in self._kernels:
+            timing = self.linears.timing(out_features, in_features, vocabulary)
+            kernel, choice = choose_linear_kernel(self.device, timing, cache_dir=self.cache_dir)
+            self._kernels[shape] = kernel
+            if choice is not None:
+                self.choices.append(choice)
+        return self._kernels[shape]
