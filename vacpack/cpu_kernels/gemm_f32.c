@@ -115,11 +115,34 @@ static inline v8f activate8(v8f x, int activation) {
     }
 }
 
+// out[r] = a[kc][MR] . b[kc][NR] for the first `ROWS` rows, a compile-time constant at each
+// call: ROWS x 2 accumulators in registers, no work for the zero rows of a short last panel (a
+// single-sequence decode step computes one row, not six). `ahead` is the weight micro-panel the
+// caller reads next: one 64-byte line of it is prefetched into L2 per step of k, so that a new
+// panel never waits on memory (a decode step streams every weight from memory once).
+static inline __attribute__((always_inline)) void block_product(
+    int64_t kc, const float* restrict a, const float* restrict b, const float* ahead,
+    const int ROWS, v8f out[MR][2]) {
+    v8f c[MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; ++r) c[r][0] = c[r][1] = (v8f){0};
+#pragma GCC unroll 4
+    for (int64_t kk = 0; kk < kc; ++kk) {
+        __builtin_prefetch(ahead + kk * NR, 0, 2);
+        const v8f b0 = load8(b), b1 = load8(b + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < ROWS; ++r) {
+            const v8f a_k = splat8(a[r]);
+            c[r][0] += a_k * b0, c[r][1] += a_k * b1;
+        }
+        a += MR, b += NR;
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; ++r) out[r][0] = c[r][0], out[r][1] = c[r][1];
+}
+
 // y[0:rows, 0:cols] (= or +=) a[kc][MR] . b[kc][NR]; bias (or NULL) added where not
-// accumulating; `activation` applied where this is the reduction's last slice. `ahead` is the
-// weight micro-panel the caller reads next: one 64-byte line of it is prefetched into L2 per
-// step of k, so that a new panel never waits on memory (a decode step streams every weight
-// from memory once).
+// accumulating; `activation` applied where this is the reduction's last slice.
 static void micro_kernel(int64_t kc, const float* restrict a, const float* restrict b,
                          const float* ahead, float* restrict y, int64_t y_stride, int rows,
                          int cols, int accumulate, const float* bias, int activation) {
@@ -127,28 +150,15 @@ static void micro_kernel(int64_t kc, const float* restrict a, const float* restr
     // runs instead of stalling it (a large layer's outputs are far out of cache).
     if (accumulate)
         for (int r = 0; r < rows; ++r) __builtin_prefetch(y + r * y_stride, 1);
-    v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
-    v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
-#pragma GCC unroll 4
-    for (int64_t kk = 0; kk < kc; ++kk) {
-        __builtin_prefetch(ahead + kk * NR, 0, 2);
-        const v8f b0 = load8(b), b1 = load8(b + 8);
-        v8f a_k = splat8(a[0]);
-        c00 += a_k * b0, c01 += a_k * b1;
-        a_k = splat8(a[1]);
-        c10 += a_k * b0, c11 += a_k * b1;
-        a_k = splat8(a[2]);
-        c20 += a_k * b0, c21 += a_k * b1;
-        a_k = splat8(a[3]);
-        c30 += a_k * b0, c31 += a_k * b1;
-        a_k = splat8(a[4]);
-        c40 += a_k * b0, c41 += a_k * b1;
-        a_k = splat8(a[5]);
-        c50 += a_k * b0, c51 += a_k * b1;
-        a += MR, b += NR;
+    v8f block[MR][2];
+    switch (rows) {
+        case 1: block_product(kc, a, b, ahead, 1, block); break;
+        case 2: block_product(kc, a, b, ahead, 2, block); break;
+        case 3: block_product(kc, a, b, ahead, 3, block); break;
+        case 4: block_product(kc, a, b, ahead, 4, block); break;
+        case 5: block_product(kc, a, b, ahead, 5, block); break;
+        default: block_product(kc, a, b, ahead, MR, block); break;
     }
-    const v8f block[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                              {c30, c31}, {c40, c41}, {c50, c51}};
     if (rows == MR && cols == NR) {
         for (int r = 0; r < MR; ++r) {
             float* row = y + r * y_stride;
