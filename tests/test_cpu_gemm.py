@@ -40,10 +40,21 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return F.linear(x.double(), weight.double(), bias64).float()
 
 
-# (rows, in, out): single rows; row counts around the 6-row register block; output features
-# that are not a multiple of the 16-feature panel; reductions past one 256-wide slice; and
-# activations too large to pack whole (the blocked order, 120-row blocks and a ragged last one).
-SHAPES = [(1, 8, 16), (5, 40, 33), (6, 64, 16), (7, 300, 100), (64, 513, 48), (300, 300, 70)]
+# (rows, in, out): every row count of a short panel (1 to 5 rows: the product loop is built once
+# per count) and around the 6-row register block; output features that are not a multiple of
+# the 16-feature panel; reductions past one 256-wide slice; and inputs too large to pack whole
+# (the blocked order, 120-row blocks and a ragged last one).
+SHAPES = [
+    (1, 8, 16),
+    (2, 24, 20),
+    (3, 40, 33),
+    (4, 16, 32),
+    (5, 40, 33),
+    (6, 64, 16),
+    (7, 300, 100),
+    (64, 513, 48),
+    (300, 300, 70),
+]
 
 
 @pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
