@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from shared_prompts import shared_prefix_prompts
 
 from vacpack import LLM, SamplingParams
 from vacpack.attention import cascade as cascade_module
@@ -366,13 +367,7 @@ def test_greedy_outputs_equal_with_the_prefix_cache_on_and_off(
         backend = llm.engine.attention
         assert isinstance(backend, TorchSdpaBackend)
         backend.cascade = ALWAYS  # the runner builds every step's metadata with this backend
-    generator = torch.Generator().manual_seed(5)
-    vocab_size = on.loaded.config.vocab_size
-    shared = torch.randint(0, vocab_size, (100,), generator=generator).tolist()
-    prompts = [
-        shared + torch.randint(0, vocab_size, (n,), generator=generator).tolist()
-        for n in torch.randint(1, 20, (16,), generator=generator).tolist()
-    ]
+    prompts = shared_prefix_prompts(on.loaded.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     on.generate(prompts[:1], params, use_tqdm=False)  # the shared prompt's pages get cached
     cached = on.generate(prompts, params, use_tqdm=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_clock import FakeClock
+from shared_prompts import shared_prefix_prompts
 
 from vacpack import LLM, SamplingParams, cpu_kernels
 from vacpack.attention import AttentionShapes, DecodeBatchShape, select_backend, selection
@@ -100,7 +101,6 @@ def test_greedy_outputs_are_the_same_with_either_prefix_form(
     monkeypatch.setattr(cascade_module, "attend_with_lse", counting)
     model_dir = str(tiny_checkpoint("qwen3"))
     always = CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1)
-    generator = torch.Generator().manual_seed(5)
     tokens: dict[str, list[list[int]]] = {}
     for form in PREFIX_FORMS:
         llm = LLM(model_dir, dtype="float32", attention_backend="torch_sdpa", block_size=8)
@@ -108,13 +108,7 @@ def test_greedy_outputs_are_the_same_with_either_prefix_form(
         assert isinstance(backend, TorchSdpaBackend)
         backend.cascade, backend.prefix_form = always, form
         kernel_calls.clear()  # the load's own timings ran both forms
-        if not tokens:
-            vocab_size = llm.loaded.config.vocab_size
-            shared = torch.randint(0, vocab_size, (100,), generator=generator).tolist()
-            prompts = [
-                shared + torch.randint(0, vocab_size, (n,), generator=generator).tolist()
-                for n in torch.randint(1, 20, (16,), generator=generator).tolist()
-            ]
+        prompts = shared_prefix_prompts(llm.loaded.config.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         llm.generate(prompts[:1], params, use_tqdm=False)  # the shared prompt's pages cached
         outputs = llm.generate(prompts, params, use_tqdm=False)

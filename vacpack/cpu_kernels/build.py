@@ -57,9 +57,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _sources(pattern: str) -> list[Path]:
+    return sorted(Path(__file__).parent.glob(pattern))
+
+
 def _headers_bytes() -> bytes:
     """The shared headers beside the kernels (vec8.h), which a kernel's source may include."""
-    return b"".join(h.read_bytes() for h in sorted(Path(__file__).parent.glob("*.h")))
+    return b"".join(header.read_bytes() for header in _sources("*.h"))
 
 
 @functools.cache
@@ -67,7 +71,7 @@ def kernel_sources_digest() -> str:
     """A digest of every C kernel's source and header: timings measured with other kernels are
     stale."""
     digest = hashlib.sha256()
-    for source in sorted([*Path(__file__).parent.glob("*.c"), *Path(__file__).parent.glob("*.h")]):
+    for source in _sources("*.c") + _sources("*.h"):
         digest.update(source.name.encode() + source.read_bytes())
     return digest.hexdigest()[:16]
 

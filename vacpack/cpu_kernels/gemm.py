@@ -4,6 +4,7 @@ products register-blocked for the CPU at hand (any CPU with a C compiler)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,10 +39,6 @@ class GemmWeight:
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.panels.dtype
-
 
 def _function(
     name: str, argtypes: Sequence[object], restype: object = None
@@ -49,16 +46,18 @@ def _function(
     return kernel_function(LIBRARY, name, argtypes, restype, portable=True)
 
 
+# Looked up once: gemm_linear runs for every linear layer of every step.
+@functools.cache
 def _pack_kernel() -> KernelFunction | None:
     # w, n, k, w row stride, packed, threads
     return _function("pack_weight_f32", [_POINTER, _INT, _INT, _INT, _POINTER, ctypes.c_int])
 
 
+@functools.cache
 def _gemm_kernel() -> KernelFunction | None:
     # x, m, k, x row stride, packed w, n, bias, activation, y, y row stride, threads
-    argtypes = [_POINTER, *[_INT] * 3, _POINTER, _INT, _POINTER, ctypes.c_int, _POINTER, _INT]
-    argtypes.append(ctypes.c_int)
-    return _function("gemm_f32", argtypes, ctypes.c_int)
+    argtypes = [_POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, ctypes.c_int, _POINTER, _INT]
+    return _function("gemm_f32", [*argtypes, ctypes.c_int], ctypes.c_int)
 
 
 def applies_activation(name: str) -> bool:

@@ -20,7 +20,6 @@
 
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -34,8 +33,6 @@
 #define MC 120 // input rows per block: MC x KC floats, 120 KiB in L2
 // Inputs up to this size are packed whole and the panels loop outermost (see below).
 #define A_ROWS_BYTES (256 * 1024)
-
-int64_t packed_weight_floats_f32(int64_t n, int64_t k) { return (n + NR - 1) / NR * NR * k; }
 
 // W [n, k] (row stride w_stride) into panels [ceil(n / 16)][k][16], features past n zero.
 void pack_weight_f32(const float* w, int64_t n, int64_t k, int64_t w_stride, float* packed,

@@ -3,11 +3,10 @@
 A choice is valid for one CPU (model name and instruction-set flags), one torch, one vacpack
 (its version, and the sources of its C kernels, which change between versions while it is
 developed), one phase, one shape key and one set of candidates; all of it makes up the key,
-and each key is
-a file of its own (named by the key's hash), so that processes measuring different phases never
-rewrite each other's results. A file is written beside its target and renamed into place, so a
-reader never sees half of one; a file that does not parse, or holds another key, is measured
-again and rewritten.
+and each key is a file of its own (named by the key's hash), so that processes measuring
+different phases never rewrite each other's results. A file is written beside its target and
+renamed into place, so a reader never sees half of one; a file that does not parse, or holds
+another key, is measured again and rewritten.
 """
 
 from __future__ import annotations
