@@ -32,6 +32,7 @@ from vacpack.kvcache.paged_cache import KVLayer
 # vacpack/cpu_kernels' varlen kernel: bf16 where this CPU has AVX512-BF16, float32 on any CPU.
 C_KERNEL = "C paged kernel"
 PORTABLE_KERNEL = "portable C decode kernel"  # cpu_kernels/paged_decode.c, any CPU
+LANES = "heads in lanes"  # the kernel's other form (decode_form="kernel_lanes")
 
 # ---------------------------------------------------------------------------- the old path
 
@@ -130,12 +131,18 @@ def step_runners(
         backends.append(
             (f"{PORTABLE_KERNEL} + cascade", TorchSdpaBackend(cascade_policy, decode_form="kernel"))
         )
+        lanes_only = TorchSdpaBackend(cascade=None, decode_form="kernel_lanes")
+        backends.append((f"{PORTABLE_KERNEL}, {LANES}", lanes_only))
     if varlen_attention_supported(CPU, dtype, HEAD_DIM):
         backends.append((C_KERNEL, CpuKernelBackend()))
         if paged_decode_supported(CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
             # The cascade's shared prefixes through the varlen kernel (cascade_prefix).
             cascading = TorchSdpaBackend(cascade_policy, decode_form="kernel", prefix_form="kernel")
             backends.append((f"{PORTABLE_KERNEL} + kernel cascade", cascading))
+            in_lanes = TorchSdpaBackend(
+                cascade_policy, decode_form="kernel_lanes", prefix_form="kernel"
+            )
+            backends.append((f"{PORTABLE_KERNEL}, {LANES} + kernel cascade", in_lanes))
     for name, backend in backends:
         metadata = backend.build_metadata(batch.layout, CPU)
 

@@ -20,7 +20,7 @@ from vacpack.attention import (
 )
 from vacpack.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionSpec
 from vacpack.attention.cascade import CascadePolicy
-from vacpack.attention.paged_decode import DECODE_FORMS
+from vacpack.attention.paged_decode import DECODE_FORMS, KERNEL_FORMS
 from vacpack.attention.torch_sdpa import TorchSdpaBackend, build_slot_mapping
 from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.engine.window_pages import RELEASED_PAGE
@@ -158,10 +158,10 @@ def _run(
 def test_portable_backend_equals_reference(
     spec: AttentionSpec, release_dead_pages: bool, decode_form: str
 ) -> None:
-    """Decodes (as matmuls, or through SDPA or the C kernel where no softcap asks for matmuls),
-    prefill chunks over cached pages and fresh prompts; with a window, also with the pages
-    before every window given back (their table entries RELEASED_PAGE, never read)."""
-    if decode_form == "kernel" and not paged_decode_supported(
+    """Decodes (as matmuls, or through SDPA or either form of the C kernel where no softcap asks
+    for matmuls), prefill chunks over cached pages and fresh prompts; with a window, also with
+    the pages before every window given back (their table entries RELEASED_PAGE, never read)."""
+    if decode_form in KERNEL_FORMS and not paged_decode_supported(
         CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     ):
         pytest.skip("the paged decode C kernel does not build here (no C compiler)")
@@ -190,7 +190,7 @@ def test_decodes_sharing_a_prefix_equal_reference(spec: AttentionSpec, decode_fo
     (shared prefix attended once, merged by log-sum-exp; scale and softcap in both parts; the
     own pages through the decode form where it gives a log-sum-exp), with a window plain
     windowed chunks."""
-    if decode_form == "kernel" and not paged_decode_supported(
+    if decode_form in KERNEL_FORMS and not paged_decode_supported(
         CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     ):
         pytest.skip("the paged decode C kernel does not build here (no C compiler)")

@@ -1,6 +1,7 @@
-"""The portable paged-decode C kernel against a float64 reference: every sequence attends to
-its visible keys, read from shuffled pages, in float32 and bf16, for grouped-query and
-multi-head shapes, past a sliding window's start, and split over threads when few sequences
+"""The portable paged-decode C kernel against a float64 reference, in both its forms (grouped
+query heads apart and in vector lanes): every sequence attends to its visible keys, read from
+shuffled pages, in float32 and bf16, for grouped-query and multi-head shapes, groups of more
+than eight heads, past a sliding window's start, and split over threads when few sequences
 are long (split-K)."""
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ SHAPES = [
     pytest.param((14, 2, 64), id="gqa7-d64"),
     pytest.param((12, 12, 32), id="mha-d32"),
     pytest.param((8, 1, 128), id="mqa-d128"),
+    pytest.param((24, 2, 48), id="gqa12-d48"),  # two groups of lanes, one half idle
+    pytest.param((16, 1, 256), id="mqa16-d256"),
 ]
+FORMS = [pytest.param(False, id="heads-apart"), pytest.param(True, id="heads-in-lanes")]
 
 pytestmark = pytest.mark.skipif(
     not paged_decode_supported(CPU, torch.float32, 2, 1, 64),
@@ -73,15 +77,18 @@ def _reference(
     return out, lse
 
 
+@pytest.mark.parametrize("heads_in_lanes", FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_equals_reference(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+def test_equals_reference(
+    shape: tuple[int, int, int], dtype: torch.dtype, heads_in_lanes: bool
+) -> None:
     """One key, a page and one, many pages, a window's start inside a page, and a long
     sequence; scale not head_dim ** -0.5."""
     key_ranges = [(0, 1), (0, 17), (3, 40), (100, 300), (0, 1500)]
     q, keys, values, pages, ranges = _case(shape, dtype, key_ranges)
     got, lse = paged_decode_attention(
-        q, keys, values, pages, ranges, PAGE_SIZE, scale=0.2, with_lse=True
+        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, with_lse=True, heads_in_lanes=heads_in_lanes
     )
     assert got.dtype == dtype and got.shape == q.shape
     assert lse is not None and lse.dtype == torch.float32
@@ -90,12 +97,15 @@ def test_equals_reference(shape: tuple[int, int, int], dtype: torch.dtype) -> No
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
-    without, no_lse = paged_decode_attention(q, keys, values, pages, ranges, PAGE_SIZE, 0.2)
+    without, no_lse = paged_decode_attention(
+        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, heads_in_lanes=heads_in_lanes
+    )
     assert no_lse is None and torch.equal(without, got)
 
 
+@pytest.mark.parametrize("heads_in_lanes", FORMS)
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_split_keys_merge_to_the_same_result(threads: int) -> None:
+def test_split_keys_merge_to_the_same_result(threads: int, heads_in_lanes: bool) -> None:
     """One long sequence behind a window's start: with more threads its visible keys are split
     over tasks and merged by their log-sum-exp."""
     previous = torch.get_num_threads()
@@ -103,7 +113,7 @@ def test_split_keys_merge_to_the_same_result(threads: int) -> None:
     try:
         q, keys, values, pages, ranges = _case((4, 2, 64), torch.float32, [(700, 3000), (0, 9)])
         got, lse = paged_decode_attention(
-            q, keys, values, pages, ranges, PAGE_SIZE, scale=0.125, with_lse=True
+            q, keys, values, pages, ranges, PAGE_SIZE, 0.125, True, heads_in_lanes
         )
     finally:
         torch.set_num_threads(previous)

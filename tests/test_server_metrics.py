@@ -114,8 +114,10 @@ def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> No
         line for line in text.splitlines() if line.startswith("vacpack:measured_choice_candidate")
     ]
     candidates = {line.split('candidate="')[1].split('"')[0] for line in timed}
-    # The portable C decode kernel competes wherever it builds; the layer ops' two sets too.
-    kernel = {"kernel"} if load_kernel_library("paged_decode", portable=True) else set()
+    # The portable C decode kernel competes wherever it builds, in both forms (the tiny model
+    # groups query heads); the layer ops' two sets too.
+    built = load_kernel_library("paged_decode", portable=True)
+    kernel = {"kernel", "kernel_lanes"} if built else set()
     fused = {"cpu_kernels", "torch"} if layer_ops else set()
     backend_names = {"cpu_kernels", "torch_sdpa"} if two_backends else set()
     linear_names = {"onednn", "c_gemm"} if linears else set()

@@ -1,7 +1,7 @@
 """Decode attention over paged keys and values: plain batched matmuls, SDPA, or a C kernel.
 
 A decode has one query token, so each KV head meets only its few grouped query heads (7 for
-Qwen2.5-0.5B). Three ways to run that shape (DECODE_FORMS), and none wins on every CPU:
+Qwen2.5-0.5B). Four ways to run that shape (DECODE_FORMS), and none wins on every CPU:
 - "matmuls": plain batched matmuls around a softmax over the gathered keys (scores by
   `baddbmm` to float32 precision, softmax in float32, probabilities times values by `bmm` in
   the cache's dtype), measured several times faster than torch's SDPA kernel on a Zen 4 with
@@ -9,8 +9,11 @@ Qwen2.5-0.5B). Three ways to run that shape (DECODE_FORMS), and none wins on eve
 - "sdpa": SDPA over the gathered keys, whose fused kernel measured 3x (float32) to 15x
   (bfloat16) faster than the matmuls on a Zen 3 without AVX-512, where bf16 matmuls are
   emulated;
-- "kernel": vacpack/cpu_kernels/paged_decode.c, which reads each key and value once from its
-  page, with no gather, vectorised for the CPU it was built on; where it builds.
+- "kernel" and "kernel_lanes": vacpack/cpu_kernels/paged_decode.c, which reads each key and
+  value once from its page, with no gather, vectorised for the CPU it was built on; where it
+  builds. Its two forms keep a KV head's grouped query heads apart (dot products along
+  head_dim) or in vector lanes (no horizontal sums; idle lanes where a group has fewer than
+  eight heads).
 So the backend's decode form is measured at the model's shapes (attention/selection.py). The
 matmuls stay where scores are soft-capped, and stand in for SDPA where a cascade needs the
 log-sum-exp (the kernel returns one).
@@ -33,7 +36,9 @@ from vacpack.attention.page_tables import padded_page_table
 from vacpack.cpu_kernels.paged_decode import paged_decode_attention
 from vacpack.kvcache.paged_cache import KVLayer
 
-DECODE_FORMS = ("matmuls", "sdpa", "kernel")
+DECODE_FORMS = ("matmuls", "sdpa", "kernel", "kernel_lanes")
+# The C kernel's forms, each with its heads_in_lanes argument.
+KERNEL_FORMS = {"kernel": False, "kernel_lanes": True}
 
 # Padded key tokens per chunk. A 2-KV-head, 64-dim bf16 token is 256 bytes of keys and as much
 # of values, so 8,192 tokens gather 4 MiB, which the matmuls then read from cache. On the 2-core
@@ -115,7 +120,7 @@ def build_chunks(
     forms gather each chunk's keys into a padded batch, so chunks are cut to a budget of padded
     keys (plan_chunks)."""
     hidden = num_hidden_keys if num_hidden_keys is not None else [0] * len(num_keys)
-    if form == "kernel":
+    if form in KERNEL_FORMS:
         plans = [sorted(range(len(num_keys)), key=lambda i: -num_keys[i])] if num_keys else []
     else:
         plans = plan_chunks(num_keys)
@@ -127,7 +132,7 @@ def build_chunks(
             page_size,
             device,
             [hidden[i] for i in members],
-            masks=form != "kernel",
+            masks=form not in KERNEL_FORMS,
         )
         for members in plans
     )
@@ -268,7 +273,7 @@ def chunk_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.keys.shape[1]
     page_size = kv_layer.page_size
-    if form == "kernel" and spec.logit_softcap is None:
+    if form in KERNEL_FORMS and spec.logit_softcap is None:
         assert chunk.key_ranges is not None, "built by build_chunk"
         return paged_decode_attention(
             q,
@@ -279,6 +284,7 @@ def chunk_attention(
             page_size,
             spec.scale_for(head_dim),
             with_lse,
+            heads_in_lanes=KERNEL_FORMS[form],
         )
     chunk = chunk.with_masks()
     keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys)

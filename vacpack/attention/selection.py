@@ -12,7 +12,8 @@ Options of a backend are measured the same way, each a phase of its own:
   (blocked_prefill.py), on a CPU. Decided before the backends are timed, so that torch_sdpa
   competes in its faster form.
 - sdpa_decode: how torch_sdpa runs decodes: as plain matmuls, through SDPA's kernel, or
-  through the C kernel that reads pages in place where it builds (paged_decode.py), timed on
+  through the C kernel that reads pages in place where it builds, in either of its forms
+  (grouped query heads apart or in vector lanes; paged_decode.py), timed on
   the engine's decode batch. Also decided before the backends are timed.
 - cascade_prefix: how torch_sdpa's cascade attends a shared prefix: as matmuls or through the
   C varlen kernel (cascade.py), on a CPU where that kernel runs for the model's dtype and head
@@ -250,9 +251,9 @@ def _choose_decode_form(
     decodes: DecodeBatchShape,
     measure: Measure,
 ) -> MeasuredChoice | None:
-    """Matmuls, SDPA or the C kernel for torch_sdpa's decodes; None where every layer is
-    soft-capped (those always run as matmuls). Timed without a cascade: the cascade is chosen
-    afterwards, with this option set."""
+    """Matmuls, SDPA or the C kernel (either form) for torch_sdpa's decodes; None where every
+    layer is soft-capped (those always run as matmuls). Timed without a cascade: the cascade is
+    chosen afterwards, with this option set."""
     applicable = tuple(spec for spec in shapes.distinct_specs if spec.logit_softcap is None)
     if not applicable:
         return None
@@ -262,6 +263,9 @@ def _choose_decode_form(
         device, shapes.dtype, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
     ):
         forms.append("kernel")
+        # Heads in lanes: a lone query head per KV head would leave seven of eight lanes idle.
+        if shapes.num_heads > shapes.num_kv_heads:
+            forms.append("kernel_lanes")
     return measure(
         SDPA_DECODE_PHASE,
         f"{timed_shapes.key()}; {decodes.key()}",

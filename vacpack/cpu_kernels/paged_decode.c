@@ -63,12 +63,31 @@ typedef struct {
     const int64_t* key_range; // [seqs, 2]: first visible key, number of keys
     int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq;
     float scale;
+    int heads_in_lanes;  // the form: grouped query heads in vector lanes, else apart
 } Problem;
 
+// A group's heads in lanes of eight: how many groups of eight.
+static inline int64_t lane_groups(const Problem* pr) {
+    return (pr->num_heads / pr->num_kv_heads + 7) / 8;
+}
+
 // One task's running result, in floats: per query head the largest score so far (log2 units)
-// and the sum of weights, then per query head its weighted values.
+// and the sum of weights, then the weighted values: [heads][head_dim] rows from the
+// heads-apart form, [kv_heads][groups of eight heads][head_dim][8 lanes] from the
+// heads-in-lanes form.
 static inline int64_t partial_floats(const Problem* pr) {
-    return pr->num_heads * (2 + pr->head_dim);
+    const int64_t values = pr->heads_in_lanes
+                               ? pr->num_kv_heads * lane_groups(pr) * pr->head_dim * 8
+                               : pr->num_heads * pr->head_dim;
+    return 2 * pr->num_heads + values;
+}
+
+// Where head h's weighted value d lies among a partial result's values.
+static inline int64_t value_index(const Problem* pr, int64_t h, int64_t d) {
+    if (!pr->heads_in_lanes) return h * pr->head_dim + d;
+    const int64_t group = pr->num_heads / pr->num_kv_heads;
+    const int64_t kv_head = h / group, g = (h % group) / 8, lane = (h % group) % 8;
+    return ((kv_head * lane_groups(pr) + g) * pr->head_dim + d) * 8 + lane;
 }
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -134,147 +153,273 @@ static inline float block_weights(float* scores, int64_t count, float max) {
            ((total[2] + total[6]) + (total[3] + total[7]));
 }
 
-// A cache row as float32 for the products: a float32 row where it lies, a bf16 row converted
-// into `buffer` (chunks of eight).
-static inline const float* row_in_place(const float* row, v8f* buffer, int64_t chunks) {
-    (void)buffer;
-    (void)chunks;
-    return row;
+// Walks a sequence's keys in order, slot by slot, without a division per key.
+typedef struct {
+    int64_t page, offset;
+} SlotCursor;
+
+static inline int64_t next_slot(const Problem* pr, const int64_t* pages, SlotCursor* cursor) {
+    const int64_t slot = pages[cursor->page] * pr->page_size + cursor->offset;
+    if (++cursor->offset == pr->page_size) {
+        cursor->offset = 0;
+        ++cursor->page;
+    }
+    return slot;
 }
 
-static inline const float* row_as_f32(const bf16* row, v8f* buffer, int64_t chunks) {
-    for (int64_t c = 0; c < chunks; ++c) buffer[c] = load8_bf16(row + 8 * c);
-    return (const float*)buffer;
+// Reads one word of every cache line of a block's key and value slot rows (all KV heads), in
+// address order, before the block's products. Dense, in-order reads are what the hardware
+// prefetchers stream at full speed; the products then read from L1 and L2. Interleaving the
+// two did worse on a Zen 3: the products' scattered first touches ran at memory latency, and
+// software prefetches of the next block stalled on the core's few outstanding misses (64
+// sequences of 32..1,152 keys, 24 layers: 102 ms with prefetches, 84 ms staged).
+static inline void stage_block(const Problem* pr, const int64_t* slots, int64_t count,
+                               int64_t slot_bytes) {
+    v8i touched = {0};
+    for (int64_t j = 0; j < count; ++j) {
+        const char* k = (const char*)pr->keys + slots[j] * slot_bytes;
+        const char* v = (const char*)pr->values + slots[j] * slot_bytes;
+        for (int64_t at = 0; at < slot_bytes; at += 64) {
+            v8i k_words, v_words;
+            memcpy(&k_words, k + at, sizeof(k_words));
+            memcpy(&v_words, v + at, sizeof(v_words));
+            touched |= k_words | v_words;
+        }
+    }
+    volatile int32_t sink = touched[0];  // keeps the reads
+    (void)sink;
 }
 
-// The slot of a sequence's key, from its page table.
-static inline int64_t slot_of(const Problem* pr, const int64_t* pages, int64_t key) {
-    return pages[key / pr->page_size] * pr->page_size + key % pr->page_size;
+// A block's key or value rows of one KV head as float32: float32 rows where they lie, bf16
+// rows converted into `buffer` (rows `chunks` vectors apart: a 1 KiB stride would map every
+// fourth row to the same L1 sets).
+static inline void block_rows(const void* cache, const int64_t* slots, int64_t count,
+                              int64_t slot_stride, int64_t kv_head, int64_t chunks, int is_bf16,
+                              v8f* buffer, const float** rows) {
+    const int64_t dim = 8 * chunks;
+    for (int64_t j = 0; j < count; ++j) {
+        const int64_t at = slots[j] * slot_stride + kv_head * dim;
+        if (!is_bf16) {
+            rows[j] = (const float*)cache + at;
+            continue;
+        }
+        const bf16* row = (const bf16*)cache + at;
+        for (int64_t c = 0; c < chunks; ++c) buffer[j * chunks + c] = load8_bf16(row + 8 * c);
+        rows[j] = (const float*)(buffer + j * chunks);
+    }
 }
 
-// The body of one task, for a cache of element type T loaded eight at a time by LOAD8 and
-// read as float32 rows through AS_FLOAT, with CHUNKS = head_dim / 8: a constant in the
-// specialised copies, so that the compiler keeps eight keys' dot products and a head's running
-// output in registers; runtime in the generic one.
-//
-// Scores: per query head, eight keys' dot products at once, finished together by shuffles
-// (sum_lanes8) rather than one horizontal sum per key, which cost as much as the products.
-// Weights: the block's max and exp2 on eight lanes at a time. Values: per query head, its
-// output row stays in registers while the block's value rows stream past from L1. float32 rows
-// are read in place; bf16 rows are converted to float32 once per block and KV head. Against
-// one dot product per key and a scalar exp, 1.3x on a Zen 3 (64 sequences of 32..1,100 keys,
-// the cache evicted between calls, interleaved A/B).
-#define DEFINE_ATTEND(NAME, T, LOAD8, AS_FLOAT, CHUNKS)                                        \
-    static void NAME(const Problem* pr, int64_t seq, int64_t key_start, int64_t key_end,      \
-                     float* part) {                                                           \
-        const int64_t group = pr->num_heads / pr->num_kv_heads, dim = pr->head_dim;          \
-        const int64_t chunks = (CHUNKS);                                                      \
-        const int64_t slot_stride = pr->num_kv_heads * dim, row_bytes = dim * sizeof(T);     \
-        const T* q = (const T*)pr->q + seq * pr->num_heads * dim;                             \
-        const int64_t* pages = pr->pages + seq * pr->pages_per_seq;                           \
-        float* running_max = part;                                                            \
-        float* running_sum = part + pr->num_heads;                                            \
-        float* running_acc = part + 2 * pr->num_heads;                                        \
-        const float scale = pr->scale * LOG2E;                                                \
-        for (int64_t h = 0; h < pr->num_heads; ++h) {                                         \
-            running_max[h] = -INFINITY;                                                       \
-            running_sum[h] = 0.0f;                                                            \
-        }                                                                                     \
-        memset(running_acc, 0, pr->num_heads * dim * sizeof(float));                          \
-        int64_t slots[KEY_BLOCK];                                                             \
-        float scores[MAX_GROUP][KEY_BLOCK];                                                   \
-        /* Rows `chunks` apart (not MAX_HEAD_DIM): a 1 KiB stride would map every fourth */   \
-        /* row to the same L1 sets. */                                                        \
-        v8f value_rows[KEY_BLOCK * MAX_HEAD_DIM / 8];                                         \
-        v8f queries[MAX_GROUP * MAX_HEAD_DIM / 8];                                            \
-        v8f key_rows[8 * MAX_HEAD_DIM / 8]; /* eight bf16 key rows as float32 */              \
-        for (int64_t start = key_start; start < key_end; start += KEY_BLOCK) {                \
-            const int64_t count = key_end - start < KEY_BLOCK ? key_end - start : KEY_BLOCK;  \
-            for (int64_t j = 0; j < count; ++j) slots[j] = slot_of(pr, pages, start + j);    \
-            /* The next block's keys and values: pages are scattered over the cache, where */ \
-            /* the hardware prefetchers stop at each page's end. */                           \
-            for (int64_t key = start + KEY_BLOCK; key < start + 2 * KEY_BLOCK && key < key_end; \
-                 ++key) {                                                                     \
-                const int64_t slot = slot_of(pr, pages, key);                                 \
-                const char* k = (const char*)((const T*)pr->keys + slot * slot_stride);       \
-                const char* v = (const char*)((const T*)pr->values + slot * slot_stride);     \
-                for (int64_t at = 0; at < pr->num_kv_heads * row_bytes; at += 64) {           \
-                    __builtin_prefetch(k + at);                                               \
-                    __builtin_prefetch(v + at);                                               \
-                }                                                                             \
-            }                                                                                 \
-            for (int64_t kv_head = 0; kv_head < pr->num_kv_heads; ++kv_head) {                \
-                const int64_t first_head = kv_head * group;                                   \
-                const T* keys = (const T*)pr->keys + kv_head * dim;                           \
-                const T* values = (const T*)pr->values + kv_head * dim;                       \
-                for (int64_t h = 0; h < group; ++h)                                           \
-                    for (int64_t c = 0; c < chunks; ++c)                                      \
-                        queries[h * chunks + c] =                                             \
-                            LOAD8(q + (first_head + h) * dim + 8 * c) * scale;                \
-                /* Scores eight keys at a time per query head, finished together. A block's */ \
-                /* last keys past `count` repeat its last key, and their scores go unread. */   \
-                for (int64_t j0 = 0; j0 < count; j0 += 8) {                                   \
-                    const float* rows8[8];                                                    \
-                    for (int64_t j = 0; j < 8; ++j) {                                         \
-                        const int64_t at = j0 + j < count ? j0 + j : count - 1;               \
-                        rows8[j] = AS_FLOAT(keys + slots[at] * slot_stride,                   \
-                                            &key_rows[j * chunks], chunks);                   \
-                    }                                                                         \
-                    for (int64_t h = 0; h < group; ++h) {                                     \
-                        const v8f* query = &queries[h * chunks];                              \
-                        v8f dots[8];                                                          \
-                        for (int64_t j = 0; j < 8; ++j) dots[j] = query[0] * load8(rows8[j]); \
-                        for (int64_t c = 1; c < chunks; ++c) {                                \
-                            const v8f query_chunk = query[c];                                 \
-                            for (int64_t j = 0; j < 8; ++j)                                   \
-                                dots[j] += query_chunk * load8(rows8[j] + 8 * c);         \
-                        }                                                                     \
-                        const v8f sums = sum_lanes8(dots);                                    \
-                        memcpy(&scores[h][j0], &sums, sizeof(sums));                          \
-                    }                                                                         \
-                }                                                                             \
-                const float* value_rows8[KEY_BLOCK];                                          \
-                for (int64_t j = 0; j < count; ++j)                                           \
-                    value_rows8[j] = AS_FLOAT(values + slots[j] * slot_stride,                \
-                                              &value_rows[j * chunks], chunks);               \
-                for (int64_t h = 0; h < group; ++h) {                                         \
-                    float* max = &running_max[first_head + h];                                \
-                    float* sum = &running_sum[first_head + h];                                \
-                    float* acc_out = running_acc + (first_head + h) * dim;                    \
-                    const float top = block_max(scores[h], count, *max);                      \
-                    /* exp2(-inf) would be 0 too, but -inf - -inf is nan: the first block. */ \
-                    const float rescale =                                                     \
-                        *max == -INFINITY ? 0.0f : exp2_nonpositive(*max - top);              \
-                    const float block_sum = block_weights(scores[h], count, top);             \
-                    *sum = *sum * rescale + block_sum;                                        \
-                    *max = top;                                                               \
-                    v8f acc[MAX_HEAD_DIM / 8];                                                \
-                    for (int64_t c = 0; c < chunks; ++c)                                      \
-                        acc[c] = load8(acc_out + 8 * c) * rescale;                        \
-                    for (int64_t j = 0; j < count; ++j) {                                     \
-                        const float weight = scores[h][j];                                    \
-                        for (int64_t c = 0; c < chunks; ++c)                                  \
-                            acc[c] += weight * load8(value_rows8[j] + 8 * c);             \
-                    }                                                                         \
-                    memcpy(acc_out, acc, chunks * sizeof(v8f));                               \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
+// Adds a block's weighted value rows to one query head's running output, rescaled first (the
+// online softmax's correction for a larger max). The output row stays in registers while the
+// rows stream past.
+static inline void accumulate_values(float* acc_out, float rescale, const float* weights,
+                                     const float* const* value_rows, int64_t count,
+                                     int64_t chunks) {
+    v8f acc[MAX_HEAD_DIM / 8];
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = load8(acc_out + 8 * c) * rescale;
+    for (int64_t j = 0; j < count; ++j) {
+        const float weight = weights[j];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += weight * load8(value_rows[j] + 8 * c);
+    }
+    for (int64_t c = 0; c < chunks; ++c) store8(acc_out + 8 * c, acc[c]);
+}
+
+// One KV head's block, heads apart: per query head, eight keys' dot products at once along
+// head_dim, finished together by shuffles (sum_lanes8) rather than one horizontal sum per key;
+// then per head the block's max and weights on eight lanes, and its values. Few lanes are
+// wasted whatever the group size, at the cost of the shuffles.
+static inline void block_heads_apart(const v8f* queries, const float* const* key_rows,
+                                     const float* const* value_rows, int64_t count,
+                                     int64_t group, int64_t chunks, float* running_max,
+                                     float* running_sum, float* running_acc) {
+    float scores[MAX_GROUP][KEY_BLOCK];
+    for (int64_t j0 = 0; j0 < count; j0 += 8) {
+        // A block's last keys past `count` repeat its last key; their scores go unread.
+        const float* rows8[8];
+        for (int64_t j = 0; j < 8; ++j) rows8[j] = key_rows[j0 + j < count ? j0 + j : count - 1];
+        for (int64_t h = 0; h < group; ++h) {
+            const v8f* query = &queries[h * chunks];
+            v8f dots[8];
+            for (int64_t j = 0; j < 8; ++j) dots[j] = query[0] * load8(rows8[j]);
+            for (int64_t c = 1; c < chunks; ++c)
+                for (int64_t j = 0; j < 8; ++j) dots[j] += query[c] * load8(rows8[j] + 8 * c);
+            const v8f sums = sum_lanes8(dots);
+            memcpy(&scores[h][j0], &sums, sizeof(sums));
+        }
+    }
+    for (int64_t h = 0; h < group; ++h) {
+        const float top = block_max(scores[h], count, running_max[h]);
+        // exp2(-inf) would be 0 too, but -inf - -inf is nan: the first block.
+        const float rescale =
+            running_max[h] == -INFINITY ? 0.0f : exp2_nonpositive(running_max[h] - top);
+        running_sum[h] = running_sum[h] * rescale + block_weights(scores[h], count, top);
+        running_max[h] = top;
+        accumulate_values(running_acc + h * 8 * chunks, rescale, scores[h], value_rows, count,
+                          chunks);
+    }
+}
+
+// One KV head's block, heads in lanes: each vector holds one key's scores for up to eight
+// grouped query heads, from the queries transposed (queries_t[d], lane h: head h's element
+// d) and each key element broadcast. No horizontal sums, and the block's max, weights and
+// rescaling are one vector operation for all the heads; a group smaller than eight leaves
+// lanes idle. On a Zen 3 at 7 query heads per KV head: 84 against 96 ms for the heads-apart
+// form (64 sequences of 32..1,152 keys, 24 layers); at 2 per KV head, 73 against 66 ms.
+static inline void block_heads_in_lanes(const v8f* queries_t, const float* const* key_rows,
+                                        const float* const* value_rows, int64_t count,
+                                        int64_t lanes, int64_t chunks, float* running_max,
+                                        float* running_sum, float* outputs_t) {
+    const int64_t dim = 8 * chunks;
+    v8f scores[KEY_BLOCK];
+    for (int64_t j0 = 0; j0 < count; j0 += 8) {
+        const float* rows8[8];
+        for (int64_t j = 0; j < 8; ++j) rows8[j] = key_rows[j0 + j < count ? j0 + j : count - 1];
+        v8f dots[8] = {{0}};
+        for (int64_t d = 0; d < dim; ++d) {
+            const v8f column = queries_t[d];
+            for (int64_t j = 0; j < 8; ++j) dots[j] += column * splat8(rows8[j][d]);
+        }
+        memcpy(&scores[j0], dots, sizeof(dots));
+    }
+    // Idle lanes hold 0 (a finite max and sum nobody reads).
+    v8f old_max = {0}, old_sum = {0};
+    for (int64_t h = 0; h < lanes; ++h) {
+        old_max[h] = running_max[h];
+        old_sum[h] = running_sum[h];
+    }
+    v8f top = old_max;
+    for (int64_t j = 0; j < count; ++j) top = select8(scores[j] > top, scores[j], top);
+    // A first block's -inf max gives exp2's floor, 2^-126, times a zero sum and output.
+    const v8f rescale = exp2_nonpositive8(old_max - top);
+    v8f total = old_sum * rescale;
+    for (int64_t j = 0; j < count; ++j) {
+        scores[j] = exp2_nonpositive8(scores[j] - top);
+        total += scores[j];
+    }
+    for (int64_t h = 0; h < lanes; ++h) {
+        running_max[h] = top[h];
+        running_sum[h] = total[h];
+    }
+    // The values with the heads in lanes too: eight of head_dim's elements at a time, each
+    // a vector of the heads' running outputs, and each key's weights one vector.
+    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+        v8f acc[8];
+        for (int64_t i = 0; i < 8; ++i) acc[i] = load8(outputs_t + 8 * (d0 + i)) * rescale;
+        for (int64_t j = 0; j < count; ++j) {
+            const v8f weights = scores[j];
+            const float* row = value_rows[j] + d0;
+            for (int64_t i = 0; i < 8; ++i) acc[i] += weights * splat8(row[i]);
+        }
+        memcpy(outputs_t + 8 * d0, acc, sizeof(acc));
+    }
+}
+
+// One task: keys key_start..key_end of sequence `seq`, every KV head, into `part` (per query
+// head its max in log2 units, its sum of weights, its weighted values). queries_t: the
+// sequence's queries transposed per (KV head, group of eight heads), for the heads-in-lanes
+// form; NULL for heads apart. Inlined into copies with `chunks` (head_dim / 8) and the dtype
+// constant, so that the products keep their operands in registers.
+static inline __attribute__((always_inline)) void attend_task(
+    const Problem* pr, const v8f* queries_t, int64_t seq, int64_t key_start, int64_t key_end,
+    float* part, int is_bf16, int64_t chunks) {
+    const int64_t group = pr->num_heads / pr->num_kv_heads, dim = 8 * chunks;
+    const int64_t groups = lane_groups(pr);
+    const int64_t slot_stride = pr->num_kv_heads * dim;
+    const int64_t slot_bytes = slot_stride * (is_bf16 ? sizeof(bf16) : sizeof(float));
+    const int64_t* pages = pr->pages + seq * pr->pages_per_seq;
+    float* running_max = part;
+    float* running_sum = part + pr->num_heads;
+    float* running_acc = part + 2 * pr->num_heads;
+    for (int64_t h = 0; h < pr->num_heads; ++h) {
+        running_max[h] = -INFINITY;
+        running_sum[h] = 0.0f;
+    }
+    memset(running_acc, 0, (partial_floats(pr) - 2 * pr->num_heads) * sizeof(float));
+    const float scale = pr->scale * LOG2E;
+    v8f queries[MAX_GROUP * MAX_HEAD_DIM / 8];
+    v8f key_buffer[KEY_BLOCK * MAX_HEAD_DIM / 8], value_buffer[KEY_BLOCK * MAX_HEAD_DIM / 8];
+    const float* key_rows[KEY_BLOCK];
+    const float* value_rows[KEY_BLOCK];
+    int64_t slots[KEY_BLOCK];
+    SlotCursor cursor = {key_start / pr->page_size, key_start % pr->page_size};
+    for (int64_t start = key_start; start < key_end; start += KEY_BLOCK) {
+        const int64_t count = key_end - start < KEY_BLOCK ? key_end - start : KEY_BLOCK;
+        for (int64_t j = 0; j < count; ++j) slots[j] = next_slot(pr, pages, &cursor);
+        stage_block(pr, slots, count, slot_bytes);
+        for (int64_t kv_head = 0; kv_head < pr->num_kv_heads; ++kv_head) {
+            const int64_t first_head = kv_head * group;
+            block_rows(pr->keys, slots, count, slot_stride, kv_head, chunks, is_bf16,
+                       key_buffer, key_rows);
+            block_rows(pr->values, slots, count, slot_stride, kv_head, chunks, is_bf16,
+                       value_buffer, value_rows);
+            if (queries_t) {
+                for (int64_t g = 0; g < groups; ++g) {
+                    const int64_t first = first_head + 8 * g;
+                    const int64_t lanes = group - 8 * g < 8 ? group - 8 * g : 8;
+                    const int64_t state = (kv_head * groups + g) * dim;
+                    block_heads_in_lanes(queries_t + state, key_rows, value_rows, count, lanes,
+                                         chunks, running_max + first, running_sum + first,
+                                         running_acc + 8 * state);
+                }
+                continue;
+            }
+            const void* q = (const char*)pr->q +
+                            (seq * pr->num_heads + first_head) * dim *
+                                (is_bf16 ? sizeof(bf16) : sizeof(float));
+            for (int64_t i = 0; i < group * chunks; ++i)
+                queries[i] = (is_bf16 ? load8_bf16((const bf16*)q + 8 * i)
+                                      : load8((const float*)q + 8 * i)) *
+                             scale;
+            block_heads_apart(queries, key_rows, value_rows, count, group, chunks,
+                              running_max + first_head, running_sum + first_head,
+                              running_acc + first_head * dim);
+        }
+    }
+}
+
+#define DEFINE_ATTEND(NAME, IS_BF16, CHUNKS)                                                  \
+    static void NAME(const Problem* pr, const v8f* queries_t, int64_t seq, int64_t key_start, \
+                     int64_t key_end, float* part) {                                          \
+        attend_task(pr, queries_t, seq, key_start, key_end, part, IS_BF16, CHUNKS);          \
     }
 
-DEFINE_ATTEND(attend_f32, float, load8, row_in_place, pr->head_dim / 8)
-DEFINE_ATTEND(attend_bf16, bf16, load8_bf16, row_as_f32, pr->head_dim / 8)
-DEFINE_ATTEND(attend_f32_d64, float, load8, row_in_place, 8)
-DEFINE_ATTEND(attend_bf16_d64, bf16, load8_bf16, row_as_f32, 8)
-DEFINE_ATTEND(attend_f32_d128, float, load8, row_in_place, 16)
-DEFINE_ATTEND(attend_bf16_d128, bf16, load8_bf16, row_as_f32, 16)
+DEFINE_ATTEND(attend_f32, 0, pr->head_dim / 8)
+DEFINE_ATTEND(attend_bf16, 1, pr->head_dim / 8)
+DEFINE_ATTEND(attend_f32_d64, 0, 8)
+DEFINE_ATTEND(attend_bf16_d64, 1, 8)
+DEFINE_ATTEND(attend_f32_d128, 0, 16)
+DEFINE_ATTEND(attend_bf16_d128, 1, 16)
 
-typedef void (*AttendFunction)(const Problem*, int64_t, int64_t, int64_t, float*);
+typedef void (*AttendFunction)(const Problem*, const v8f*, int64_t, int64_t, int64_t, float*);
 
 static AttendFunction attend_for(int64_t head_dim, int is_bf16) {
     if (head_dim == 64) return is_bf16 ? attend_bf16_d64 : attend_f32_d64;
     if (head_dim == 128) return is_bf16 ? attend_bf16_d128 : attend_f32_d128;
     return is_bf16 ? attend_bf16 : attend_f32;
+}
+
+// Every sequence's queries, scaled into log2 units and transposed for the heads-in-lanes
+// form: [seqs, kv_heads, groups of eight heads, head_dim] vectors, lane h holding head h of
+// its group (idle lanes 0).
+static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int is_bf16) {
+    const int64_t group = pr->num_heads / pr->num_kv_heads, dim = pr->head_dim;
+    const int64_t per_seq = pr->num_kv_heads * lane_groups(pr) * dim;
+    v8f* queries_t = aligned_alloc(sizeof(v8f), num_seqs * per_seq * sizeof(v8f));
+    if (!queries_t) return NULL;
+    memset(queries_t, 0, num_seqs * per_seq * sizeof(v8f));
+    const float scale = pr->scale * LOG2E;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        for (int64_t h = 0; h < pr->num_heads; ++h) {
+            const int64_t kv_head = h / group, g = (h % group) / 8, lane = (h % group) % 8;
+            v8f* column = queries_t + s * per_seq + (kv_head * lane_groups(pr) + g) * dim;
+            const int64_t at = (s * pr->num_heads + h) * dim;
+            for (int64_t d = 0; d < dim; ++d)
+                column[d][lane] =
+                    (is_bf16 ? bf16_to_float(((const bf16*)pr->q)[at + d])
+                             : ((const float*)pr->q)[at + d]) *
+                    scale;
+        }
+    return queries_t;
 }
 
 // Writes sequence `seq`'s result, merged from its `num_parts` consecutive partials, to out,
@@ -301,7 +446,7 @@ static void merge_and_store(const Problem* pr, const float* parts, int64_t num_p
         for (int64_t d = 0; d < dim; ++d) {
             float value = 0.0f;
             for (int64_t p = 0; p < num_parts; ++p)
-                value += weights[p] * parts[p * stride + 2 * pr->num_heads + h * dim + d];
+                value += weights[p] * parts[p * stride + 2 * pr->num_heads + value_index(pr, h, d)];
             value /= total;
             if (is_bf16)
                 ((bf16*)out)[first + d] = float_to_bf16(value);
@@ -338,10 +483,14 @@ static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_se
     }
     const int64_t num_tasks = first_task[num_seqs];
     float* parts = malloc(num_tasks * partial_floats(pr) * sizeof(float));
-    if (!parts) {
+    v8f* queries_t = pr->heads_in_lanes ? transposed_queries(pr, num_seqs, is_bf16) : NULL;
+    if (!parts || (pr->heads_in_lanes && !queries_t)) {
+        free(queries_t);
+        free(parts);
         free(first_task);
         return -1;
     }
+    const int64_t queries_t_per_seq = pr->num_kv_heads * lane_groups(pr) * pr->head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < num_tasks; ++task) {
         int64_t seq = 0;  // the sequence whose splits hold this task: few, so a linear search
@@ -351,12 +500,14 @@ static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_se
         const int64_t per_part = (end_key - first_key + num_parts - 1) / num_parts;
         const int64_t start = first_key + (task - first_task[seq]) * per_part;
         const int64_t end = start + per_part < end_key ? start + per_part : end_key;
-        attend(pr, seq, start, end, parts + task * partial_floats(pr));
+        attend(pr, queries_t ? queries_t + seq * queries_t_per_seq : NULL, seq, start, end,
+               parts + task * partial_floats(pr));
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t seq = 0; seq < num_seqs; ++seq)
         merge_and_store(pr, parts + first_task[seq] * partial_floats(pr),
                         first_task[seq + 1] - first_task[seq], seq, out, lse, is_bf16);
+    free(queries_t);
     free(parts);
     free(first_task);
     return 0;
@@ -366,8 +517,8 @@ int paged_decode_attention(const void* q, const void* keys, const void* values,
                            const int64_t* pages, const int64_t* key_range, void* out,
                            float* lse, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t page_size, int64_t pages_per_seq,
-                           float scale, int is_bf16, int threads) {
+                           float scale, int is_bf16, int heads_in_lanes, int threads) {
     const Problem problem = {q, keys, values, pages, key_range, num_heads, num_kv_heads,
-                             head_dim, page_size, pages_per_seq, scale};
+                             head_dim, page_size, pages_per_seq, scale, heads_in_lanes};
     return paged_decode(&problem, out, lse, num_seqs, is_bf16, threads);
 }

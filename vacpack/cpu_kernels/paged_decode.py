@@ -22,6 +22,7 @@ _ARGTYPES = [
     *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
     ctypes.c_float,  # scale
     ctypes.c_int,  # bf16 (else float32)
+    ctypes.c_int,  # heads in lanes (else apart)
     ctypes.c_int,  # threads
 ]
 
@@ -57,6 +58,7 @@ def paged_decode_attention(
     page_size: int,
     scale: float,
     with_lse: bool = False,
+    heads_in_lanes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of decode queries q [seqs, heads, head_dim] over their cached keys;
     with_lse: also each head's float32 log-sum-exp of its scaled scores, [seqs, heads] (what a
@@ -67,6 +69,11 @@ def paged_decode_attention(
     key_ranges: [seqs, 2] int64, each sequence's first visible key (past a sliding window's
     start, else 0) and its number of keys; at least one key is visible. Query head h reads KV
     head h // (heads // kv_heads).
+
+    heads_in_lanes picks the kernel's form: each KV head's grouped query heads in vector lanes
+    (one vector per key holds up to eight heads' scores: no horizontal sums, a group of fewer
+    than eight leaves lanes idle), else apart (each head's dot products along head_dim).
+    Which is faster depends on the group size and the CPU: the engine times both.
     """
     kernel = _kernel()
     num_seqs, num_heads, head_dim = q.shape
@@ -100,6 +107,7 @@ def paged_decode_attention(
         pages.shape[1],
         scale,
         int(q.dtype == torch.bfloat16),
+        int(heads_in_lanes),
         torch.get_num_threads(),
     )
     if status != 0:
