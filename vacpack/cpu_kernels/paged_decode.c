@@ -82,13 +82,16 @@ static inline int64_t partial_floats(const Problem* pr) {
     return 2 * pr->num_heads + values;
 }
 
-// Where head h's weighted value d lies among a partial result's values.
-static inline int64_t value_index(const Problem* pr, int64_t h, int64_t d) {
-    if (!pr->heads_in_lanes) return h * pr->head_dim + d;
+// Where head h's first weighted value lies among a partial result's values; the next ones
+// follow value_stride apart.
+static inline int64_t value_start(const Problem* pr, int64_t h) {
+    if (!pr->heads_in_lanes) return h * pr->head_dim;
     const int64_t group = pr->num_heads / pr->num_kv_heads;
     const int64_t kv_head = h / group, g = (h % group) / 8, lane = (h % group) % 8;
-    return ((kv_head * lane_groups(pr) + g) * pr->head_dim + d) * 8 + lane;
+    return (kv_head * lane_groups(pr) + g) * pr->head_dim * 8 + lane;
 }
+
+static inline int64_t value_stride(const Problem* pr) { return pr->heads_in_lanes ? 8 : 1; }
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
@@ -443,10 +446,11 @@ static void merge_and_store(const Problem* pr, const float* parts, int64_t num_p
         }
         if (lse) lse[seq * pr->num_heads + h] = (top + log2f(total)) * LN2;
         const int64_t first = (seq * pr->num_heads + h) * dim;
+        const float* values = parts + 2 * pr->num_heads + value_start(pr, h);
+        const int64_t step = value_stride(pr);
         for (int64_t d = 0; d < dim; ++d) {
             float value = 0.0f;
-            for (int64_t p = 0; p < num_parts; ++p)
-                value += weights[p] * parts[p * stride + 2 * pr->num_heads + value_index(pr, h, d)];
+            for (int64_t p = 0; p < num_parts; ++p) value += weights[p] * values[p * stride + d * step];
             value /= total;
             if (is_bf16)
                 ((bf16*)out)[first + d] = float_to_bf16(value);
