@@ -23,6 +23,7 @@ from vacpack.models.linear_choice import (
     ModelLinears,
     choose_linear_kernel,
     linear_calls,
+    timed_out_features,
 )
 from vacpack.models.parallel import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
 from vacpack.runtime import load
@@ -170,13 +171,25 @@ def test_only_onednn_runs_bf16_or_off_the_cpu(tmp_path: Path) -> None:
 
 def test_each_shape_is_timed_as_the_model_runs_it() -> None:
     decoder = ModelLinears(torch.float32, gated_mlp=True)
-    assert decoder.timing(64, 16, vocabulary=False).row_counts == (512, 64, 64)
+    assert decoder.timing(64, 16, vocabulary=False).row_counts == (256, 64)
     assert decoder.timing(1000, 16, vocabulary=True).row_counts == (64,)
     encoder = ModelLinears(torch.float32, False, activation_shape=(64, 16), activation="gelu")
     assert encoder.timing(64, 16, vocabulary=False) == LinearTiming(
-        16, 64, torch.float32, (512,), "gelu"
+        16, 64, torch.float32, (256,), "gelu"
     )
     assert encoder.timing(16, 64, vocabulary=False).activation is None  # the down projection
+
+
+def test_a_vocabulary_wide_weight_is_timed_on_a_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_choice, "TIMED_WEIGHT_BYTES", 100 * 24 * 4)
+    narrow = LinearTiming(24, 64, torch.float32, (3,))
+    wide = LinearTiming(24, 1000, torch.float32, (3,))
+    assert timed_out_features(narrow) == 64
+    assert timed_out_features(wide) == 112  # 100 columns, rounded up to panels of 16
+    calls = linear_calls(wide, ["onednn", "c_gemm"])
+    for call in calls.values():
+        call()
+    assert "[24, 1000]" in wide.key()  # the choice is the whole shape's
 
 
 def test_the_chooser_times_each_shape_once(tmp_path: Path) -> None:

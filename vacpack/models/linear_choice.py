@@ -37,12 +37,19 @@ PHASE = "cpu_linear"
 # oneDNN stays unless the C kernel is this much faster: torch's own kernel is the one more
 # users have run.
 C_GEMM_MIN_SPEEDUP = 1.02
-# A slice of a prefill bin's rows, and a decode step's (the scheduler's default batch).
-PREFILL_ROWS = 512
+# A slice of a prefill bin's rows, and a decode step's (the scheduler's default batch). At 256
+# rows both kernels already run at their prefill speed (compute-bound), for half the timing of
+# a 512-row slice.
+PREFILL_ROWS = 256
 DECODE_ROWS = 64
-# Decode steps per prefill slice, as G1 runs them: 64 prompts of 528 tokens on average (66
-# slices of 512) and 128 output tokens each (128 steps of 64 rows).
-DECODE_STEPS_PER_PREFILL_SLICE = 2
+# Decode steps per prefill slice, as G1 runs them: 64 prompts of 528 tokens on average (132
+# slices of 256) and 128 output tokens each (128 steps of 64 rows).
+DECODE_STEPS_PER_PREFILL_SLICE = 1
+# A weight wider than this is timed on a slice of its output features this big: both kernels
+# split the outputs into the same independent panels, so a slice far past the caches times the
+# per-column cost of the whole. An LM head of 151,936 x 896 float32 weights (544 MB) took 1.7 s
+# of packing and warm-up at a first load, with no timed round left in its budget.
+TIMED_WEIGHT_BYTES = 64 << 20
 # Each weight shape's share of the load-time budget for measured choices (vacpack.tuning);
 # a model has four or five (attention in and out, MLP in and out, LM head).
 BUDGET_S = 0.3
@@ -111,14 +118,23 @@ def eligible_linear_kernels(device: torch.device, dtype: torch.dtype) -> list[Li
     return kernels
 
 
+def timed_out_features(timing: LinearTiming) -> int:
+    """The output features a weight is timed on: all, or a slice of TIMED_WEIGHT_BYTES (a
+    whole number of the C kernel's 16-column panels)."""
+    element_bytes = torch.empty((), dtype=timing.dtype).element_size()
+    columns = -(-TIMED_WEIGHT_BYTES // (timing.in_features * element_bytes))
+    return min(timing.out_features, -(-columns // 16) * 16)
+
+
 def linear_calls(
     timing: LinearTiming, kernels: list[LinearKernel]
 ) -> dict[str, Callable[[], object]]:
     """One call per kernel: the timed layer at each of the row counts, on the same inputs."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(timing.out_features, timing.in_features, generator=generator) * 0.02
+    out_features = timed_out_features(timing)
+    weight = torch.randn(out_features, timing.in_features, generator=generator) * 0.02
     weight = weight.to(timing.dtype)
-    bias = torch.zeros(timing.out_features, dtype=timing.dtype) if timing.activation else None
+    bias = torch.zeros(out_features, dtype=timing.dtype) if timing.activation else None
     inputs = [
         torch.randn(rows, timing.in_features, generator=generator).to(timing.dtype)
         for rows in timing.row_counts
