@@ -47,6 +47,23 @@ def test_picks_the_faster_candidate(tmp_path: Path) -> None:
     assert choice.num_rounds >= 1 and choice.measure_s == pytest.approx(clock.now_s)
 
 
+def test_a_phase_measured_while_building_another_counts_only_for_itself(tmp_path: Path) -> None:
+    """An attention backend's options are measured while its candidates are built: the outer
+    phase's measure_s leaves the inner one's out, so that the two add up to the time spent."""
+    clock = FakeClock()
+    inner: list = []
+
+    def build_outer() -> dict[str, Callable[[], object]]:
+        inner_candidates = {"x": clock.costing(0.002), "y": clock.costing(0.004)}
+        inner.append(choose("inner", "n=1", *make(inner_candidates), cache_dir=tmp_path,
+                            clock=clock))  # fmt: skip
+        return {"a": clock.costing(0.001), "b": clock.costing(0.003)}
+
+    outer = choose(PHASE, "n=8", ["a", "b"], build_outer, cache_dir=tmp_path, clock=clock)
+    assert inner[0].measure_s > 0 and outer.measure_s > 0
+    assert inner[0].measure_s + outer.measure_s == pytest.approx(clock.now_s)
+
+
 def test_best_of_interleaved_rounds_ignores_a_slowed_call(tmp_path: Path) -> None:
     clock = FakeClock()
     # The faster candidate's first timed call ran while the machine was busy.

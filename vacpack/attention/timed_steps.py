@@ -219,7 +219,6 @@ class _LayerCall:
         try:
             self._backend = make_backend()
             self._metadata = self._backend.build_metadata(inputs.layout, inputs.q.device)
-            self()
         except Exception as error:  # a candidate that cannot run here is ruled out, not fatal
             self._error = error
 
