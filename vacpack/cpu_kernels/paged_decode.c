@@ -8,12 +8,14 @@
 // elements contiguous, the layout a dot product reads.
 //
 // One task is (sequence, range of its keys), every KV head: the task then reads whole slot
-// rows, which lie contiguous within a page. Keys are taken KEY_BLOCK at a time (the next
-// block's rows prefetched), and per KV head: scores of each grouped query head against each
-// key, an online softmax (exp2 by polynomial, in float32), and the value rows accumulated
-// into float32 outputs. A sequence's keys are split over several tasks where there are too
-// few sequences for the threads (split-K), and the partial results are merged by their
-// log-sum-exp afterwards.
+// rows, which lie contiguous within a page. Keys are taken KEY_BLOCK at a time, each block
+// first staged (its rows read in address order, see stage_block), then per KV head: scores of
+// each grouped query head against each key, an online softmax (exp2 by polynomial, in
+// float32), and the value rows accumulated into float32 outputs, in one of two forms: the
+// grouped query heads apart or in vector lanes (block_heads_apart, block_heads_in_lanes),
+// which the engine times against each other. A sequence's keys are split over several tasks
+// where there are too few sequences for the threads (split-K), and the partial results are
+// merged by their log-sum-exp afterwards.
 //
 // Written with eight-lane vectors (GCC's vector extension) and for the compiler's vectoriser,
 // built with -O3 -march=native for the machine at hand (see build.py): AVX-512, AVX2 or NEON,
@@ -171,25 +173,26 @@ static inline int64_t next_slot(const Problem* pr, const int64_t* pages, SlotCur
 }
 
 // Reads one word of every cache line of a block's key and value slot rows (all KV heads), in
-// address order, before the block's products. Dense, in-order reads are what the hardware
+// address order, before the block's products (a row's bytes are a multiple of 16: a 4-byte
+// word at each 64-byte step stays inside it). Dense, in-order reads are what the hardware
 // prefetchers stream at full speed; the products then read from L1 and L2. Interleaving the
 // two did worse on a Zen 3: the products' scattered first touches ran at memory latency, and
 // software prefetches of the next block stalled on the core's few outstanding misses (64
 // sequences of 32..1,152 keys, 24 layers: 102 ms with prefetches, 84 ms staged).
 static inline void stage_block(const Problem* pr, const int64_t* slots, int64_t count,
                                int64_t slot_bytes) {
-    v8i touched = {0};
+    int32_t touched = 0;
     for (int64_t j = 0; j < count; ++j) {
         const char* k = (const char*)pr->keys + slots[j] * slot_bytes;
         const char* v = (const char*)pr->values + slots[j] * slot_bytes;
         for (int64_t at = 0; at < slot_bytes; at += 64) {
-            v8i k_words, v_words;
-            memcpy(&k_words, k + at, sizeof(k_words));
-            memcpy(&v_words, v + at, sizeof(v_words));
-            touched |= k_words | v_words;
+            int32_t k_word, v_word;
+            memcpy(&k_word, k + at, sizeof(k_word));
+            memcpy(&v_word, v + at, sizeof(v_word));
+            touched |= k_word | v_word;
         }
     }
-    volatile int32_t sink = touched[0];  // keeps the reads
+    volatile int32_t sink = touched;  // keeps the reads
     (void)sink;
 }
 
@@ -266,8 +269,9 @@ static inline void block_heads_apart(const v8f* queries, const float* const* key
 // grouped query heads, from the queries transposed (queries_t[d], lane h: head h's element
 // d) and each key element broadcast. No horizontal sums, and the block's max, weights and
 // rescaling are one vector operation for all the heads; a group smaller than eight leaves
-// lanes idle. On a Zen 3 at 7 query heads per KV head: 84 against 96 ms for the heads-apart
-// form (64 sequences of 32..1,152 keys, 24 layers); at 2 per KV head, 73 against 66 ms.
+// lanes idle. On a Zen 3 at 7 query heads per KV head: 84-88 against 94-96 ms for the
+// heads-apart form in interleaved A/Bs of the kernel alone (64 sequences of 32..1,152 keys,
+// 24 layers), level in bench/decode_attention.py's run; at 2 per KV head, 73 against 66 ms.
 static inline void block_heads_in_lanes(const v8f* queries_t, const float* const* key_rows,
                                         const float* const* value_rows, int64_t count,
                                         int64_t lanes, int64_t chunks, float* running_max,
