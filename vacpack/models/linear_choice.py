@@ -134,8 +134,8 @@ def linear_calls(
     out_features = timed_out_features(timing)
     # Random rows repeated: a timing does not depend on the values, and drawing 64 MiB of
     # normals one at a time cost 0.1 s a weight.
-    rows = torch.randn(min(out_features, 256), timing.in_features, generator=generator) * 0.02
-    weight = rows.to(timing.dtype).repeat(-(-out_features // rows.shape[0]), 1)[:out_features]
+    block = torch.randn(min(out_features, 256), timing.in_features, generator=generator) * 0.02
+    weight = block.to(timing.dtype).repeat(-(-out_features // block.shape[0]), 1)[:out_features]
     bias = torch.zeros(out_features, dtype=timing.dtype) if timing.activation else None
     inputs = [
         torch.randn(rows, timing.in_features, generator=generator).to(timing.dtype)
