@@ -408,14 +408,15 @@ static AttendFunction attend_for(int64_t head_dim, int is_bf16) {
 // Every sequence's queries, scaled into log2 units and transposed for the heads-in-lanes
 // form: [seqs, kv_heads, groups of eight heads, head_dim] vectors, lane h holding head h of
 // its group (idle lanes 0).
-static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int is_bf16) {
+static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int is_bf16, int threads) {
     const int64_t group = pr->num_heads / pr->num_kv_heads, dim = pr->head_dim;
     const int64_t per_seq = pr->num_kv_heads * lane_groups(pr) * dim;
     v8f* queries_t = aligned_alloc(sizeof(v8f), num_seqs * per_seq * sizeof(v8f));
     if (!queries_t) return NULL;
-    memset(queries_t, 0, num_seqs * per_seq * sizeof(v8f));
     const float scale = pr->scale * LOG2E;
-    for (int64_t s = 0; s < num_seqs; ++s)
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        memset(queries_t + s * per_seq, 0, per_seq * sizeof(v8f));
         for (int64_t h = 0; h < pr->num_heads; ++h) {
             const int64_t kv_head = h / group, g = (h % group) / 8, lane = (h % group) % 8;
             v8f* column = queries_t + s * per_seq + (kv_head * lane_groups(pr) + g) * dim;
@@ -426,6 +427,7 @@ static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int is_bf16)
                              : ((const float*)pr->q)[at + d]) *
                     scale;
         }
+    }
     return queries_t;
 }
 
@@ -454,7 +456,8 @@ static void merge_and_store(const Problem* pr, const float* parts, int64_t num_p
         const int64_t step = value_stride(pr);
         for (int64_t d = 0; d < dim; ++d) {
             float value = 0.0f;
-            for (int64_t p = 0; p < num_parts; ++p) value += weights[p] * values[p * stride + d * step];
+            for (int64_t p = 0; p < num_parts; ++p)
+                value += weights[p] * values[p * stride + d * step];
             value /= total;
             if (is_bf16)
                 ((bf16*)out)[first + d] = float_to_bf16(value);
@@ -491,7 +494,8 @@ static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_se
     }
     const int64_t num_tasks = first_task[num_seqs];
     float* parts = malloc(num_tasks * partial_floats(pr) * sizeof(float));
-    v8f* queries_t = pr->heads_in_lanes ? transposed_queries(pr, num_seqs, is_bf16) : NULL;
+    v8f* queries_t =
+        pr->heads_in_lanes ? transposed_queries(pr, num_seqs, is_bf16, threads) : NULL;
     if (!parts || (pr->heads_in_lanes && !queries_t)) {
         free(queries_t);
         free(parts);
