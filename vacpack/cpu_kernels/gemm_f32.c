@@ -71,6 +71,18 @@ static void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t kc
 // Activations applied to the outputs as they are written (codes shared with gemm.py).
 enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU_ERF = 2, ACT_GELU_TANH = 3 };
 
+// One call's operands: y[m, n] = activation(x[m, k] @ W^T + bias), strides in floats.
+typedef struct {
+    const float* x;
+    int64_t m, k, x_stride;
+    const float* packed_w;
+    int64_t n;
+    const float* bias;  // or NULL
+    int activation;
+    float* y;
+    int64_t y_stride;
+} Gemm;
+
 // erf(x) for x >= 0 (Abramowitz and Stegun 7.1.26: absolute error below 1.5e-7), with the
 // exponential from vec8.h's exp2.
 static inline v8f erf_nonnegative8(v8f x) {
@@ -189,25 +201,25 @@ static void micro_kernel(int64_t kc, const float* restrict a, const float* restr
 // One thread's share, panels [panel_begin, panel_end), reduction slices outermost: each
 // input block is packed once and meets every panel; the outputs are read back once per
 // slice, which is cheap while a thread's outputs stay in L2.
-static void gemm_slices_outer(const float* x, int64_t m, int64_t k, int64_t x_stride,
-                              const float* packed_w, int64_t n, const float* bias, float* y,
-                              int64_t y_stride, int activation, int64_t panel_begin,
-                              int64_t panel_end, float* a_block) {
+static void gemm_slices_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
+                              float* a_block) {
+    const int64_t m = g->m, k = g->k, n = g->n, y_stride = g->y_stride;
+    const float* bias = g->bias;
     for (int64_t k0 = 0; k0 < k; k0 += KC) {
         const int64_t kc = k - k0 < KC ? k - k0 : KC;
         for (int64_t m0 = 0; m0 < m; m0 += MC) {
             const int64_t mc = m - m0 < MC ? m - m0 : MC;
-            pack_rows(x + m0 * x_stride + k0, x_stride, mc, kc, a_block);
+            pack_rows(g->x + m0 * g->x_stride + k0, g->x_stride, mc, kc, a_block);
             for (int64_t p = panel_begin; p < panel_end; ++p) {
-                const float* b = packed_w + (p * k + k0) * NR;
+                const float* b = g->packed_w + (p * k + k0) * NR;
                 const int64_t n0 = p * NR;
                 const int cols = n - n0 < NR ? (int)(n - n0) : NR;
                 const float* ahead = p + 1 < panel_end ? b + k * NR : b;
                 for (int64_t r0 = 0; r0 < mc; r0 += MR) {
                     const int rows = mc - r0 < MR ? (int)(mc - r0) : MR;
-                    micro_kernel(kc, a_block + r0 * kc, b, ahead, y + (m0 + r0) * y_stride + n0,
-                                 y_stride, rows, cols, k0 > 0, bias ? bias + n0 : NULL,
-                                 k0 + kc == k ? activation : ACT_NONE);
+                    micro_kernel(kc, a_block + r0 * kc, b, ahead,
+                                 g->y + (m0 + r0) * y_stride + n0, y_stride, rows, cols, k0 > 0,
+                                 bias ? bias + n0 : NULL, k0 + kc == k ? g->activation : ACT_NONE);
                 }
             }
         }
@@ -217,29 +229,29 @@ static void gemm_slices_outer(const float* x, int64_t m, int64_t k, int64_t x_st
 // The same with panels outermost, for few rows (a decode step): all the inputs are packed
 // once (they fit in L2) and each panel's outputs are finished while they are in L1, so a wide
 // layer (the vocabulary projection) writes its outputs once instead of once per slice.
-static void gemm_panels_outer(const float* x, int64_t m, int64_t k, int64_t x_stride,
-                              const float* packed_w, int64_t n, const float* bias, float* y,
-                              int64_t y_stride, int activation, int64_t panel_begin,
-                              int64_t panel_end, float* a_rows) {
+static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
+                              float* a_rows) {
+    const int64_t m = g->m, k = g->k, n = g->n, y_stride = g->y_stride;
+    const float* bias = g->bias;
+    const int64_t m_padded = (m + MR - 1) / MR * MR;
     for (int64_t k0 = 0; k0 < k; k0 += KC) {
         const int64_t kc = k - k0 < KC ? k - k0 : KC;
-        pack_rows(x + k0, x_stride, m, kc, a_rows + k0 * ((m + MR - 1) / MR * MR));
+        pack_rows(g->x + k0, g->x_stride, m, kc, a_rows + k0 * m_padded);
     }
-    const int64_t m_padded = (m + MR - 1) / MR * MR;
     for (int64_t p = panel_begin; p < panel_end; ++p) {
         const int64_t n0 = p * NR;
         const int cols = n - n0 < NR ? (int)(n - n0) : NR;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
             const float* a_slice = a_rows + k0 * m_padded;
-            const float* b = packed_w + (p * k + k0) * NR;
+            const float* b = g->packed_w + (p * k + k0) * NR;
             // Panels lie one after another, each slice after the last: the next is contiguous.
             const float* ahead = p + 1 < panel_end || k0 + kc < k ? b + kc * NR : b;
             for (int64_t r0 = 0; r0 < m; r0 += MR) {
                 const int rows = m - r0 < MR ? (int)(m - r0) : MR;
-                micro_kernel(kc, a_slice + r0 * kc, b, ahead, y + r0 * y_stride + n0, y_stride,
-                             rows, cols, k0 > 0, bias ? bias + n0 : NULL,
-                             k0 + kc == k ? activation : ACT_NONE);
+                micro_kernel(kc, a_slice + r0 * kc, b, ahead, g->y + r0 * y_stride + n0,
+                             y_stride, rows, cols, k0 > 0, bias ? bias + n0 : NULL,
+                             k0 + kc == k ? g->activation : ACT_NONE);
             }
         }
     }
@@ -257,6 +269,7 @@ int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float
     const int64_t m_padded = (m + MR - 1) / MR * MR;
     const int few_rows = m_padded * k * (int64_t)sizeof(float) <= A_ROWS_BYTES;
     const size_t a_floats = few_rows ? (size_t)(m_padded * k) : (size_t)((MC + MR) * KC);
+    const Gemm g = {x, m, k, x_stride, packed_w, n, bias, activation, y, y_stride};
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -270,11 +283,9 @@ int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float
         if (!a_buffer) {
             failed = 1;
         } else if (few_rows) {
-            gemm_panels_outer(x, m, k, x_stride, packed_w, n, bias, y, y_stride, activation,
-                              panel_begin, panel_end, a_buffer);
+            gemm_panels_outer(&g, panel_begin, panel_end, a_buffer);
         } else {
-            gemm_slices_outer(x, m, k, x_stride, packed_w, n, bias, y, y_stride, activation,
-                              panel_begin, panel_end, a_buffer);
+            gemm_slices_outer(&g, panel_begin, panel_end, a_buffer);
         }
         free(a_buffer);
     }
