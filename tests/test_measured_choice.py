@@ -11,7 +11,14 @@ import pytest
 import torch
 from fake_clock import FakeClock
 
-from vacpack.tuning import ChoiceCache, ChoiceSource, choose, force_env_var
+from vacpack.tuning import (
+    ChoiceCache,
+    ChoiceSource,
+    TimingAllowance,
+    choose,
+    force_env_var,
+    spending,
+)
 from vacpack.tuning import cache as cache_module
 from vacpack.tuning.cache import choice_key
 from vacpack.tuning.timing import time_candidates
@@ -89,6 +96,48 @@ def test_warm_up_times_stand_when_it_spent_the_budget() -> None:
         {"a": clock.costing(0.6), "b": clock.costing(0.5)}, budget_s=1.0, clock=clock
     )
     assert timings.num_rounds == 0 and timings.best_time_s == pytest.approx({"a": 0.6, "b": 0.5})
+
+
+def test_a_load_s_allowance_bounds_its_phases_rounds(tmp_path: Path) -> None:
+    """Each phase asks for 1 s; the load's allowance of 0.1 s is what they share."""
+    clock = FakeClock()
+    allowance = TimingAllowance(total_s=0.1)
+    with spending(allowance):
+        first = choose_with(clock, tmp_path, {"a": clock.costing(0.01), "b": clock.costing(0.01)},
+                            shape_key="first", budget_s=1.0, max_rounds=100)  # fmt: skip
+        second = choose_with(clock, tmp_path, {"a": clock.costing(0.01), "b": clock.costing(0.02)},
+                             shape_key="second", budget_s=1.0, max_rounds=100)  # fmt: skip
+    # 0.02 of warm-up, then rounds of 0.02 while they fit: 4 rounds.
+    assert first.num_rounds == 4 and first.measure_s == pytest.approx(0.1)
+    # Nothing left: the second still times one round after its warm-up, and picks by it.
+    assert second.num_rounds == 1 and second.chosen == "a"
+    assert second.measure_s == pytest.approx(0.06)
+    assert allowance.spent_s == pytest.approx(clock.now_s) == pytest.approx(0.16)
+    assert allowance.remaining_s == 0.0
+
+
+def test_an_allowance_is_charged_once_for_a_nested_phase(tmp_path: Path) -> None:
+    clock = FakeClock()
+    allowance = TimingAllowance(total_s=10.0)
+
+    def build_outer() -> dict[str, Callable[[], object]]:
+        clock.now_s += 0.5  # building the outer phase's inputs
+        choose("inner", "n=1", *make({"x": clock.costing(0.002), "y": clock.costing(0.004)}),
+               cache_dir=tmp_path, clock=clock)  # fmt: skip
+        return {"a": clock.costing(0.001), "b": clock.costing(0.003)}
+
+    with spending(allowance):
+        choose(PHASE, "n=8", ["a", "b"], build_outer, cache_dir=tmp_path, clock=clock)
+    assert allowance.spent_s == pytest.approx(clock.now_s)
+
+
+def test_cached_choices_spend_nothing_of_an_allowance(tmp_path: Path) -> None:
+    clock = FakeClock()
+    choose_with(clock, tmp_path, {"a": clock.costing(0.01), "b": clock.costing(0.02)})
+    allowance = TimingAllowance()
+    with spending(allowance):
+        choice = choose_with(clock, tmp_path, {"a": clock.costing(0.01), "b": clock.costing(0.02)})
+    assert choice.source is ChoiceSource.CACHED and allowance.spent_s == 0.0
 
 
 def test_a_forced_argument_wins_without_timing(tmp_path: Path) -> None:

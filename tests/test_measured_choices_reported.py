@@ -96,8 +96,16 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     assert len(lines) == 1 + two_backends + (len(LAYER_OP_PHASES) if layer_ops else 0) + len(
         linears
     )
+    # Every measurement of the load, the engine's and the corpus job's included, was charged
+    # to the load's one timing allowance.
+    # (The corpus runner's list starts with the load's; a cached choice measured nothing.)
+    measured = setup.measured_choices + llm.corpus_runner.measured_choices
+    spent_s = llm.loaded.timing_allowance.spent_s
+    assert spent_s > 0 and spent_s == pytest.approx(sum(c.measure_s or 0 for c in measured))
 
-    again = LLM(model_dir, dtype="float32", device="cpu").engine.setup
+    again_llm = LLM(model_dir, dtype="float32", device="cpu")
+    again = again_llm.engine.setup
     assert [c.phase for c in again.measured_choices] == phases
     assert all(c.source is ChoiceSource.CACHED for c in again.measured_choices)
+    assert again_llm.loaded.timing_allowance.spent_s == 0.0
     assert [c.chosen for c in again.measured_choices] == [c.chosen for c in setup.measured_choices]

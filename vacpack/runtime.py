@@ -7,7 +7,7 @@ weights once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from vacpack.models.loader import LoadStats, checkpoint_dtype, load_hf_config, l
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel, kv_head_rows
 from vacpack.models.registry import model_class_for
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
-from vacpack.tuning import MeasuredChoice
+from vacpack.tuning import MeasuredChoice, TimingAllowance, spending
 
 NO_LOAD_STATS = LoadStats(0, 0)
 
@@ -57,6 +57,9 @@ class LoadedModel:
     load_stats: LoadStats = NO_LOAD_STATS
     # Rank 0 of a group: every rank's load_stats, in rank order.
     rank_load_stats: tuple[LoadStats, ...] = ()
+    # The ledger of this load's measurements: the engine's and corpus runner's choices, made
+    # later, are charged to it too, so that a first load's timing stays within one bound.
+    timing_allowance: TimingAllowance = field(default_factory=TimingAllowance)
 
     @property
     def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
@@ -115,7 +118,16 @@ def load(
     config: EngineConfig, tp: TensorParallel = SINGLE_RANK, driver: Driver | None = None
 ) -> LoadedModel:
     """The checkpoint loaded on this process's device: the whole model, or with `tp` this
-    rank's shard of it (every rank of the group calls this at once)."""
+    rank's shard of it (every rank of the group calls this at once). What it measures (dtype,
+    layer ops, linear kernels) is charged to one timing allowance, kept on the result."""
+    allowance = TimingAllowance()
+    with spending(allowance):
+        return _load(config, tp, driver, allowance)
+
+
+def _load(
+    config: EngineConfig, tp: TensorParallel, driver: Driver | None, allowance: TimingAllowance
+) -> LoadedModel:
     device = resolve_device(config.device)
     configure_threads(device, config.num_threads)
     if device.type == "cpu":
@@ -171,6 +183,7 @@ def load(
         driver=driver,
         load_stats=load_stats,
         rank_load_stats=rank_load_stats if tp.rank == 0 else (),
+        timing_allowance=allowance,
     )
 
 

@@ -27,6 +27,7 @@ from vacpack.corpus.report import JobReport
 from vacpack.corpus.tasks import CorpusTask
 from vacpack.pinned_staging import PinnedStager
 from vacpack.runtime import LoadedModel
+from vacpack.tuning.allowance import spending
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,15 @@ def timed_bin_shape(causal: bool, max_model_len: int) -> PackedBinShape:
 
 def select_corpus_attention(loaded: LoadedModel) -> SelectedBackend:
     """The packed bins' attention backend. With tensor parallelism every rank calls this: the
-    others after rank 0, reading its measured choice from the on-disk cache."""
-    return select_backend(
-        loaded.engine_config.attention_backend,
-        loaded.device,
-        loaded.attention_shapes,
-        timed_bin_shape(bool(getattr(loaded.model, "is_causal", True)), loaded.max_model_len),
-    )
+    others after rank 0, reading its measured choice from the on-disk cache. Timed within what
+    is left of the load's timing allowance."""
+    with spending(loaded.timing_allowance):
+        return select_backend(
+            loaded.engine_config.attention_backend,
+            loaded.device,
+            loaded.attention_shapes,
+            timed_bin_shape(bool(getattr(loaded.model, "is_causal", True)), loaded.max_model_len),
+        )
 
 
 class CorpusRunner:

@@ -19,6 +19,7 @@ from vacpack.attention import (
 )
 from vacpack.config import EngineConfig
 from vacpack.runtime import LoadedModel
+from vacpack.tuning.allowance import spending
 
 # Beyond this many, more sequences only add the same per-sequence work: their time per
 # sequence no longer changes which path is faster, while a slow path's one call may take
@@ -52,11 +53,13 @@ def select_engine_attention(
 ) -> SelectedBackend:
     """config.attention_backend ("auto": the fastest at the model's decode step, and at its
     prefill step where that differs), with the options measured for it (the cascade for shared
-    prefixes, torch_sdpa's prefill and decode forms)."""
-    return select_backend(
-        config.attention_backend,
-        loaded.device,
-        loaded.attention_shapes,
-        decode_batch_shape(config, max_num_batched_tokens, loaded.max_model_len),
-        prefill_step=prefill_step_shape(config, max_num_batched_tokens, loaded.max_model_len),
-    )
+    prefixes, torch_sdpa's prefill and decode forms), timed within what is left of the load's
+    timing allowance."""
+    with spending(loaded.timing_allowance):
+        return select_backend(
+            config.attention_backend,
+            loaded.device,
+            loaded.attention_shapes,
+            decode_batch_shape(config, max_num_batched_tokens, loaded.max_model_len),
+            prefill_step=prefill_step_shape(config, max_num_batched_tokens, loaded.max_model_len),
+        )

@@ -10,6 +10,9 @@ A choice is made in this order:
 
 The fastest candidate wins, unless a `preferred` one is within `preferred_tolerance` of it: a
 preference for reasons the clock does not see (memory, precision), kept while it costs little.
+
+A measurement made under a load's timing allowance (allowance.py) is charged to it, and its
+rounds get no more than the allowance has left.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from vacpack.tuning.allowance import FIRST_LOAD_TIMING_S, current_allowance
 from vacpack.tuning.cache import ChoiceCache, choice_key, default_cache_dir
 from vacpack.tuning.record import ChoiceSource, MeasuredChoice
 from vacpack.tuning.timing import DEFAULT_MAX_ROUNDS, Clock, time_candidates
 
 logger = logging.getLogger(__name__)
 
-# The issue's bound on timing at a first load, for all of a model's phases together.
-DEFAULT_BUDGET_S = 2.0
+# A phase that names no budget of its own may use a whole load's allowance.
+DEFAULT_BUDGET_S = FIRST_LOAD_TIMING_S
 
 # Seconds spent by measurements nested in the one under way: building one phase's candidates
 # may measure another first (an attention backend's own options), whose time is its own, not
@@ -95,7 +99,24 @@ def choose(
         _nested_measure_s.reset(token)
     if sorted(candidates) != sorted(names):
         raise ValueError(f"{phase}: built candidates {sorted(candidates)}, named {sorted(names)}")
-    timings = time_candidates(candidates, budget_s=budget_s, max_rounds=max_rounds, clock=clock)
+    allowance = current_allowance()
+    min_rounds = 0
+    # Building the candidates' inputs counts, other phases measured meanwhile not (they charged
+    # their own time).
+    build_s = clock() - measure_start_s - sum(nested_s)
+    if allowance is not None:
+        allowance.charge(build_s)
+        granted_s = allowance.grant(budget_s)
+        # A spent allowance still leaves one timed round: warm-up times carry first calls'
+        # costs (allocations, primitive creation), not what the phase costs every step.
+        min_rounds = 1 if granted_s < budget_s else 0
+        budget_s = granted_s
+    timings = time_candidates(
+        candidates, budget_s=budget_s, max_rounds=max_rounds, min_rounds=min_rounds, clock=clock
+    )
+    measure_s = clock() - measure_start_s - sum(nested_s)
+    if allowance is not None:
+        allowance.charge(measure_s - build_s)
     if not timings.best_time_s:
         errors = "; ".join(f"{name}: {error}" for name, error in timings.failed.items())
         raise RuntimeError(f"{phase}: every candidate failed ({errors})")
@@ -108,12 +129,11 @@ def choose(
         best_time_s=timings.best_time_s,
         failed=timings.failed,
         num_rounds=timings.num_rounds,
-        # Building the candidates' inputs included, other phases measured meanwhile not.
-        measure_s=clock() - measure_start_s - sum(nested_s),
+        measure_s=measure_s,
     )
     enclosing = _nested_measure_s.get()
     if enclosing is not None:
-        enclosing.append(clock() - measure_start_s)
+        enclosing.append(measure_s + sum(nested_s))  # this phase's and its own nested ones
     cache.store(key, choice.to_dict())
     logger.info("measured choice: %s", choice.summary())
     return choice

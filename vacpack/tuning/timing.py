@@ -35,8 +35,11 @@ def time_candidates(
     *,
     budget_s: float,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
+    min_rounds: int = 0,
     clock: Clock = time.perf_counter,
 ) -> Timings:
+    """Times `candidates` within `budget_s`; the first `min_rounds` rounds run whatever the
+    budget says."""
     start_s = clock()
     failed: dict[str, str] = {}
     warmup_s: dict[str, float] = {}
@@ -51,7 +54,7 @@ def time_candidates(
     num_rounds = 0
     estimated_round_s = sum(warmup_s.values())
     while running and num_rounds < max_rounds:
-        if clock() - start_s + estimated_round_s > budget_s:
+        if num_rounds >= min_rounds and clock() - start_s + estimated_round_s > budget_s:
             break
         round_start_s = clock()
         shift = num_rounds % len(running)
