@@ -6,8 +6,9 @@ oneDNN's packed matmul is the default; in float32 vacpack's own register-blocked
 shape and the row count: on the Zen 3 the C kernel won wide layers and decode-sized products by
 10-50% and lost narrow ones (few output features) by up to 20%. So each distinct weight shape
 of the model is timed with both kernels, as the model runs it (an encoder's up projection with
-its activation) at a prefill slice's rows and at a decode batch's, one call covering both in the
-proportion a generation job runs them, and the faster kernel packs the weights of that shape
+its activation) at a prefill slice's rows and at decode batches' (as many rows again), one call
+covering both so that each regime's speed weighs the same, and the faster kernel packs the
+weights of that shape
 (phase `cpu_linear`, one choice per shape; VACPACK_CHOICE_CPU_LINEAR=onednn|c_gemm forces
 one). Each weight is packed once, for its kernel: never held twice.
 """
@@ -37,14 +38,16 @@ PHASE = "cpu_linear"
 # oneDNN stays unless the C kernel is this much faster: torch's own kernel is the one more
 # users have run.
 C_GEMM_MIN_SPEEDUP = 1.02
-# A slice of a prefill bin's rows, and a decode step's (the scheduler's default batch). At 256
-# rows both kernels already run at their prefill speed (compute-bound), for half the timing of
-# a 512-row slice.
-PREFILL_ROWS = 256
+# A slice of a prefill bin's rows, and a decode step's (the scheduler's default batch). At 128
+# rows both kernels run within a few percent of their speed at 2,048 (compute-bound).
+PREFILL_ROWS = 128
 DECODE_ROWS = 64
-# Decode steps per prefill slice, as G1 runs them: 64 prompts of 528 tokens on average (132
-# slices of 256) and 128 output tokens each (128 steps of 64 rows).
-DECODE_STEPS_PER_PREFILL_SLICE = 1
+# Decode steps timed per prefill slice: as many rows in decode-sized calls as in the prefill
+# slice, so that each regime's speed weighs the same in the sum. Weighted by G1's tokens
+# instead (one 64-row step per 256-row slice), a kernel 20% slower at decodes hid behind a tie
+# at prefill: on the Zen 3 oneDNN kept the MLP's shapes within the 2% preference below, and
+# every decode step ran its gate/up projection at 10.3 ms against the C kernel's 8.4.
+DECODE_STEPS_PER_PREFILL_SLICE = PREFILL_ROWS // DECODE_ROWS
 # A weight wider than this is timed on a slice of its output features this big: both kernels
 # split the outputs into the same independent panels, so a slice far past the caches times the
 # per-column cost of the whole. An LM head of 151,936 x 896 float32 weights (544 MB) took 1.7 s
@@ -52,8 +55,9 @@ DECODE_STEPS_PER_PREFILL_SLICE = 1
 TIMED_WEIGHT_BYTES = 64 << 20
 # Each weight shape's share of a load's 2 s timing allowance (vacpack.tuning); a model has four
 # or five (attention in and out, MLP in and out, LM head), and the attention phases timed after
-# them need about 1 s. At 0.2 s the MLP's shapes time one or two rounds on a 2-core Zen 3.
-BUDGET_S = 0.2
+# them need about 1 s. At 0.25 s the MLP's shapes time two rounds or more on a 2-core Zen 3
+# (at 0.2 s the gate/up projection got one, and a burst of noise decided it).
+BUDGET_S = 0.25
 
 
 @dataclass(frozen=True)
