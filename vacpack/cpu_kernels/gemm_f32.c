@@ -198,17 +198,21 @@ static void micro_kernel(int64_t kc, const float* restrict a, const float* restr
     }
 }
 
-// One thread's share, panels [panel_begin, panel_end), reduction slices outermost: each
-// input block is packed once and meets every panel; the outputs are read back once per
-// slice, which is cheap while a thread's outputs stay in L2.
-static void gemm_slices_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
+// One thread's share, panels [panel_begin, panel_end), blocks of MC input rows outermost,
+// reduction slices inside: each input block is packed once and meets every panel, and the
+// outputs a block adds to (MC rows of the thread's panels) are read back once per slice while
+// they are still in L2. With the slices outermost, a large layer's outputs (4,096 rows of a
+// [1,536 -> 384] projection: 6 MiB) came back from memory once per slice: 122 GFLOPS where
+// this order runs 135 on the 2-core Zen 3, a 2,048-row [4,864 -> 896] projection 139 where it
+// runs 156.
+static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
                               float* a_block) {
     const int64_t m = g->m, k = g->k, n = g->n, y_stride = g->y_stride;
     const float* bias = g->bias;
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const int64_t kc = k - k0 < KC ? k - k0 : KC;
-        for (int64_t m0 = 0; m0 < m; m0 += MC) {
-            const int64_t mc = m - m0 < MC ? m - m0 : MC;
+    for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        const int64_t mc = m - m0 < MC ? m - m0 : MC;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kc = k - k0 < KC ? k - k0 : KC;
             pack_rows(g->x + m0 * g->x_stride + k0, g->x_stride, mc, kc, a_block);
             for (int64_t p = panel_begin; p < panel_end; ++p) {
                 const float* b = g->packed_w + (p * k + k0) * NR;
@@ -285,7 +289,7 @@ int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float
         } else if (few_rows) {
             gemm_panels_outer(&g, panel_begin, panel_end, a_buffer);
         } else {
-            gemm_slices_outer(&g, panel_begin, panel_end, a_buffer);
+            gemm_blocks_outer(&g, panel_begin, panel_end, a_buffer);
         }
         free(a_buffer);
     }
