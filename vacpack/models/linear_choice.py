@@ -3,14 +3,14 @@
 On a CPU the linears are most of every step (over 90% of a float32 prefill on a 2-core Zen 3).
 oneDNN's packed matmul is the default; in float32 vacpack's own register-blocked kernel
 (cpu_kernels/gemm_f32.c) is a second candidate. Which is faster depends on the CPU, the layer's
-shape and the row count: on the Zen 3 the C kernel won wide layers and decode-sized products by
-10-50% and lost narrow ones (few output features) by up to 20%. So each distinct weight shape
-of the model is timed with both kernels, as the model runs it (an encoder's up projection with
-its activation) at a prefill slice's rows and at decode batches' (as many rows again), one call
-covering both so that each regime's speed weighs the same, and the faster kernel packs the
-weights of that shape
-(phase `cpu_linear`, one choice per shape; VACPACK_CHOICE_CPU_LINEAR=onednn|c_gemm forces
-one). Each weight is packed once, for its kernel: never held twice.
+shape and the row count: on the Zen 3 the C kernel wins decode-sized products by 15-40% and
+prefill-sized ones by 0-20% or loses them by a few percent, shape by shape. So each distinct
+weight shape of the model is timed with both kernels, as the model runs it (an encoder's up
+projection with its activation) at a prefill slice's rows and at decode batches' (as many rows
+again), one call covering both so that each regime's speed weighs the same, and the faster
+kernel packs the weights of that shape (phase `cpu_linear`, one choice per shape;
+VACPACK_CHOICE_CPU_LINEAR=onednn|c_gemm forces one). Each weight is packed once, for its
+kernel: never held twice.
 """
 
 from __future__ import annotations

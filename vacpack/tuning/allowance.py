@@ -1,6 +1,6 @@
 """The time a model's first load may spend measuring, shared by all of its choices.
 
-Each phase asks for its own timing budget (a linear shape 0.3 s, the decode attention form
+Each phase asks for its own timing budget (a linear shape 0.25 s, the decode attention form
 0.25 s, ...), sized for what it decides. Alone those budgets bound the rounds, not the whole:
 building candidates (packing a weight twice, filling a KV cache) is spent before the rounds,
 and a model with many shapes asks for many budgets. An allowance is the ledger of one load:
