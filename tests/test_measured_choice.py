@@ -98,7 +98,7 @@ def test_warm_up_times_stand_when_it_spent_the_budget() -> None:
     assert timings.num_rounds == 0 and timings.best_time_s == pytest.approx({"a": 0.6, "b": 0.5})
 
 
-def test_a_load_s_allowance_bounds_its_phases_rounds(tmp_path: Path) -> None:
+def test_phases_under_one_allowance_share_it(tmp_path: Path) -> None:
     """Each phase asks for 1 s; the load's allowance of 0.1 s is what they share."""
     clock = FakeClock()
     allowance = TimingAllowance(total_s=0.1)
