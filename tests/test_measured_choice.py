@@ -21,7 +21,7 @@ from vacpack.tuning import (
 )
 from vacpack.tuning import cache as cache_module
 from vacpack.tuning.cache import choice_key
-from vacpack.tuning.timing import time_candidates
+from vacpack.tuning.timing import SETTLED_ROUNDS, time_candidates
 
 PHASE = "test_phase"
 
@@ -96,6 +96,78 @@ def test_warm_up_times_stand_when_it_spent_the_budget() -> None:
         {"a": clock.costing(0.6), "b": clock.costing(0.5)}, budget_s=1.0, clock=clock
     )
     assert timings.num_rounds == 0 and timings.best_time_s == pytest.approx({"a": 0.6, "b": 0.5})
+
+
+def test_rounds_stop_once_they_all_agree() -> None:
+    clock = FakeClock()
+    timings = time_candidates(
+        {"a": clock.costing(0.002), "b": clock.costing(0.001)},
+        budget_s=10.0,
+        max_rounds=100,
+        clock=clock,
+    )
+    assert timings.num_rounds == SETTLED_ROUNDS
+
+
+def test_rounds_go_on_while_they_disagree() -> None:
+    clock = FakeClock()
+    # b's first timed call was slowed past a's time: three rounds do not all agree.
+    timings = time_candidates(
+        {"a": clock.costing(0.002), "b": clock.costing(0.001, 0.003, 0.001)},
+        budget_s=10.0,
+        max_rounds=7,
+        clock=clock,
+    )
+    assert timings.num_rounds == 7 and timings.best_time_s == pytest.approx(
+        {"a": 0.002, "b": 0.001}
+    )
+
+
+def test_a_choice_cut_short_is_timed_again_at_the_next_load(tmp_path: Path) -> None:
+    """A first load with its allowance spent times one round, which a burst of other work
+    decided wrongly; the next load adds rounds until the choice settles, then it is cached."""
+    clock = FakeClock()
+    with spending(TimingAllowance(total_s=0.0)):
+        slowed_once = {"a": clock.costing(0.01), "b": clock.costing(0.005, 0.05, 0.005)}
+        first = choose_with(clock, tmp_path, slowed_once)
+    assert first.chosen == "a" and first.num_rounds == 1 and not first.settled
+    assert "timed again at the next load" in first.summary()
+
+    with spending(TimingAllowance()):
+        second = choose_with(clock, tmp_path, {"a": clock.costing(0.01), "b": clock.costing(0.005)})
+    assert second.source is ChoiceSource.MEASURED and second.chosen == "b"
+    assert second.num_rounds == SETTLED_ROUNDS and second.settled  # 1 earlier + 2 that agree
+    assert second.best_time_s == pytest.approx({"a": 0.01, "b": 0.005})
+
+    rerun = {"a": clock.costing(0.01), "b": clock.costing(0.005)}
+    with spending(TimingAllowance()):
+        third = choose_with(clock, tmp_path, rerun)
+    assert third.source is ChoiceSource.CACHED and third.chosen == "b"
+    assert total_calls(rerun.values()) == 0
+
+
+def test_settling_a_choice_may_use_what_the_load_has_left(tmp_path: Path) -> None:
+    """A phase whose budget its warm-up spent settles at a later load, from that load's
+    allowance rather than its own small budget (the settled phases cost the load nothing)."""
+    clock = FakeClock()
+    candidates = {"a": clock.costing(0.03), "b": clock.costing(0.02)}
+    first = choose_with(clock, tmp_path, candidates, budget_s=0.06)
+    assert first.num_rounds == 0 and first.chosen == "b"
+    with spending(TimingAllowance(total_s=1.0)) as allowance:
+        again = choose_with(clock, tmp_path, dict(candidates), budget_s=0.06)
+    assert again.num_rounds == SETTLED_ROUNDS and again.settled and again.chosen == "b"
+    assert allowance.spent_s == pytest.approx(again.measure_s) == pytest.approx(0.2)
+
+
+def test_an_unsettled_choice_stands_while_a_load_has_no_time_left(tmp_path: Path) -> None:
+    clock = FakeClock()
+    with spending(TimingAllowance(total_s=0.0)):
+        choose_with(clock, tmp_path, {"a": clock.costing(0.01), "b": clock.costing(0.02)})
+    rerun = {"a": clock.costing(0.01), "b": clock.costing(0.02)}
+    with spending(TimingAllowance(total_s=0.0)):
+        again = choose_with(clock, tmp_path, rerun)
+    assert again.source is ChoiceSource.CACHED and again.chosen == "a" and not again.settled
+    assert total_calls(rerun.values()) == 0
 
 
 def test_phases_under_one_allowance_share_it(tmp_path: Path) -> None:

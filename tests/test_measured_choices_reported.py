@@ -87,7 +87,7 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     # the model's layer ops and its linears' kernel, measured at its load, where the float32 C
     # kernels build.
     prefill_lines = [line for line in lines if "sdpa_prefill" in line]
-    assert len(prefill_lines) == 1 and "(cached;" in prefill_lines[0]
+    assert len(prefill_lines) == 1 and "(cached, " in prefill_lines[0]
     # With two backends the corpus job times them on its bin (attention_packed) too.
     layer_ops = elementwise_kernels_available(CPU, torch.float32)
     # One linear-kernel choice per weight shape where the C kernel competes.
@@ -106,6 +106,15 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     again_llm = LLM(model_dir, dtype="float32", device="cpu")
     again = again_llm.engine.setup
     assert [c.phase for c in again.measured_choices] == phases
-    assert all(c.source is ChoiceSource.CACHED for c in again.measured_choices)
-    assert again_llm.loaded.timing_allowance.spent_s == 0.0
-    assert [c.chosen for c in again.measured_choices] == [c.chosen for c in setup.measured_choices]
+    # A settled choice is read from the cache; one that a busy machine left on too few rounds
+    # (rare on these tiny shapes) is timed again while the load has time left, its rounds
+    # added to the earlier ones.
+    first_choices = llm.loaded.measured_choices + setup.measured_choices
+    again_choices = again_llm.loaded.measured_choices + again.measured_choices
+    for first, second in zip(first_choices, again_choices, strict=True):
+        if second.source is ChoiceSource.MEASURED:
+            assert not first.settled and second.num_rounds > first.num_rounds
+        else:
+            assert second.source is ChoiceSource.CACHED and second.chosen == first.chosen
+    if all(c.settled for c in first_choices):
+        assert again_llm.loaded.timing_allowance.spent_s == 0.0

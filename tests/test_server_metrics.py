@@ -110,6 +110,12 @@ def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> No
     linears = {"cpu_linear"} if len(eligible_linear_kernels(cpu, torch.float32)) > 1 else set()
     assert phases == options | backends | set(LAYER_OP_PHASES if layer_ops else ()) | linears
     assert all(line.endswith(" 1.0") and 'model_name="tiny"' in line for line in chosen)
+    rounds = [
+        line for line in text.splitlines() if line.startswith("vacpack:measured_choice_rounds{")
+    ]
+    assert {line.split('phase="')[1].split('"')[0] for line in rounds} == phases
+    round_counts = [float(line.rsplit(" ", 1)[1]) for line in rounds]
+    assert all(count == int(count) >= 0 for count in round_counts) and max(round_counts) >= 1
     timed = [
         line for line in text.splitlines() if line.startswith("vacpack:measured_choice_candidate")
     ]

@@ -119,6 +119,13 @@ class ServerMetrics:
             [*labels, "phase", "shape", "candidate"],
             registry=registry,
         )
+        self._choice_rounds = Gauge(
+            "vacpack:measured_choice_rounds",
+            "Timed rounds behind each measured choice, over every load that timed it (fewer "
+            "than 3: unsettled, timed again at the next load).",
+            [*labels, "phase", "shape"],
+            registry=registry,
+        )
         self.requests_rejected = counter(
             "vacpack:request_rejected", "Requests refused with 503 because the queue was full."
         )
@@ -130,6 +137,10 @@ class ServerMetrics:
             self._measured_choice.labels(
                 self._model_name, choice.phase, choice.chosen, source, shape
             ).set(1)
+            if choice.best_time_s:
+                self._choice_rounds.labels(self._model_name, choice.phase, shape).set(
+                    choice.num_rounds
+                )
             for candidate, best_s in choice.best_time_s.items():
                 self._candidate_seconds.labels(
                     self._model_name, choice.phase, shape, candidate

@@ -5,8 +5,14 @@ A choice is made in this order:
 1. a candidate named by the caller (`forced`), e.g. from a configuration field;
 2. a candidate named by the environment variable VACPACK_CHOICE_<PHASE> (phase in capitals);
 3. the only candidate, where there is one;
-4. the cached result of an earlier measurement with the same key (see cache.py);
+4. the cached result of an earlier measurement with the same key (see cache.py), once settled;
 5. a measurement (timing.py), whose result is then cached.
+
+A measurement left on fewer than SETTLED_ROUNDS timed rounds (its budget or the load's
+allowance ran out) is cached unsettled: a later load uses it as it is once that load's own
+allowance is spent, and before that times the rounds it lacks and adds them to the earlier
+ones (each candidate keeps its best). A first load stays bounded, and one burst of other work
+at the wrong moment does not decide a choice for good.
 
 The fastest candidate wins, unless a `preferred` one is within `preferred_tolerance` of it: a
 preference for reasons the clock does not see (memory, precision), kept while it costs little.
@@ -27,7 +33,7 @@ from pathlib import Path
 from vacpack.tuning.allowance import FIRST_LOAD_TIMING_S, current_allowance
 from vacpack.tuning.cache import ChoiceCache, choice_key, default_cache_dir
 from vacpack.tuning.record import ChoiceSource, MeasuredChoice
-from vacpack.tuning.timing import DEFAULT_MAX_ROUNDS, Clock, time_candidates
+from vacpack.tuning.timing import DEFAULT_MAX_ROUNDS, SETTLED_ROUNDS, Clock, time_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +85,10 @@ def choose(
     cache = ChoiceCache(cache_dir or default_cache_dir())
     key = choice_key(phase, shape_key, names)
     entry = cache.load(key)
+    allowance = current_allowance()
+    earlier = None
     if entry is not None:
-        return MeasuredChoice(
+        earlier = MeasuredChoice(
             phase,
             shape_key,
             entry["chosen"],
@@ -89,6 +97,8 @@ def choose(
             failed=dict(entry.get("failed", {})),
             num_rounds=int(entry.get("num_rounds", 0)),
         )
+        if earlier.settled or (allowance is not None and allowance.remaining_s <= 0):
+            return earlier
 
     measure_start_s = clock()
     nested_s: list[float] = []
@@ -99,13 +109,21 @@ def choose(
         _nested_measure_s.reset(token)
     if sorted(candidates) != sorted(names):
         raise ValueError(f"{phase}: built candidates {sorted(candidates)}, named {sorted(names)}")
-    allowance = current_allowance()
     min_rounds = 0
     # Building the candidates' inputs counts, other phases measured meanwhile not (they charged
     # their own time).
     build_s = clock() - measure_start_s - sum(nested_s)
     if allowance is not None:
         allowance.charge(build_s)
+    earlier_rounds = earlier.num_rounds if earlier is not None else 0
+    if earlier is not None:
+        # Settling an earlier choice: only the rounds it lacks (at least one, now that its
+        # candidates are built), from whatever the load has left: its settled choices cost
+        # it nothing this time.
+        max_rounds, min_rounds = max(1, SETTLED_ROUNDS - earlier_rounds), 1
+        if allowance is not None:
+            budget_s = allowance.remaining_s
+    elif allowance is not None:
         granted_s = allowance.grant(budget_s)
         # A spent allowance still leaves one timed round: warm-up times carry first calls'
         # costs (allocations, primitive creation), not what the phase costs every step.
@@ -120,15 +138,21 @@ def choose(
     if not timings.best_time_s:
         errors = "; ".join(f"{name}: {error}" for name, error in timings.failed.items())
         raise RuntimeError(f"{phase}: every candidate failed ({errors})")
-    chosen = _pick(timings.best_time_s, preferred, preferred_tolerance)
+    best_time_s = timings.best_time_s
+    if earlier is not None:  # this load goes on where an earlier one stopped
+        best_time_s = {
+            name: min(time_s, earlier.best_time_s.get(name, time_s))
+            for name, time_s in best_time_s.items()
+        }
+    chosen = _pick(best_time_s, preferred, preferred_tolerance)
     choice = MeasuredChoice(
         phase,
         shape_key,
         chosen,
         ChoiceSource.MEASURED,
-        best_time_s=timings.best_time_s,
+        best_time_s=best_time_s,
         failed=timings.failed,
-        num_rounds=timings.num_rounds,
+        num_rounds=earlier_rounds + timings.num_rounds,
         measure_s=measure_s,
     )
     enclosing = _nested_measure_s.get()

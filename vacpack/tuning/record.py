@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from vacpack.tuning.timing import SETTLED_ROUNDS
+
 
 class ChoiceSource(str, Enum):
     MEASURED = "measured"  # timed now, on this machine
@@ -21,7 +23,8 @@ class MeasuredChoice:
     """One phase's choice among named candidates.
 
     `best_time_s` holds each candidate's best time of one call (empty when the choice was
-    forced or there was one candidate); `failed` the candidates that raised, with the error.
+    forced or there was one candidate); `failed` the candidates that raised, with the error;
+    `num_rounds` the timed rounds behind it, this load's and earlier loads' together.
     """
 
     phase: str
@@ -33,6 +36,13 @@ class MeasuredChoice:
     num_rounds: int = 0
     measure_s: float = 0.0  # time spent timing at this load (0 when cached or forced)
 
+    @property
+    def settled(self) -> bool:
+        """Whether the choice stands for good: forced, the only candidate, or timed over enough
+        rounds that one slowed round cannot have decided it."""
+        timed = self.source in (ChoiceSource.MEASURED, ChoiceSource.CACHED)
+        return not timed or self.num_rounds >= SETTLED_ROUNDS
+
     def speed_ratio(self, slower: str, faster: str) -> float | None:
         """How many times longer `slower` took than `faster`, where both were timed."""
         if slower not in self.best_time_s or faster not in self.best_time_s:
@@ -43,8 +53,11 @@ class MeasuredChoice:
         """One line: what was chosen, how, and each candidate's time."""
         timings = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in self.best_time_s.items())
         failed = "".join(f"; {name} failed ({error})" for name, error in self.failed.items())
+        rounds = f", {self.num_rounds} rounds" if timings else ""
+        unsettled = "" if self.settled else ", timed again at the next load"
         return (
-            f"{self.phase} [{self.shape_key}]: {self.chosen} ({self.source.value}"
+            f"{self.phase} [{self.shape_key}]: {self.chosen} ({self.source.value}{rounds}"
+            + unsettled
             + (f"; {timings}" if timings else "")
             + f"){failed}"
         )
@@ -59,5 +72,6 @@ class MeasuredChoice:
             "best_time_s": dict(self.best_time_s),
             "failed": dict(self.failed),
             "num_rounds": self.num_rounds,
+            "settled": self.settled,
             "measure_s": self.measure_s,
         }
