@@ -2,6 +2,7 @@
 and shapes (see choose.py)."""
 
 from vacpack.tuning.allowance import FIRST_LOAD_TIMING_S, TimingAllowance, spending
+from vacpack.tuning.audit import AuditedChoice, RecordedChoice, audit, recording
 from vacpack.tuning.cache import CACHE_ENV, ChoiceCache, default_cache_dir
 from vacpack.tuning.choose import DEFAULT_BUDGET_S, choose, force_env_var
 from vacpack.tuning.record import ChoiceSource, MeasuredChoice
@@ -10,12 +11,16 @@ __all__ = [
     "CACHE_ENV",
     "DEFAULT_BUDGET_S",
     "FIRST_LOAD_TIMING_S",
+    "AuditedChoice",
     "ChoiceCache",
     "ChoiceSource",
     "MeasuredChoice",
+    "RecordedChoice",
     "TimingAllowance",
+    "audit",
     "choose",
     "default_cache_dir",
     "force_env_var",
+    "recording",
     "spending",
 ]

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from vacpack.tuning.allowance import FIRST_LOAD_TIMING_S, current_allowance
+from vacpack.tuning.audit import remember
 from vacpack.tuning.cache import ChoiceCache, choice_key, default_cache_dir
 from vacpack.tuning.record import ChoiceSource, MeasuredChoice
 from vacpack.tuning.timing import DEFAULT_MAX_ROUNDS, SETTLED_ROUNDS, Clock, time_candidates
@@ -98,6 +99,7 @@ def choose(
             num_rounds=int(entry.get("num_rounds", 0)),
         )
         if earlier.settled or (allowance is not None and allowance.remaining_s <= 0):
+            remember(earlier, make_candidates)
             return earlier
 
     measure_start_s = clock()
@@ -159,6 +161,7 @@ def choose(
     if enclosing is not None:
         enclosing.append(measure_s + sum(nested_s))  # this phase's and its own nested ones
     cache.store(key, choice.to_dict())
+    remember(choice, make_candidates)
     logger.info("measured choice: %s", choice.summary())
     return choice
 

@@ -22,7 +22,8 @@ Clock = Callable[[], float]
 DEFAULT_MAX_ROUNDS = 7
 # Timed rounds after which a choice is settled: a burst of other work that slowed the fastest
 # candidate in one or two rounds is outvoted by its best of three. A choice on fewer rounds
-# (its timing allowance ran out) is timed again at the next load (see choose.py).
+# (its budget or the load's timing allowance ran out) is timed again at the next load (see
+# choose.py).
 SETTLED_ROUNDS = 3
 
 
