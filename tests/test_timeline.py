@@ -209,6 +209,32 @@ def test_parse_length_range() -> None:
             parse_length_range(bad)
 
 
+def test_bench_audits_its_choices(
+    tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "bench.json"
+    argv = [
+        "bench", "--model", str(tiny_checkpoint("qwen2")), "--device", "cpu", "--dtype", "float32",
+        "--num-prompts", "2", "--input-len", "4:8", "--output-len", "2", "--json", str(report),
+        "--quiet", "--no-warmup", "--audit-choices",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    results = json.loads(report.read_text())
+    # Every timed choice (the load's and the engine's) audited once, all its candidates timed.
+    chosen = {(c["phase"], c["shape_key"]): c for c in results["measured_choices"]}
+    timed = {key for key, c in chosen.items() if c["best_time_s"]}
+    audited = results["choice_audit"]
+    assert {(row["phase"], row["shape_key"]) for row in audited} == timed
+    for row in audited:
+        choice = chosen[row["phase"], row["shape_key"]]
+        assert row["chosen"] == choice["chosen"] and row["chosen_over_fastest"] >= 1.0
+        assert set(row["best_time_s"]) | set(row["failed"]) == set(choice["best_time_s"]) | set(
+            choice["failed"]
+        )
+    assert out.count("audit: ") == len(audited) > 0
+
+
 def test_bench_writes_timeline_plot_and_json(
     tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,17 +9,21 @@ lanes, --json keeps every number and every step record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vacpack.cli.demo import demo_model_dir
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
 from vacpack.engine.timeline import StepTimeline
 from vacpack.llm import LLM
 from vacpack.sampling import SamplingParams
+from vacpack.tuning import RecordedChoice, audit, recording
 
 # A few short requests before the timed run: first-call costs (allocator growth, kernel
 # selection, lazy initialisation) would otherwise land in the first steps of the timeline.
@@ -77,6 +81,12 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         help="run a few short requests first, outside the measurement",
     )
     group.add_argument("--quiet", action="store_true", help="no progress bar")
+    group.add_argument(
+        "--audit-choices",
+        action="store_true",
+        help="after the run, time every measured choice's candidates again over many rounds "
+        "and report how much slower each chosen one ran than the fastest",
+    )
     bench.set_defaults(handler=cmd_bench)
 
 
@@ -95,7 +105,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be at least 1")
     model = args.model or str(demo_model_dir())
-    llm = LLM(model, **engine_kwargs(args))
+    recorded: list[RecordedChoice] = []
+    with recording() if args.audit_choices else contextlib.nullcontext(recorded) as recorded:
+        llm = LLM(model, **engine_kwargs(args))
+        timeline = llm.engine.timeline  # the engine's attention choices are made here
     max_total_tokens = args.input_len[1] + args.output_len
     if max_total_tokens > llm.loaded.max_model_len:
         raise ValueError(
@@ -107,7 +120,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
-    timeline = llm.engine.timeline
     if args.warmup:
         # Its own prompts (another seed), so the prefix cache gives the timed run nothing.
         warmup = random_prompts(WARMUP_NUM_PROMPTS, args.input_len, vocab_size, args.seed + 1)
@@ -154,6 +166,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"chosen by measurement: {choice.summary()}")
     print(f"timeline: {timeline.summary().describe()}")
     results["timeline"] = timeline.to_dict()
+    if args.audit_choices:
+        results["choice_audit"] = _audit(recorded)
     if args.timeline:
         _plot(timeline, args)
     if args.json:
@@ -162,6 +176,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
         print(f"results -> {path}")
     return 0
+
+
+def _audit(recorded: list[RecordedChoice]) -> list[dict[str, Any]]:
+    """Each choice's candidates timed again (vacpack.tuning.audit), printed and returned."""
+    rows = []
+    with torch.inference_mode():
+        audited = audit(recorded)
+    for row in audited:
+        choice = row.choice
+        timings = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in row.best_time_s.items())
+        print(
+            f"audit: {choice.phase} [{choice.shape_key}]: chose {choice.chosen}, fastest "
+            f"{row.fastest}, chosen / fastest {row.chosen_over_fastest:.3f} ({timings})"
+        )
+        rows.append(
+            {
+                "phase": choice.phase,
+                "shape_key": choice.shape_key,
+                "chosen": choice.chosen,
+                "fastest": row.fastest,
+                "chosen_over_fastest": row.chosen_over_fastest,
+                "best_time_s": row.best_time_s,
+                "failed": row.failed,
+                "num_rounds": row.num_rounds,
+            }
+        )
+    return rows
 
 
 def _plot(timeline: StepTimeline, args: argparse.Namespace) -> None:
