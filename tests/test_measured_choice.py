@@ -41,6 +41,12 @@ def choose_with(
                   clock=clock, **kwargs)  # fmt: skip
 
 
+def time_with(
+    clock: FakeClock, candidates: dict[str, Callable[[], object]], budget_s: float, max_rounds: int
+):
+    return time_candidates(candidates, budget_s=budget_s, max_rounds=max_rounds, clock=clock)
+
+
 def total_calls(candidates: Iterable[Callable[[], object]]) -> int:
     return sum(len(getattr(c, "calls", [])) for c in candidates)
 
@@ -81,12 +87,7 @@ def test_best_of_interleaved_rounds_ignores_a_slowed_call(tmp_path: Path) -> Non
 
 def test_rounds_stop_within_the_time_budget() -> None:
     clock = FakeClock()
-    timings = time_candidates(
-        {"a": clock.costing(0.01), "b": clock.costing(0.02)},
-        budget_s=0.1,
-        max_rounds=100,
-        clock=clock,
-    )
+    timings = time_with(clock, {"a": clock.costing(0.01), "b": clock.costing(0.02)}, 0.1, 100)
     assert timings.elapsed_s <= 0.1 and timings.num_rounds == 2  # warm-up 0.03 + 2 x 0.03
 
 
@@ -100,23 +101,15 @@ def test_warm_up_times_stand_when_it_spent_the_budget() -> None:
 
 def test_rounds_stop_once_they_all_agree() -> None:
     clock = FakeClock()
-    timings = time_candidates(
-        {"a": clock.costing(0.002), "b": clock.costing(0.001)},
-        budget_s=10.0,
-        max_rounds=100,
-        clock=clock,
-    )
+    timings = time_with(clock, {"a": clock.costing(0.002), "b": clock.costing(0.001)}, 10.0, 100)
     assert timings.num_rounds == SETTLED_ROUNDS
 
 
 def test_rounds_go_on_while_they_disagree() -> None:
     clock = FakeClock()
     # b's first timed call was slowed past a's time: three rounds do not all agree.
-    timings = time_candidates(
-        {"a": clock.costing(0.002), "b": clock.costing(0.001, 0.003, 0.001)},
-        budget_s=10.0,
-        max_rounds=7,
-        clock=clock,
+    timings = time_with(
+        clock, {"a": clock.costing(0.002), "b": clock.costing(0.001, 0.003, 0.001)}, 10.0, 7
     )
     assert timings.num_rounds == 7 and timings.best_time_s == pytest.approx(
         {"a": 0.002, "b": 0.001}
