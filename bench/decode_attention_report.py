@@ -1,5 +1,6 @@
 """The decode attention benchmark's results: the KV bytes a step must read, each path's achieved
-KV read bandwidth against the copy bandwidth, the JSON file and the markdown table."""
+KV read bandwidth against the copy and read-only bandwidths, the JSON file and the markdown
+table."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 from decode_attention_workload import HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, DecodeBatch
 
@@ -24,14 +26,19 @@ def kv_bytes_per_step(batch: DecodeBatch, num_layers: int, dtype: torch.dtype) -
     return len(slots) * bytes_per_token * num_layers
 
 
-def bandwidth(kv_bytes: int, ms_per_step: dict[str, dict[str, float]], copy: float) -> dict:
-    """Each path's achieved KV read bandwidth, and its share of the copy bandwidth."""
+def bandwidth(
+    kv_bytes: int, ms_per_step: dict[str, dict[str, float]], copy: float, read: float
+) -> dict:
+    """Each path's achieved KV read bandwidth, and its shares of the copy and read-only
+    bandwidths."""
+    achieved = {name: kv_bytes / (t["best_ms"] / 1e3) / 1e9 for name, t in ms_per_step.items()}
     return {
         name: {
-            "kv_read_gb_per_s": kv_bytes / (t["best_ms"] / 1e3) / 1e9,
-            "share_of_copy": kv_bytes / (t["best_ms"] / 1e3) / 1e9 / copy,
+            "kv_read_gb_per_s": gb_per_s,
+            "share_of_copy": gb_per_s / copy,
+            "share_of_read": gb_per_s / read,
         }
-        for name, t in ms_per_step.items()
+        for name, gb_per_s in achieved.items()
     }
 
 
@@ -43,9 +50,9 @@ def write_results(results: dict[str, Any], output: Path) -> None:
 def print_table(results: dict[str, Any]) -> None:
     print(
         "| workload | timing | path | best ms/step | median ms/step | speed-up "
-        "| KV read GB/s | of copy GB/s |"
+        "| KV read GB/s | of copy GB/s | of read GB/s |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for name, workload in results["workloads"].items():
         for setting, timing in workload["timings"].items():
             for path, t in timing["ms_per_step"].items():
@@ -54,5 +61,51 @@ def print_table(results: dict[str, Any]) -> None:
                 print(
                     f"| {name} | {setting} | {path} | {t['best_ms']:.1f} | {t['median_ms']:.1f} "
                     f"| {speedup:.2f}x | {achieved['kv_read_gb_per_s']:.3g} "
-                    f"| {achieved['share_of_copy']:.0%} of {timing['copy_gb_per_s']:.1f} |"
+                    f"| {achieved['share_of_copy']:.0%} of {timing['copy_gb_per_s']:.1f} "
+                    f"| {achieved['share_of_read']:.0%} of {timing['read_gb_per_s']:.1f} |"
                 )
+
+
+def save_plots(results: dict[str, Any], output: Path) -> list[Path]:
+    """One chart per workload: each path's best ms per step with the first (2-thread, wall
+    clock) setting, labelled with its KV read bandwidth's share of the copy and read-only
+    bandwidths. Written beside the JSON file as <stem>_<workload>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, workload in results["workloads"].items():
+        setting, timing = next(iter(workload["timings"].items()))
+        ms = {path: t["best_ms"] for path, t in timing["ms_per_step"].items()}
+        shares = timing["kv_bandwidth"]
+        figure, axes = plt.subplots(figsize=(9, 0.4 * len(ms) + 1.6))
+        bars = axes.barh(list(ms), list(ms.values()), color="tab:blue")
+        axes.bar_label(
+            bars,
+            labels=[
+                f" {t:.0f} ms: {shares[path]['share_of_copy']:.0%} of copy, "
+                f"{shares[path]['share_of_read']:.0%} of read"
+                for path, t in ms.items()
+            ],
+            fontsize=7,
+        )
+        axes.invert_yaxis()
+        axes.tick_params(axis="y", labelsize=7)
+        axes.set_xlim(0, max(ms.values()) * 1.45)
+        axes.set_xlabel(
+            f"ms per {workload['num_layers']}-layer decode step, best of the rounds "
+            f"(copy {timing['copy_gb_per_s']:.1f} GB/s, read {timing['read_gb_per_s']:.1f} GB/s)"
+        )
+        axes.set_title(
+            f"Decode attention, {name}, {results['dtype']}, {setting}\n"
+            f"{harness.machine_summary(results['machine'])}",
+            fontsize=9,
+        )
+        figure.tight_layout()
+        plot = output.with_name(f"{output.stem}_{name}.png")
+        figure.savefig(plot, dpi=120)
+        plt.close(figure)
+        paths.append(plot)
+    return paths
