@@ -24,7 +24,7 @@ import harness
 import torch
 
 from vacpack import LLM
-from vacpack.tuning import CACHE_ENV, AuditedChoice, RecordedChoice, audit, recording
+from vacpack.tuning import CACHE_ENV, RecordedChoice, audit, recording
 from vacpack.tuning.audit import AUDIT_ROUNDS
 
 RESULTS = harness.REPO_ROOT / "bench" / "results" / "choice_audit_cpu.json"
@@ -54,24 +54,6 @@ def load_and_record(args: argparse.Namespace) -> list[RecordedChoice]:
     return last
 
 
-def row_fields(row: AuditedChoice) -> dict[str, Any]:
-    choice = row.choice
-    return {
-        "phase": choice.phase,
-        "shape": choice.shape_key,
-        "chosen": choice.chosen,
-        "source": choice.source.value,
-        "load_rounds": choice.num_rounds,
-        "settled": choice.settled,
-        "load_best_ms": {name: s * 1e3 for name, s in choice.best_time_s.items()},
-        "audit_best_ms": {name: s * 1e3 for name, s in row.best_time_s.items()},
-        "audit_failed": row.failed,
-        "audit_rounds": row.num_rounds,
-        "fastest": row.fastest,
-        "chosen_over_fastest": row.chosen_over_fastest,
-    }
-
-
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| phase | shapes | chosen (load rounds) | audit: each candidate's best ms | fastest | "
@@ -79,10 +61,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---:|",
     ]
     for r in rows:
-        times = ", ".join(f"{name} {ms:.3g}" for name, ms in r["audit_best_ms"].items())
+        times = ", ".join(f"{name} {t * 1e3:.3g}" for name, t in r["best_time_s"].items())
         mark = "" if r["chosen_over_fastest"] <= SLOWDOWN_BOUND else " **over 10%**"
         lines.append(
-            f"| {r['phase']} | {harness.markdown_cell(r['shape'])} | {r['chosen']} "
+            f"| {r['phase']} | {harness.markdown_cell(r['shape_key'])} | {r['chosen']} "
             f"({r['load_rounds']}) | {times} | {r['fastest']} | "
             f"{r['chosen_over_fastest']:.3f}{mark} |"
         )
@@ -100,7 +82,7 @@ def save_plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     # A shape key's end tells apart the choices of one phase (the batch, the shared prefix).
-    labels = [f"{r['phase']}\n{shorter(r['shape'], 56)}" for r in rows]
+    labels = [f"{r['phase']}\n{shorter(r['shape_key'], 56)}" for r in rows]
     ratios = [min(r["chosen_over_fastest"], 3.0) for r in rows]  # a failed one drawn at 3
     colours = ["tab:red" if x > SLOWDOWN_BOUND else "tab:blue" for x in ratios]
     figure, axes = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
@@ -135,7 +117,7 @@ def main() -> int:
     recorded = load_and_record(args)
     harness.log(f"timing {len(recorded)} choices again, {args.rounds} rounds each")
     with torch.inference_mode():
-        rows = [row_fields(row) for row in audit(recorded, rounds=args.rounds)]
+        rows = [row.to_dict() for row in audit(recorded, rounds=args.rounds)]
     within = sum(r["chosen_over_fastest"] <= SLOWDOWN_BOUND for r in rows)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     settings = {"dtype": args.dtype, "loads": args.loads, "rounds": args.rounds}

@@ -115,29 +115,28 @@ def interleaved_best_ms(
     }
 
 
+def best_call_s(call: Callable[[], object], rounds: int, clock: Callable[[], float]) -> float:
+    """`call`'s best time over `rounds`, after one untimed call (pages mapped, caches warm)."""
+    call()
+    best_s = float("inf")
+    for _ in range(rounds):
+        start = clock()
+        call()
+        best_s = min(best_s, clock() - start)
+    return best_s
+
+
 def copy_gb_per_s(rounds: int, clock: Callable[[], float]) -> float:
     """Memory bandwidth of a large copy (bytes read plus bytes written), best of the rounds."""
     source = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
     target = torch.empty_like(source)
-    target.copy_(source)  # the pages are mapped before any timed copy
-    best_s = float("inf")
-    for _ in range(rounds):
-        start = clock()
-        target.copy_(source)
-        best_s = min(best_s, clock() - start)
-    return 2 * COPY_BYTES / best_s / 1e9
+    return 2 * COPY_BYTES / best_call_s(lambda: target.copy_(source), rounds, clock) / 1e9
 
 
 def read_gb_per_s(rounds: int, clock: Callable[[], float]) -> float:
     """Read-only memory bandwidth: a large tensor summed, best of the rounds."""
     source = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
-    source.sum()
-    best_s = float("inf")
-    for _ in range(rounds):
-        start = clock()
-        source.sum()
-        best_s = min(best_s, clock() - start)
-    return COPY_BYTES / best_s / 1e9
+    return COPY_BYTES / best_call_s(source.sum, rounds, clock) / 1e9
 
 
 def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
@@ -148,12 +147,7 @@ def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
         ("paged matmul + cascade", lambda: TorchSdpaBackend().build_metadata(batch.layout, CPU)),
         (C_KERNEL, lambda: CpuKernelBackend().build_metadata(batch.layout, CPU)),
     ):
-        best = float("inf")
-        for _ in range(rounds):
-            start = time.perf_counter()
-            build()
-            best = min(best, time.perf_counter() - start)
-        result[name] = best * 1e3
+        result[name] = best_call_s(build, rounds, time.perf_counter) * 1e3
     return result
 
 

@@ -116,6 +116,26 @@ def test_rounds_go_on_while_they_disagree() -> None:
     )
 
 
+def test_rounds_end_cleanly_when_every_candidate_fails_after_its_warm_up() -> None:
+    clock = FakeClock()
+
+    def works_once() -> Callable[[], None]:
+        calls = []
+
+        def run() -> None:
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("out of memory")
+            clock.now_s += 0.001
+
+        return run
+
+    timings = time_candidates(
+        {"a": works_once(), "b": works_once()}, budget_s=1.0, enough_rounds=1, clock=clock
+    )
+    assert timings.best_time_s == {} and set(timings.failed) == {"a", "b"}
+
+
 def test_a_choice_cut_short_is_timed_again_at_the_next_load(tmp_path: Path) -> None:
     """A first load with its allowance spent times one round, which a burst of other work
     decided wrongly; the next load adds rounds until the choice settles, then it is cached."""

@@ -9,7 +9,6 @@ lanes, --json keeps every number and every step record.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import time
@@ -105,8 +104,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be at least 1")
     model = args.model or str(demo_model_dir())
-    recorded: list[RecordedChoice] = []
-    with recording() if args.audit_choices else contextlib.nullcontext(recorded) as recorded:
+    # What builds each choice's candidates, kept for --audit-choices (a few closures).
+    with recording() as recorded:
         llm = LLM(model, **engine_kwargs(args))
         timeline = llm.engine.timeline  # the engine's attention choices are made here
     max_total_tokens = args.input_len[1] + args.output_len
@@ -180,7 +179,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _audit(recorded: list[RecordedChoice]) -> list[dict[str, Any]]:
     """Each choice's candidates timed again (vacpack.tuning.audit), printed and returned."""
-    rows = []
     with torch.inference_mode():
         audited = audit(recorded)
     for row in audited:
@@ -190,19 +188,7 @@ def _audit(recorded: list[RecordedChoice]) -> list[dict[str, Any]]:
             f"audit: {choice.phase} [{choice.shape_key}]: chose {choice.chosen}, fastest "
             f"{row.fastest}, chosen / fastest {row.chosen_over_fastest:.3f} ({timings})"
         )
-        rows.append(
-            {
-                "phase": choice.phase,
-                "shape_key": choice.shape_key,
-                "chosen": choice.chosen,
-                "fastest": row.fastest,
-                "chosen_over_fastest": row.chosen_over_fastest,
-                "best_time_s": row.best_time_s,
-                "failed": row.failed,
-                "num_rounds": row.num_rounds,
-            }
-        )
-    return rows
+    return [row.to_dict() for row in audited]
 
 
 def _plot(timeline: StepTimeline, args: argparse.Namespace) -> None:

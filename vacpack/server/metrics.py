@@ -16,6 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vacpack.engine.state import EngineState
 from vacpack.tuning import MeasuredChoice
+from vacpack.tuning.timing import SETTLED_ROUNDS
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -122,7 +123,7 @@ class ServerMetrics:
         self._choice_rounds = Gauge(
             "vacpack:measured_choice_rounds",
             "Timed rounds behind each measured choice, over every load that timed it (fewer "
-            "than 3: unsettled, timed again at the next load).",
+            f"than {SETTLED_ROUNDS}: unsettled, timed again at the next load).",
             [*labels, "phase", "shape"],
             registry=registry,
         )

@@ -17,6 +17,7 @@ import contextvars
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vacpack.tuning.record import MeasuredChoice
 from vacpack.tuning.timing import SETTLED_ROUNDS, Clock, time_candidates
@@ -79,6 +80,24 @@ class AuditedChoice:
         if self.choice.chosen not in self.best_time_s:
             return float("inf")
         return self.best_time_s[self.choice.chosen] / self.best_time_s[self.fastest]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready fields: the audit's timings, and what the load chose and on what."""
+        choice = self.choice
+        return {
+            "phase": choice.phase,
+            "shape_key": choice.shape_key,
+            "chosen": choice.chosen,
+            "source": choice.source.value,
+            "load_rounds": choice.num_rounds,
+            "settled": choice.settled,
+            "load_best_time_s": dict(choice.best_time_s),
+            "best_time_s": dict(self.best_time_s),
+            "failed": dict(self.failed),
+            "num_rounds": self.num_rounds,
+            "fastest": self.fastest,
+            "chosen_over_fastest": self.chosen_over_fastest,
+        }
 
 
 def audit(

@@ -83,7 +83,10 @@ def time_candidates(
 
 def _rounds_agree(samples: list[list[float]]) -> bool:
     """Whether one candidate's slowest call beat every other candidate's fastest: more rounds
-    would not change the choice, only spend time another phase could use."""
+    would not change the choice, only spend time another phase could use. With one candidate
+    left running (or none: every other one raised) there is nothing to compare."""
+    if len(samples) < 2:
+        return True
     leader = min(range(len(samples)), key=lambda i: min(samples[i]))
     return all(max(samples[leader]) < min(other) for i, other in enumerate(samples) if i != leader)
 
