@@ -1,4 +1,5 @@
-"""Scoring in cache-sized slices, the bin budget's memory bound, and the runner's progress."""
+"""Scoring by the C kernel or in cache-sized slices, the bin budget's memory bound, and the
+runner's progress."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 
 from vacpack import LLM
+from vacpack.corpus import token_logprobs as token_logprobs_module
 from vacpack.corpus.budget import BinBudget, measure_bin_budget
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.runner import CorpusRunner
 from vacpack.corpus.tasks import EmbedTask, LoglikelihoodTask, resolve_pooling
 from vacpack.corpus.token_logprobs import LM_HEAD_ROWS, score_tokens
+from vacpack.cpu_kernels.token_logprobs import token_logprobs_supported
 from vacpack.host_memory import PeakAllocation, can_measure
 
 VOCAB_SIZE = 1000
@@ -24,8 +27,19 @@ def llm(tiny_checkpoint) -> LLM:
     return LLM(str(tiny_checkpoint("qwen2")), dtype="float32", max_num_batched_tokens=64)
 
 
+@pytest.fixture(params=["kernel", "log_softmax"])
+def scoring_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways score_tokens scores: the C kernel where it runs, else slices of log-softmax."""
+    if request.param == "kernel":
+        if not token_logprobs_supported(torch.zeros(1, 1)):
+            pytest.skip("the scoring kernel does not build here")
+    else:
+        monkeypatch.setattr(token_logprobs_module, "token_logprobs_supported", lambda _: False)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("num_rows", [1, 31, LM_HEAD_ROWS + 45])
-def test_scores_equal_one_log_softmax_over_all_rows(num_rows: int) -> None:
+def test_scores_equal_one_log_softmax_over_all_rows(num_rows: int, scoring_path: str) -> None:
     generator = torch.Generator().manual_seed(num_rows)
     weight = torch.randn(VOCAB_SIZE, HIDDEN_SIZE, generator=generator)
     hidden = torch.randn(num_rows + 7, HIDDEN_SIZE, generator=generator)
@@ -140,7 +154,7 @@ def test_scoring_in_a_measured_budget_equals_a_given_one(llm: LLM) -> None:
     assert whole == pytest.approx(given, abs=1e-3)
 
 
-def test_logits_in_the_models_dtype_are_scored_in_float32() -> None:
+def test_logits_in_the_models_dtype_are_scored_in_float32(scoring_path: str) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(VOCAB_SIZE, HIDDEN_SIZE, generator=generator).bfloat16()
     hidden = torch.randn(70, HIDDEN_SIZE, generator=generator).bfloat16()

@@ -41,15 +41,6 @@
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-typedef uint16_t bf16;
-
-static inline float bf16_to_float(bf16 x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
 static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch rounds
     uint32_t bits;
     memcpy(&bits, &f, sizeof(bits));
@@ -94,18 +85,6 @@ static inline int64_t value_start(const Problem* pr, int64_t h) {
 }
 
 static inline int64_t value_stride(const Problem* pr) { return pr->heads_in_lanes ? 8 : 1; }
-
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-static inline v8f load8_bf16(const bf16* p) {
-    v8h half;
-    memcpy(&half, p, sizeof(half));
-    const v8u bits = __builtin_convertvector(half, v8u) << 16;
-    v8f v;
-    memcpy(&v, &bits, sizeof(v));
-    return v;
-}
 
 // Pairwise sums of neighbouring lanes of a and b, per 128-bit half (what x86's hadd does).
 static inline v8f pair_sums(v8f a, v8f b) {

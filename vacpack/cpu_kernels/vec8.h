@@ -1,5 +1,6 @@
 // Eight float32 lanes as GCC's vector extension, and the few operations the portable kernels
-// (paged_decode.c, varlen_attention_f32.c, elementwise_f32.c, argmax_f32.c) build from them.
+// (paged_decode.c, varlen_attention_f32.c, elementwise_f32.c, argmax_f32.c,
+// token_logprobs.c) build from them.
 // Built with -march=native (see build.py), a v8f is an AVX register on x86, a pair of NEON
 // registers on ARM, a pair of SSE registers where nothing wider exists. A kernel includes this
 // header; the build hashes it with the kernel's source, so a change here rebuilds them all.
@@ -28,6 +29,27 @@ static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
 #else
 #define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
+
+// bfloat16 as its bits: the upper half of a float32, so widening is a shift.
+typedef uint16_t bf16;
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline float bf16_to_float(bf16 x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+static inline v8f load8_bf16(const bf16* p) {
+    v8h half;
+    memcpy(&half, p, sizeof(half));
+    const v8u bits = __builtin_convertvector(half, v8u) << 16;
+    v8f v;
+    memcpy(&v, &bits, sizeof(v));
+    return v;
+}
 
 // x in every lane: one broadcast (`(v8f){0} + x` costs an add before it, as 0 + -0 is not -0).
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }

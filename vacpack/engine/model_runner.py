@@ -32,7 +32,7 @@ from vacpack.engine.sampler import (
     SamplerOutput,
     SamplingRow,
     TokenLogprobs,
-    gather_logprobs,
+    logprobs_of,
 )
 from vacpack.engine.step import PromptLogprobResult, ScheduledChunk, StepResult
 from vacpack.engine.step_forward import StepForward
@@ -227,15 +227,13 @@ class ModelRunner:
         num_topk = sequence.params.prompt_logprobs or 0
         parts = []
         for row_start, num_rows in prompt_passes(span.row_start, span.num_rows):
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[row_start : row_start + num_rows]), dim=-1
-            )
+            logits = self.model.compute_logits(hidden[row_start : row_start + num_rows])
             first_target = span.first_position + 1 + row_start - span.row_start
             targets = torch.tensor(
                 sequence.prompt_token_ids[first_target : first_target + num_rows],
                 device=self.forward.device,
             )
-            parts.append(gather_logprobs(logprobs, targets, num_topk))
+            parts.append(logprobs_of(logits, targets, num_topk))
         return TokenLogprobs(
             *(torch.cat([getattr(p, f) for p in parts]) for f in TokenLogprobs.__dataclass_fields__)
         )

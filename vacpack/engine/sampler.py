@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vacpack.cpu_kernels.argmax import argmax_rows, argmax_supported
+from vacpack.cpu_kernels.token_logprobs import token_logprobs, token_logprobs_supported
 from vacpack.sampling import SamplingParams
 from vacpack.structured.token_masks import StepTokenMasks, bit_table
 
@@ -112,6 +113,26 @@ def gather_logprobs(
     return TokenLogprobs(token_logprobs, token_ranks, topk_token_ids, topk_logprobs)
 
 
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) -> TokenLogprobs:
+    """gather_logprobs over the log-softmax of ``logits`` (float32, whatever their dtype).
+
+    On a CPU the C kernel reads each row once for the token's logprob, its rank and the row's
+    log-sum-exp, and only the top-k are taken from the logits, where a log-softmax would write a
+    [num_rows, vocab_size] tensor to be read twice more (for the rank and the top-k). On a
+    2-core Zen 3, float32, 151,936-token vocabulary: 14 against 104 ms per 256 prompt rows
+    without top-k, 43 against 135 ms with a top-5; 16 against 42 ms for a 64-row decode step's
+    top-5. Its ranks count logits rather than rounded logprobs: equal, but for tokens within a
+    float32 rounding step of the token's logprob, which the log-softmax count also takes in.
+    """
+    if not token_logprobs_supported(logits):
+        return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, num_topk)
+    scores = token_logprobs(logits, token_ids, with_logsumexp=True, with_ranks=True)
+    assert scores.logsumexp is not None and scores.ranks is not None
+    topk_logits, topk_token_ids = logits.topk(num_topk, dim=1)
+    topk_logprobs = topk_logits.float() - scores.logsumexp.unsqueeze(1)
+    return TokenLogprobs(scores.logprobs, scores.ranks, topk_token_ids, topk_logprobs)
+
+
 def _plain_greedy(row: SamplingRow) -> bool:
     """A row whose token is the argmax of the raw logits: greedy, no logprobs, no penalties,
     no stop tokens held back by min_tokens."""
@@ -171,7 +192,9 @@ class Sampler:
         logits = logits.float()
         params = [row.params for row in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        # Logprobs are of the raw distribution: the logits before bias, penalties and
+        # suppression (all applied out of place below).
+        raw_logits = logits
 
         row_params = self._row_param_matrix(params)
         if masks is not None:
@@ -195,10 +218,10 @@ class Sampler:
             )
             sampled = sampled.index_copy(0, random_index, random_sampled)
 
-        if raw_logprobs is None:
+        if not wants_logprobs:
             return SamplerOutput(sampled, None, None, None, None)
         max_num_logprobs = max(p.logprobs or 0 for p in params)
-        gathered = gather_logprobs(raw_logprobs, sampled, max_num_logprobs)
+        gathered = logprobs_of(raw_logits, sampled, max_num_logprobs)
         return SamplerOutput(
             sampled_token_ids=sampled,
             sampled_logprobs=gathered.token_logprobs,
