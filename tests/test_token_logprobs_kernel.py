@@ -53,6 +53,47 @@ def test_equals_log_softmax_and_argmax_on_strided_rows(vocab: int, dtype: torch.
     assert torch.equal(alone.logprobs, scores.logprobs)
 
 
+@pytest.mark.parametrize("top_k", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_equals_the_log_softmax_top_k(top_k: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(top_k)
+    logits = (torch.randn(7, 5003, generator=generator) * 4).to(dtype)
+    logits[1, 4000:] += 30  # the best ones late in the row: kept ones pushed out
+    logits[2] = torch.arange(5003, dtype=dtype)  # each chunk beats the last
+    logits[3] = -torch.arange(5003, dtype=dtype)  # the first ones best, later chunks not read
+    if dtype == torch.float32:  # no ties among the best, so the order is the same
+        logits[1] += torch.arange(5003) * 1e-3
+    targets = torch.randint(0, 5003, (7,), generator=generator)
+
+    scores = token_logprobs(logits, targets, top_k=top_k)
+
+    expected_logprobs, expected_ids = torch.log_softmax(logits.double(), dim=-1).topk(top_k)
+    assert scores.top_ids.shape == scores.top_logprobs.shape == (7, top_k)
+    assert torch.allclose(scores.top_logprobs.double(), expected_logprobs, atol=2e-6)
+    if dtype == torch.float32:
+        assert scores.top_ids.tolist() == expected_ids.tolist()
+    else:  # bf16 rounds many logits to the same value: equal ones go in token order
+        picked = logits.gather(1, scores.top_ids)
+        assert torch.equal(picked, logits.topk(top_k).values)
+
+
+def test_top_k_ties_go_in_token_order_and_nan_rows_are_torchs() -> None:
+    logits = torch.zeros(3, 3000)
+    logits[0, [5, 2000, 70, 2999]] = 1.0
+    logits[1, 17] = float("nan")
+    logits[2] = 2.0  # all tied: the first tokens
+    scores = token_logprobs(logits, torch.tensor([0, 0, 0]), top_k=3)
+    assert scores.top_ids[0].tolist() == [5, 70, 2000]
+    assert scores.top_ids[2].tolist() == [0, 1, 2]
+    expected = torch.log_softmax(logits[1:2], -1).topk(3)
+    assert scores.top_ids[1].tolist() == expected.indices[0].tolist()
+    assert torch.isnan(scores.top_logprobs[1]).all()
+    whole = token_logprobs(logits[:1], torch.tensor([0]), top_k=3000)
+    assert sorted(whole.top_ids[0].tolist()) == list(range(3000))
+    with pytest.raises(ValueError, match="top_k 3001 is not within the vocabulary of 3000"):
+        token_logprobs(logits, torch.tensor([0, 0, 0]), top_k=3001)
+
+
 def test_ties_go_to_the_lowest_index_across_chunks() -> None:
     generator = torch.Generator().manual_seed(0)
     # Few distinct values over 3,000 columns: the maximum recurs in every chunk and lane.
@@ -126,8 +167,10 @@ def test_engine_logprobs_equal_the_log_softmax_path(num_topk: int, dtype: torch.
     assert fast.token_ranks[0] == 40
     assert fast.topk_token_ids.shape == reference.topk_token_ids.shape == (6, num_topk)
     assert torch.allclose(fast.topk_logprobs, reference.topk_logprobs, atol=1e-5)
-    # Ties aside (row 0), the same top tokens in the same order.
-    assert fast.topk_token_ids[1:].tolist() == reference.topk_token_ids[1:].tolist()
+    # Ties aside (row 0, and bf16's rounding), the same top tokens in the same order.
+    if dtype == torch.float32:
+        assert fast.topk_token_ids[1:].tolist() == reference.topk_token_ids[1:].tolist()
+    assert fast.topk_token_ids[0].tolist() == list(range(num_topk))
 
 
 def test_engine_logprobs_without_the_kernel_take_the_log_softmax(

@@ -4,12 +4,12 @@ Scoring needs a single entry of each row's distribution over the vocabulary. The
 on a few hundred rows at a time (a matmul that size runs near the device's peak) and returns
 logits in the model's dtype, as the reference computes them. On a CPU the C kernel of
 cpu_kernels/token_logprobs.py then reads each row once for its log-sum-exp, the target's entry
-and the argmax: on a 2-core Zen 3, 14 ms per 256 rows of a 151,936-token vocabulary against
-83 ms for the log-softmax, gather and argmax below, and closer to float64 (1e-6 nats against
-3e-5). Without it (no C compiler), the log-softmax runs in float32 on slices of a few rows: a
-[32, 151,936] float32 slice (19 MB) stays in cache, whereas one pass over [256, 151,936]
-(155 MB) streams the logits through memory several times. On a GPU one pass covers the LM
-head's rows.
+and the argmax: on a 2-core Zen 3, 13-14 ms per 256 rows of a 151,936-token vocabulary against
+62-91 ms for the log-softmax, gather and argmax below (bench/scoring_kernels.py), and closer to
+float64 (1e-6 nats against 3e-5). Without it (no C compiler), the log-softmax runs in float32
+on slices of a few rows: a [32, 151,936] float32 slice (19 MB) stays in cache, whereas one
+pass over [256, 151,936] (155 MB) streams the logits through memory several times. On a GPU
+one pass covers the LM head's rows.
 """
 
 from __future__ import annotations

@@ -117,20 +117,19 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) ->
     """gather_logprobs over the log-softmax of ``logits`` (float32, whatever their dtype).
 
     On a CPU the C kernel reads each row once for the token's logprob, its rank and the row's
-    log-sum-exp, and only the top-k are taken from the logits, where a log-softmax would write a
-    [num_rows, vocab_size] tensor to be read twice more (for the rank and the top-k). On a
-    2-core Zen 3, float32, 151,936-token vocabulary: 14 against 104 ms per 256 prompt rows
-    without top-k, 43 against 135 ms with a top-5; 16 against 42 ms for a 64-row decode step's
-    top-5. Its ranks count logits rather than rounded logprobs: equal, but for tokens within a
-    float32 rounding step of the token's logprob, which the log-softmax count also takes in.
+    top-k, where a log-softmax would write a [num_rows, vocab_size] tensor to be read twice more
+    (for the rank and the top-k). On a 2-core Zen 3, float32, 151,936-token vocabulary
+    (bench/scoring_kernels.py): 14 against 86-107 ms per 256 prompt rows without top-k, 15
+    against 115 ms with a top-5, 4.4 against 29-39 ms for a 64-row decode step's top-5. Its
+    ranks count logits rather than rounded logprobs: equal, but for tokens within a float32
+    rounding step of the token's logprob, which the log-softmax count also takes in; equal
+    logprobs in the top-k go in token order.
     """
     if not token_logprobs_supported(logits):
         return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, num_topk)
-    scores = token_logprobs(logits, token_ids, with_logsumexp=True, with_ranks=True)
-    assert scores.logsumexp is not None and scores.ranks is not None
-    topk_logits, topk_token_ids = logits.topk(num_topk, dim=1)
-    topk_logprobs = topk_logits.float() - scores.logsumexp.unsqueeze(1)
-    return TokenLogprobs(scores.logprobs, scores.ranks, topk_token_ids, topk_logprobs)
+    scores = token_logprobs(logits, token_ids, with_ranks=True, top_k=num_topk)
+    assert scores.ranks is not None
+    return TokenLogprobs(scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
