@@ -4,21 +4,23 @@
 //
 // Scoring needs one entry of each row's log-softmax: x[t] - logsumexp(x). Through PyTorch that
 // is a whole log-softmax (a pass for the maximum, one for the sum, one writing a [rows, vocab]
-// result) and a gather, plus an argmax pass when a continuation's greediness is asked: on a
-// 2-core Zen 3, 62-91 ms per 256 rows of a 151,936-token vocabulary (13-14 ms here), against
-// ~470 ms for the LM head that made them. Here each row is read from memory once, CHUNK values at a time: a
-// chunk's maximum and its index first (the argmax) and how many of its values reach the
-// target's (the rank), then, from L1, the sum of its exponentials against the running maximum,
-// the running sum rescaled once per chunk whose maximum is a new one. Chunk sums are added in
-// double, so the sum's rounding does not grow with the vocabulary. The top k are kept sorted as
-// the row goes; a chunk whose maximum does not beat the k-th best so far is not looked at again
-// (after the first few chunks, most are not), one that does is scanned from L1.
+// result) and a gather, plus an argmax pass when a continuation's greediness is asked, a rank
+// count and a top-k for logprobs in generation: on a 2-core Zen 3, 62-115 ms per 256 rows of a
+// 151,936-token vocabulary (13-15 ms here), against ~470 ms for the LM head that made them.
+// Here each row is read from memory once, CHUNK values at a time: a chunk's maximum and its
+// index first (the argmax) and how many of its values reach the target's (the rank), then,
+// from L1, the sum of its exponentials against the running maximum, the running sum rescaled
+// once per chunk whose maximum is a new one. Chunk sums are added in double, so the sum's
+// rounding does not grow with the vocabulary. The top k are kept sorted as the row goes; a
+// chunk whose maximum does not beat the k-th best so far is not looked at again (after the
+// first few chunks, most are not), one that does is scanned from L1.
 //
-// Matches torch: a row holding a NaN scores NaN, ranks 0 and its argmax is the first NaN; a row
-// whose maximum is infinite scores NaN (inf - inf) and ranks 0; ties in the argmax go to the
-// lowest index, in the argmax and the top k alike. The rank counts the logits at or above the target's (a token tied with others
-// ranks behind them, as vLLM counts): exact, where a count over rounded log-probabilities may
-// also take in tokens within a rounding step of the target.
+// Matches torch: a row holding a NaN scores NaN, ranks 0 and its argmax is the first NaN; a
+// row whose maximum is infinite scores NaN (inf - inf) and ranks 0. Equal values go in index
+// order, in the argmax (the first) and the top k alike. The rank counts the logits at or above
+// the target's (a token tied with others ranks behind them, as vLLM counts): exact, where a
+// count over rounded log-probabilities may also take in tokens within a rounding step of the
+// target.
 //
 // Written with GCC's vector extensions and built with -O3 -march=native for the machine at
 // hand (see build.py): AVX-512, AVX2 or NEON, whatever the CPU has.
