@@ -234,3 +234,52 @@ def save_bar_chart(
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(plot_path, dpi=120)
     plt.close(figure)
+
+
+def save_paired_bar_chart(
+    labels: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    plot_path: Path,
+    *,
+    ylabel: str,
+    title: str,
+) -> None:
+    """Side-by-side bars per label, one colour per series (e.g. two kernels at each shape)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a benchmark machine
+    import matplotlib.pyplot as plt
+
+    positions = range(len(labels))
+    width = 0.8 / max(1, len(series))
+    figure, axes = plt.subplots(figsize=(max(8, 0.8 * len(labels)), 5.6))
+    for number, (name, values) in enumerate(series.items()):
+        offset = (number - (len(series) - 1) / 2) * width
+        axes.bar([p + offset for p in positions], list(values), width=width, label=name)
+    axes.set_xticks(list(positions), list(labels), rotation=90, fontsize=7)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title, fontsize=9)
+    axes.legend()
+    figure.tight_layout()
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(plot_path, dpi=120)
+    plt.close(figure)
+
+
+def save_kernel_table(
+    output: Path,
+    machine: Mapping[str, Any],
+    rounds: int,
+    rows: list[dict[str, Any]],
+    save_plot: Callable[[list[dict[str, Any]], Mapping[str, Any], Path], None],
+    markdown_table: Callable[[list[dict[str, Any]]], str],
+) -> None:
+    """A kernel benchmark's rows as JSON at `output`, its chart beside it (.png), and its table
+    printed."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"machine": machine, "rounds": rounds, "rows": rows}))
+    plot = output.with_suffix(".png")
+    save_plot(rows, machine, plot)
+    print(f"measured {machine_summary(machine)}")
+    print(markdown_table(rows))
+    print(f"wrote {output} and {plot}")

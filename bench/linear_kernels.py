@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,29 +103,17 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def save_plot(rows: list[dict[str, Any]], machine: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['model'].split('-')[0]} {r['layer']}\n{r['rows']} rows" for r in rows]
-    positions = range(len(rows))
-    figure, axes = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 4.5))
-    for offset, kernel, label in ((-0.2, "onednn", "oneDNN, prepacked"), (0.2, "c_gemm", "C")):
-        axes.bar(
-            [p + offset for p in positions],
-            [r["gflops"][kernel] for r in rows],
-            width=0.4,
-            label=label,
-        )
-    axes.set_xticks(list(positions), labels, rotation=90, fontsize=7)
-    axes.set_ylabel("GFLOPS (float32)")
-    axes.set_title(f"Linear layers, float32, {harness.machine_summary(machine)}", fontsize=9)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+def save_plot(rows: list[dict[str, Any]], machine: Mapping[str, Any], path: Path) -> None:
+    harness.save_paired_bar_chart(
+        [f"{r['model'].split('-')[0]} {r['layer']}\n{r['rows']} rows" for r in rows],
+        {
+            "oneDNN, prepacked": [r["gflops"]["onednn"] for r in rows],
+            "C": [r["gflops"]["c_gemm"] for r in rows],
+        },
+        path,
+        ylabel="GFLOPS (float32)",
+        title=f"Linear layers, float32, {harness.machine_summary(machine)}",
+    )
 
 
 def main() -> int:
@@ -137,13 +124,7 @@ def main() -> int:
     machine = harness.machine_description()
     with torch.inference_mode():
         rows = measure(args.rounds)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": machine, "rounds": args.rounds, "rows": rows}))
-    plot = args.output.with_suffix(".png")
-    save_plot(rows, machine, plot)
-    print(f"measured {harness.machine_summary(machine)}")
-    print(markdown_table(rows))
-    print(f"wrote {args.output} and {plot}")
+    harness.save_kernel_table(args.output, machine, args.rounds, rows, save_plot, markdown_table)
     return 0
 
 

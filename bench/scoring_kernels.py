@@ -12,8 +12,7 @@ markdown table.
 from __future__ import annotations
 
 import argparse
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -110,32 +109,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def save_plot(rows: list[dict[str, Any]], machine: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['case']}\n{r['dtype']}, {r['rows']} rows" for r in rows]
-    positions = range(len(rows))
-    figure, axes = plt.subplots(figsize=(max(8, 0.8 * len(rows)), 5.6))
-    for offset, name, label in ((-0.2, "pytorch", "PyTorch ops"), (0.2, "kernel", "C kernel")):
-        axes.bar(
-            [p + offset for p in positions],
-            [r["best_ms"][name] for r in rows],
-            width=0.4,
-            label=label,
-        )
-    axes.set_xticks(list(positions), labels, rotation=90, fontsize=7)
-    axes.set_ylabel("ms per call (best of the rounds)")
-    axes.set_title(
-        f"Token logprobs, {VOCAB_SIZE:,}-token vocabulary, {harness.machine_summary(machine)}",
-        fontsize=9,
+def save_plot(rows: list[dict[str, Any]], machine: Mapping[str, Any], path: Path) -> None:
+    harness.save_paired_bar_chart(
+        [f"{r['case']}\n{r['dtype']}, {r['rows']} rows" for r in rows],
+        {
+            "PyTorch ops": [r["best_ms"]["pytorch"] for r in rows],
+            "C kernel": [r["best_ms"]["kernel"] for r in rows],
+        },
+        path,
+        ylabel="ms per call (best of the rounds)",
+        title=f"Token logprobs, {VOCAB_SIZE:,}-token vocabulary, "
+        f"{harness.machine_summary(machine)}",
     )
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def main() -> int:
@@ -148,13 +133,7 @@ def main() -> int:
     machine = harness.machine_description()
     with torch.inference_mode():
         rows = measure(args.rounds)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": machine, "rounds": args.rounds, "rows": rows}))
-    plot = args.output.with_suffix(".png")
-    save_plot(rows, machine, plot)
-    print(f"measured {harness.machine_summary(machine)}")
-    print(markdown_table(rows))
-    print(f"wrote {args.output} and {plot}")
+    harness.save_kernel_table(args.output, machine, args.rounds, rows, save_plot, markdown_table)
     return 0
 
 
