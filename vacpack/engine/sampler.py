@@ -29,6 +29,7 @@ import torch
 
 from vacpack.cpu_kernels.argmax import argmax_rows, argmax_supported
 from vacpack.cpu_kernels.token_logprobs import token_logprobs, token_logprobs_supported
+from vacpack.engine.truncation import apply_min_p, apply_top_k_top_p
 from vacpack.sampling import SamplingParams
 from vacpack.structured.token_masks import StepTokenMasks, bit_table
 
@@ -341,41 +342,17 @@ class Sampler:
         if any(p.temperature != 1.0 for p in params):
             logits = logits / row_params[_TEMPERATURE].unsqueeze(1)
         if any(p.min_p > 0.0 for p in params):
-            logits = self._apply_min_p(logits, row_params[_MIN_P])
+            logits = apply_min_p(logits, row_params[_MIN_P])
         if any(p.top_k != 0 or p.top_p < 1.0 for p in params):
-            logits = self._apply_top_k_top_p(logits, row_params[_TOP_K], row_params[_TOP_P])
+            logits = apply_top_k_top_p(
+                logits,
+                row_params[_TOP_K],
+                row_params[_TOP_P],
+                [min(p.top_k, self.vocab_size) or self.vocab_size for p in params],
+                [p.top_p for p in params],
+            )
         probs = torch.softmax(logits, dim=-1)
         return self._inverse_cdf(probs, rows)
-
-    @staticmethod
-    def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-        # A row with min_p 0 has threshold 0, and no probability is below 0: it is untouched.
-        probs = torch.softmax(logits, dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-        return logits.masked_fill(probs < threshold, float("-inf"))
-
-    @staticmethod
-    def _apply_top_k_top_p(
-        logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-    ) -> torch.Tensor:
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-
-        # top_k keeps every token at least as likely as the k-th, so ties at the boundary all
-        # stay; a row with top_k disabled has k = vocab_size and keeps everything.
-        kth_index = (top_k.long() - 1).unsqueeze(1)
-        kth_logit = sorted_logits.gather(1, kth_index)
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_logit, float("-inf"))
-
-        # top_p keeps the shortest most-likely-first prefix whose mass reaches p: a token
-        # stays while the mass strictly before it is below p, so the first token always stays.
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # Rounding can push the cumulative mass of a long tail past 1.0; rows with top_p = 1
-        # are exempted outright so they stay exactly as they were.
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-
-        return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
     def _inverse_cdf(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One uniform draw per row, placed on the row's cumulative distribution: exact
