@@ -8,6 +8,7 @@ peak in matmul_peak.py and process timing in process_timing.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -266,20 +267,29 @@ def save_paired_bar_chart(
     plt.close(figure)
 
 
-def save_kernel_table(
-    output: Path,
-    machine: Mapping[str, Any],
-    rounds: int,
-    rows: list[dict[str, Any]],
+def kernel_benchmark_main(
+    description: str,
+    default_rounds: int,
+    default_output: Path,
+    measure: Callable[[int], list[dict[str, Any]]],
     save_plot: Callable[[list[dict[str, Any]], Mapping[str, Any], Path], None],
     markdown_table: Callable[[list[dict[str, Any]]], str],
-) -> None:
-    """A kernel benchmark's rows as JSON at `output`, its chart beside it (.png), and its table
+) -> int:
+    """A kernel benchmark's command line (--rounds, --output): its rows measured under
+    inference mode, written as JSON at --output, its chart beside it (.png), its table
     printed."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"machine": machine, "rounds": rounds, "rows": rows}))
-    plot = output.with_suffix(".png")
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=default_rounds)
+    parser.add_argument("--output", type=Path, default=default_output)
+    args = parser.parse_args()
+    machine = machine_description()
+    with torch.inference_mode():
+        rows = measure(args.rounds)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"machine": machine, "rounds": args.rounds, "rows": rows}))
+    plot = args.output.with_suffix(".png")
     save_plot(rows, machine, plot)
     print(f"measured {machine_summary(machine)}")
     print(markdown_table(rows))
-    print(f"wrote {output} and {plot}")
+    print(f"wrote {args.output} and {plot}")
+    return 0

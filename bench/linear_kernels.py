@@ -9,7 +9,6 @@ GFLOPS and the C kernel's speed-up, and a plot the GFLOPS of both.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from collections.abc import Callable, Mapping
@@ -117,15 +116,9 @@ def save_plot(rows: list[dict[str, Any]], machine: Mapping[str, Any], path: Path
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    machine = harness.machine_description()
-    with torch.inference_mode():
-        rows = measure(args.rounds)
-    harness.save_kernel_table(args.output, machine, args.rounds, rows, save_plot, markdown_table)
-    return 0
+    return harness.kernel_benchmark_main(
+        __doc__.split("\n\n")[0], 7, RESULTS, measure, save_plot, markdown_table
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Interleaved, best of --rounds; JSON, a chart and a markdown table.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -117,15 +116,9 @@ def save_plot(rows: list[dict[str, Any]], machine: Mapping[str, Any], path: Path
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    machine = harness.machine_description()
-    with torch.inference_mode():
-        rows = measure(args.rounds)
-    harness.save_kernel_table(args.output, machine, args.rounds, rows, save_plot, markdown_table)
-    return 0
+    return harness.kernel_benchmark_main(
+        __doc__.split("\n\n")[0], 7, RESULTS, measure, save_plot, markdown_table
+    )
 
 
 if __name__ == "__main__":

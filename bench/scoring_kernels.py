@@ -11,7 +11,6 @@ markdown table.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -124,17 +123,11 @@ def save_plot(rows: list[dict[str, Any]], machine: Mapping[str, Any], path: Path
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
     if not token_logprobs_supported(torch.zeros(1, 1)):
         raise SystemExit("the token_logprobs kernel does not build here (no C compiler)")
-    machine = harness.machine_description()
-    with torch.inference_mode():
-        rows = measure(args.rounds)
-    harness.save_kernel_table(args.output, machine, args.rounds, rows, save_plot, markdown_table)
-    return 0
+    return harness.kernel_benchmark_main(
+        __doc__.split("\n\n")[0], 11, RESULTS, measure, save_plot, markdown_table
+    )
 
 
 if __name__ == "__main__":
