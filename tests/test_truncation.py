@@ -1,10 +1,14 @@
-"""Top-k, top-p and min-p on a CPU (candidates first, a whole-row sort only where they do not
-settle a row) against the whole-row sort every row could take."""
+"""Top-k, top-p and min-p on a CPU (candidates first, then the nucleus kernel or more
+candidates and a whole-row sort) against the whole-row sort every row could take, and the
+nucleus kernel against float64."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from vacpack.cpu_kernels.nucleus import nucleus_cut, nucleus_cut_supported
+from vacpack.engine import truncation
 from vacpack.engine.truncation import (
     CANDIDATE_TIERS,
     _sorted_top_k_top_p,
@@ -30,7 +34,19 @@ def _truncate(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Ten
     return apply_top_k_top_p(logits, top_k, top_p, ks, ps)
 
 
-def test_equals_the_whole_row_sort_on_every_kind_of_row() -> None:
+@pytest.fixture(params=["nucleus kernel", "candidates only"])
+def nucleus_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways past the first candidates: the nucleus kernel, else 4,096 candidates and the
+    sort."""
+    if request.param == "nucleus kernel":
+        if not nucleus_cut_supported(torch.zeros(1, 1)):
+            pytest.skip("the nucleus kernel does not build here")
+    else:
+        monkeypatch.setattr(truncation, "nucleus_cut_supported", lambda _: False)
+    return str(request.param)
+
+
+def test_equals_the_whole_row_sort_on_every_kind_of_row(nucleus_path: str) -> None:
     generator = torch.Generator().manual_seed(0)
     logits = _rows(generator)
     off = VOCAB_SIZE
@@ -52,8 +68,8 @@ def test_equals_the_whole_row_sort_on_every_kind_of_row() -> None:
         )
         assert torch.equal(torch.isinf(out), torch.isinf(expected)), (ks, ps)
         assert torch.equal(out[~torch.isinf(out)], logits[~torch.isinf(out)])
-    # The flat rows' nucleus at 0.99 reaches past every tier: they were sorted whole, and
-    # still some tokens were cut.
+    # The flat rows' nucleus at 0.99 reaches past every tier of candidates, and still some
+    # tokens were cut.
     flat = _truncate(logits, [off] * 9, [0.99] * 9)[6:]
     assert (torch.isinf(flat).sum(dim=1) > 0).all()
     assert (torch.isfinite(flat).sum(dim=1) > CANDIDATE_TIERS[-1]).all()
@@ -83,3 +99,36 @@ def test_min_p_as_a_logit_threshold_equals_the_probability_rule() -> None:
     dropped = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     assert torch.equal(torch.isinf(out), dropped)
     assert torch.isfinite(out[0]).all()
+
+
+def _float64_nucleus(row: torch.Tensor, top_p: float) -> int:
+    """How many tokens the top-p rule keeps, summed in float64."""
+    probs = torch.softmax(row.double().sort(descending=True).values, dim=0)
+    return int(((probs.cumsum(0) - probs) < top_p).sum())
+
+
+@pytest.mark.skipif(not nucleus_cut_supported(torch.zeros(1, 1)), reason="needs a C compiler")
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])
+def test_nucleus_kernel_keeps_what_float64_keeps(scale: float) -> None:
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(6, 151_936, generator=generator) * scale
+    logits[0, :20] += 15  # a peaked row among flat ones
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.99, 0.1, 0.999999])
+    cut = nucleus_cut(logits, top_p)
+    kept = (logits >= cut.unsqueeze(1)).sum(dim=1).tolist()
+    assert kept == [_float64_nucleus(row, p) for row, p in zip(logits, top_p.tolist(), strict=True)]
+
+
+@pytest.mark.skipif(not nucleus_cut_supported(torch.zeros(1, 1)), reason="needs a C compiler")
+def test_nucleus_kernel_leaves_rows_without_a_finite_maximum_or_with_nan() -> None:
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3))
+    logits[0] = float("-inf")
+    logits[1, 10] = float("inf")
+    logits[2, 5] = float("nan")
+    cut = nucleus_cut(logits, torch.full((4,), 0.9))
+    assert torch.isnan(cut[:3]).all() and torch.isfinite(cut[3])
+    # Such rows go to the sort in the sampler's truncation, as before.
+    ks = [1000] * 4
+    out = _truncate(logits, ks, [0.9] * 4)
+    expected = _sorted_top_k_top_p(logits, torch.full((4,), 1000.0), torch.full((4,), 0.9))
+    assert torch.equal(torch.isinf(out[3]), torch.isinf(expected[3]))

@@ -10,10 +10,12 @@ Each keeps a row's most likely tokens and sets the others' logits to -inf:
 Sorting each row's whole vocabulary is the textbook way to find the top-p prefix, and on a GPU
 it is cheap; on a CPU it is not: 480 ms for 64 rows of a 151,936-token vocabulary on a 2-core
 Zen 3, as long as the model's own decode step. There the boundary is looked for among each
-row's largest 256 logits first (one topk, 11 ms), then 4,096 for the rows it did not settle:
-they hold it whenever top-k is on or their mass reaches p (a trained model's nucleus is rarely
-more than a few hundred tokens); only the rows whose nucleus reaches past them are sorted
-whole. The row is then cut
+row's largest 256 logits first (one topk, 11 ms): they hold it whenever top-k is on or their
+mass reaches p (a trained model's nucleus is rarely more than a few hundred tokens). A nucleus
+past them (a flat row: random weights, a high temperature) is found by the C kernel of
+cpu_kernels/nucleus.py from a histogram of the row's probability mass (23-28 ms for 64 rows,
+exact against float64 where the float32 sort's running sum drifts by a few tokens); without a
+C compiler, by 4,096 candidates and then a whole-row sort. The row is then cut
 at the boundary's logit, so tokens tied with the last one kept all stay (as in top-k).
 """
 
@@ -23,11 +25,12 @@ from collections.abc import Sequence
 
 import torch
 
+from vacpack.cpu_kernels.nucleus import nucleus_cut, nucleus_cut_supported
 from vacpack.cpu_kernels.token_logprobs import token_logprobs, token_logprobs_supported
 
-# Logits per row searched for the top-p boundary, first the few, then more for the rows whose
-# nucleus reached past them (50 against 11 ms for 64 rows of 151,936 on the Zen 3), before a
-# whole-row sort; more when a row's top-k asks for more.
+# Logits per row searched for the top-p boundary (more when a row's top-k asks for more); the
+# second tier, for the rows the first did not settle (50 against 11 ms for 64 rows of 151,936
+# on the Zen 3), only where the nucleus kernel does not run.
 CANDIDATE_TIERS = (256, 4096)
 
 
@@ -54,10 +57,12 @@ def apply_top_k_top_p(
     if logits.device.type != "cpu":
         return _sorted_top_k_top_p(logits, top_k, top_p)
     num_rows, vocab_size = logits.shape
+    use_kernel = nucleus_cut_supported(logits)
+    tiers = CANDIDATE_TIERS[:1] if use_kernel else CANDIDATE_TIERS
     cut = torch.full((num_rows,), float("-inf"))
     rows = torch.arange(num_rows)
     to_sort = []
-    for tier, tier_candidates in enumerate(CANDIDATE_TIERS):
+    for tier, tier_candidates in enumerate(tiers):
         row_list = rows.tolist()
         # Enough for the k-th value and the one after it on every row with top-k on.
         wanted = [row_top_k[r] + 1 for r in row_list if row_top_k[r] < vocab_size]
@@ -66,7 +71,7 @@ def apply_top_k_top_p(
         k_off_p_on = any(
             p and row_top_k[r] >= vocab_size for p, r in zip(p_on, row_list, strict=True)
         )
-        next_candidates = CANDIDATE_TIERS[tier + 1] if tier + 1 < len(CANDIDATE_TIERS) else None
+        next_candidates = tiers[tier + 1] if tier + 1 < len(tiers) else None
         # The first tier reads every row in place; later ones copy their few rows out.
         tier_logits = logits if len(row_list) == num_rows else logits[rows]
         tier_cut, undetermined, hopeful = _cut_among_candidates(
@@ -84,6 +89,21 @@ def apply_top_k_top_p(
         if not rows.numel():
             break
     sort_rows = torch.cat([*to_sort, rows])
+    if use_kernel and sort_rows.numel():
+        # A nucleus past the candidates with top-k off: its boundary from the histogram.
+        nucleus = torch.tensor(
+            [row_top_p[r] < 1.0 and row_top_k[r] >= vocab_size for r in sort_rows.tolist()],
+            dtype=torch.bool,
+        )
+        nucleus_rows = sort_rows[nucleus]
+        if nucleus_rows.numel():
+            nucleus_cuts = nucleus_cut(
+                logits if nucleus_rows.numel() == num_rows else logits[nucleus_rows],
+                top_p[nucleus_rows],
+            )
+            settled = ~torch.isnan(nucleus_cuts)
+            cut[nucleus_rows[settled]] = nucleus_cuts[settled]
+            sort_rows = torch.cat([sort_rows[~nucleus], nucleus_rows[~settled]])
     if sort_rows.numel() == num_rows:  # no row settled: no copies in and out
         return _sorted_top_k_top_p(logits, top_k, top_p)
     out = logits.masked_fill(logits < cut.unsqueeze(1), float("-inf"))
