@@ -8,15 +8,15 @@ Each keeps a row's most likely tokens and sets the others' logits to -inf:
 - min-p keeps the tokens at least min_p times as likely as the most likely one.
 
 Sorting each row's whole vocabulary is the textbook way to find the top-p prefix, and on a GPU
-it is cheap; on a CPU it is not: 480 ms for 64 rows of a 151,936-token vocabulary on a 2-core
+it is cheap; on a CPU it is not: 480-650 ms for 64 rows of a 151,936-token vocabulary on a 2-core
 Zen 3, as long as the model's own decode step. There the boundary is looked for among each
 row's largest 256 logits first (one topk, 11 ms): they hold it whenever top-k is on or their
 mass reaches p (a trained model's nucleus is rarely more than a few hundred tokens). A nucleus
 past them (a flat row: random weights, a high temperature) is found by the C kernel of
 cpu_kernels/nucleus.py from a histogram of the row's probability mass (23-28 ms for 64 rows,
 exact against float64 where the float32 sort's running sum drifts by a few tokens); without a
-C compiler, by 4,096 candidates and then a whole-row sort. The row is then cut
-at the boundary's logit, so tokens tied with the last one kept all stay (as in top-k).
+C compiler, by 4,096 candidates and then a whole-row sort. The row is then cut at the
+boundary's logit, so tokens tied with the last one kept all stay (as in top-k).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def apply_top_k_top_p(
         rows = rows[undetermined & hopeful]
         if not rows.numel():
             break
-    sort_rows = torch.cat([*to_sort, rows])
+    sort_rows = torch.cat([*to_sort, rows]).sort().values  # all rows, if all, in order
     if use_kernel and sort_rows.numel():
         # A nucleus past the candidates with top-k off: its boundary from the histogram.
         nucleus = torch.tensor(
