@@ -20,8 +20,9 @@ VOCAB_SIZE = 20_000
 
 
 def _rows(generator: torch.Generator) -> torch.Tensor:
-    """Peaked rows (a trained model's: settled by the first candidates), flatter ones (by the
-    second tier) and flat ones (only a whole sort settles p = 0.99 there)."""
+    """Peaked rows (a trained model's: settled by the first candidates), flatter ones and flat
+    ones (past the first candidates: the nucleus kernel, else the second tier and, for p =
+    0.99 on the flat ones, a whole sort)."""
     logits = torch.randn(9, VOCAB_SIZE, generator=generator)
     logits[:3, :30] += 10 + torch.randn(3, 30, generator=generator)
     logits[3:6] *= 2.5
