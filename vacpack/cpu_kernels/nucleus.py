@@ -55,5 +55,5 @@ def nucleus_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
                 torch.get_num_threads(),
             )
         if status != 0:
-            raise MemoryError("nucleus_cut could not allocate its histogram")
+            raise MemoryError("nucleus_cut could not allocate its scratch (a histogram and a row)")
     return cut

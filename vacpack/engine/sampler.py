@@ -261,10 +261,14 @@ class Sampler:
         host = torch.tensor(values, dtype=dtype, pin_memory=pin)
         return host.to(self.device, non_blocking=pin)
 
+    def _top_k(self, params: SamplingParams) -> int:
+        """The tokens top_k keeps: top_k 0 means the whole vocabulary."""
+        return min(params.top_k, self.vocab_size) or self.vocab_size
+
     def _row_param_matrix(self, params: Sequence[SamplingParams]) -> torch.Tensor:
         """[7, num_rows] float32 of per-row parameters, in one host-to-device copy."""
-        # top_k 0 means "whole vocabulary"; float32 holds any vocab index exactly (< 2**24).
-        top_k = [float(min(p.top_k, self.vocab_size) or self.vocab_size) for p in params]
+        # float32 holds any vocab index exactly (< 2**24).
+        top_k = [float(self._top_k(p)) for p in params]
         matrix = [
             [p.temperature if not p.is_greedy else 1.0 for p in params],
             [p.top_p for p in params],
@@ -348,7 +352,7 @@ class Sampler:
                 logits,
                 row_params[_TOP_K],
                 row_params[_TOP_P],
-                [min(p.top_k, self.vocab_size) or self.vocab_size for p in params],
+                [self._top_k(p) for p in params],
                 [p.top_p for p in params],
             )
         probs = torch.softmax(logits, dim=-1)
