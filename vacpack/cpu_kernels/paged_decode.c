@@ -8,8 +8,8 @@
 // elements contiguous, the layout a dot product reads.
 //
 // One task is (sequence, range of its keys), every KV head: the task then reads whole slot
-// rows, which lie contiguous within a page. Keys are taken KEY_BLOCK at a time, each block
-// first staged (its rows read in address order, see stage_block), then per KV head: scores of
+// rows, which lie contiguous within a page. Keys are taken KEY_BLOCK at a time, each block's
+// rows fetched while the block before it is computed (see Ahead), then per KV head: scores of
 // each grouped query head against each key, an online softmax (exp2 by polynomial, in
 // float32), and the value rows accumulated into float32 outputs, in one of two forms: the
 // grouped query heads apart or in vector lanes (block_heads_apart, block_heads_in_lanes),
@@ -151,24 +151,58 @@ static inline int64_t next_slot(const Problem* pr, const int64_t* pages, SlotCur
     return slot;
 }
 
-// Reads one word of every cache line of a block's key and value slot rows (all KV heads), in
-// address order, before the block's products (a row's bytes are a multiple of 16: a 4-byte
-// word at each 64-byte step stays inside it). Dense, in-order reads are what the hardware
-// prefetchers stream at full speed; the products then read from L1 and L2. Interleaving the
-// two did worse on a Zen 3: the products' scattered first touches ran at memory latency, and
-// software prefetches of the next block stalled on the core's few outstanding misses (64
-// sequences of 32..1,152 keys, 24 layers: 102 ms with prefetches, 84 ms staged).
-static inline void stage_block(const Problem* pr, const int64_t* slots, int64_t count,
-                               int64_t slot_bytes) {
-    int32_t touched = 0;
+// A block's key and value rows are fetched while the block before it is computed: its lines
+// are prefetched one at a time, at every other step of the products' inner loops, key rows
+// first. A decode reads every byte of its KV once, so its time is the reads plus the products
+// unless the two overlap, and on a Zen 3 they do not overlap by themselves: a load that misses
+// holds up the core's in-order retirement, which runs out of room behind it long before memory
+// answers, while a prefetch retires at once. Spread out, the prefetches keep a few lines in
+// flight at a time; issued in a burst they queue for the core's few miss buffers and stall the
+// products' own loads, and so does a counted loop of lines per step (a constant rhythm lets the
+// compiler unroll the loops by two and place the prefetch in one half). The lines the steps do
+// not reach (a task's first block; the last rows where the steps are fewer than the lines, as
+// for a wide head_dim with few heads per KV head) are read when the block begins, one word per
+// line in address order: dense, in-order reads that the hardware prefetchers stream at full
+// speed. On G1's decode batch (64 sequences of 32..1,152 keys, 24 layers, 2 threads,
+// interleaved, the KV cache float32): 58-65 ms per step against 74-88 ms with every block read
+// when it begins, in either form, and no slower with the KV in cache. Both forms are inlined
+// into the task, so that this struct stays out of the products' registers and memory.
+typedef struct {
+    const char* rows[2 * KEY_BLOCK];  // the block's key rows, then its value rows
+    int64_t num_rows, row, offset, row_bytes;  // the next line: row `row`, byte `offset`
+} Ahead;
+
+static inline void ahead_init(Ahead* ahead, const Problem* pr, const int64_t* slots,
+                              int64_t count, int64_t slot_bytes) {
     for (int64_t j = 0; j < count; ++j) {
-        const char* k = (const char*)pr->keys + slots[j] * slot_bytes;
-        const char* v = (const char*)pr->values + slots[j] * slot_bytes;
-        for (int64_t at = 0; at < slot_bytes; at += 64) {
-            int32_t k_word, v_word;
-            memcpy(&k_word, k + at, sizeof(k_word));
-            memcpy(&v_word, v + at, sizeof(v_word));
-            touched |= k_word | v_word;
+        ahead->rows[j] = (const char*)pr->keys + slots[j] * slot_bytes;
+        ahead->rows[count + j] = (const char*)pr->values + slots[j] * slot_bytes;
+    }
+    ahead->num_rows = 2 * count;
+    ahead->row = ahead->offset = 0;
+    ahead->row_bytes = slot_bytes;
+}
+
+// Prefetches the next line, if any is left.
+static inline void ahead_line(Ahead* ahead) {
+    if (ahead->row >= ahead->num_rows) return;
+    __builtin_prefetch(ahead->rows[ahead->row] + ahead->offset);
+    ahead->offset += 64;
+    if (ahead->offset >= ahead->row_bytes) {
+        ahead->offset = 0;
+        ++ahead->row;
+    }
+}
+
+// Reads one word of each line not yet prefetched (a row's bytes are a multiple of 16: a
+// 4-byte word at each 64-byte step stays inside it).
+static inline void ahead_finish(Ahead* ahead) {
+    int32_t touched = 0;
+    for (; ahead->row < ahead->num_rows; ++ahead->row, ahead->offset = 0) {
+        for (; ahead->offset < ahead->row_bytes; ahead->offset += 64) {
+            int32_t word;
+            memcpy(&word, ahead->rows[ahead->row] + ahead->offset, sizeof(word));
+            touched |= word;
         }
     }
     volatile int32_t sink = touched;  // keeps the reads
@@ -199,10 +233,11 @@ static inline void block_rows(const void* cache, const int64_t* slots, int64_t c
 // rows stream past.
 static inline void accumulate_values(float* acc_out, float rescale, const float* weights,
                                      const float* const* value_rows, int64_t count,
-                                     int64_t chunks) {
+                                     int64_t chunks, Ahead* ahead) {
     v8f acc[MAX_HEAD_DIM / 8];
     for (int64_t c = 0; c < chunks; ++c) acc[c] = load8(acc_out + 8 * c) * rescale;
     for (int64_t j = 0; j < count; ++j) {
+        if (j % 2 == 0) ahead_line(ahead);
         const float weight = weights[j];
         for (int64_t c = 0; c < chunks; ++c) acc[c] += weight * load8(value_rows[j] + 8 * c);
     }
@@ -213,10 +248,10 @@ static inline void accumulate_values(float* acc_out, float rescale, const float*
 // head_dim, finished together by shuffles (sum_lanes8) rather than one horizontal sum per key;
 // then per head the block's max and weights on eight lanes, and its values. Few lanes are
 // wasted whatever the group size, at the cost of the shuffles.
-static inline void block_heads_apart(const v8f* queries, const float* const* key_rows,
-                                     const float* const* value_rows, int64_t count,
-                                     int64_t group, int64_t chunks, float* running_max,
-                                     float* running_sum, float* running_acc) {
+static inline __attribute__((always_inline)) void block_heads_apart(
+    const v8f* queries, const float* const* key_rows, const float* const* value_rows,
+    int64_t count, int64_t group, int64_t chunks, float* running_max, float* running_sum,
+    float* running_acc, Ahead* ahead) {
     float scores[MAX_GROUP][KEY_BLOCK];
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         // A block's last keys past `count` repeat its last key; their scores go unread.
@@ -225,9 +260,12 @@ static inline void block_heads_apart(const v8f* queries, const float* const* key
         for (int64_t h = 0; h < group; ++h) {
             const v8f* query = &queries[h * chunks];
             v8f dots[8];
+            ahead_line(ahead);
             for (int64_t j = 0; j < 8; ++j) dots[j] = query[0] * load8(rows8[j]);
-            for (int64_t c = 1; c < chunks; ++c)
+            for (int64_t c = 1; c < chunks; ++c) {
+                if (c % 2 == 0) ahead_line(ahead);
                 for (int64_t j = 0; j < 8; ++j) dots[j] += query[c] * load8(rows8[j] + 8 * c);
+            }
             const v8f sums = sum_lanes8(dots);
             memcpy(&scores[h][j0], &sums, sizeof(sums));
         }
@@ -240,7 +278,7 @@ static inline void block_heads_apart(const v8f* queries, const float* const* key
         running_sum[h] = running_sum[h] * rescale + block_weights(scores[h], count, top);
         running_max[h] = top;
         accumulate_values(running_acc + h * 8 * chunks, rescale, scores[h], value_rows, count,
-                          chunks);
+                          chunks, ahead);
     }
 }
 
@@ -251,10 +289,10 @@ static inline void block_heads_apart(const v8f* queries, const float* const* key
 // lanes idle. On a Zen 3 at 7 query heads per KV head: 84-88 against 94-96 ms for the
 // heads-apart form in interleaved A/Bs of the kernel alone (64 sequences of 32..1,152 keys,
 // 24 layers), level in bench/decode_attention.py's run; at 2 per KV head, 73 against 66 ms.
-static inline void block_heads_in_lanes(const v8f* queries_t, const float* const* key_rows,
-                                        const float* const* value_rows, int64_t count,
-                                        int64_t lanes, int64_t chunks, float* running_max,
-                                        float* running_sum, float* outputs_t) {
+static inline __attribute__((always_inline)) void block_heads_in_lanes(
+    const v8f* queries_t, const float* const* key_rows, const float* const* value_rows,
+    int64_t count, int64_t lanes, int64_t chunks, float* running_max, float* running_sum,
+    float* outputs_t, Ahead* ahead) {
     const int64_t dim = 8 * chunks;
     v8f scores[KEY_BLOCK];
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
@@ -262,6 +300,7 @@ static inline void block_heads_in_lanes(const v8f* queries_t, const float* const
         for (int64_t j = 0; j < 8; ++j) rows8[j] = key_rows[j0 + j < count ? j0 + j : count - 1];
         v8f dots[8] = {{0}};
         for (int64_t d = 0; d < dim; ++d) {
+            if (d % 2 == 0) ahead_line(ahead);
             const v8f column = queries_t[d];
             for (int64_t j = 0; j < 8; ++j) dots[j] += column * splat8(rows8[j][d]);
         }
@@ -292,12 +331,18 @@ static inline void block_heads_in_lanes(const v8f* queries_t, const float* const
         v8f acc[8];
         for (int64_t i = 0; i < 8; ++i) acc[i] = load8(outputs_t + 8 * (d0 + i)) * rescale;
         for (int64_t j = 0; j < count; ++j) {
+            if (j % 2 == 0) ahead_line(ahead);
             const v8f weights = scores[j];
             const float* row = value_rows[j] + d0;
             for (int64_t i = 0; i < 8; ++i) acc[i] += weights * splat8(row[i]);
         }
         memcpy(outputs_t + 8 * d0, acc, sizeof(acc));
     }
+}
+
+// The keys of the block starting at key `start` of a task ending at `end` (0 past its end).
+static inline int64_t block_keys(int64_t start, int64_t end) {
+    return start >= end ? 0 : end - start < KEY_BLOCK ? end - start : KEY_BLOCK;
 }
 
 // One task: keys key_start..key_end of sequence `seq`, every KV head, into `part` (per query
@@ -326,12 +371,18 @@ static inline __attribute__((always_inline)) void attend_task(
     v8f key_buffer[KEY_BLOCK * MAX_HEAD_DIM / 8], value_buffer[KEY_BLOCK * MAX_HEAD_DIM / 8];
     const float* key_rows[KEY_BLOCK];
     const float* value_rows[KEY_BLOCK];
-    int64_t slots[KEY_BLOCK];
+    int64_t slots[KEY_BLOCK], next_slots[KEY_BLOCK];
     SlotCursor cursor = {key_start / pr->page_size, key_start % pr->page_size};
+    Ahead ahead;  // the block being fetched
+    int64_t count = block_keys(key_start, key_end);
+    for (int64_t j = 0; j < count; ++j) slots[j] = next_slot(pr, pages, &cursor);
+    ahead_init(&ahead, pr, slots, count, slot_bytes);
     for (int64_t start = key_start; start < key_end; start += KEY_BLOCK) {
-        const int64_t count = key_end - start < KEY_BLOCK ? key_end - start : KEY_BLOCK;
-        for (int64_t j = 0; j < count; ++j) slots[j] = next_slot(pr, pages, &cursor);
-        stage_block(pr, slots, count, slot_bytes);
+        ahead_finish(&ahead);  // this block, all of it now
+        // The next block, fetched during this block's products.
+        const int64_t next_count = block_keys(start + KEY_BLOCK, key_end);
+        for (int64_t j = 0; j < next_count; ++j) next_slots[j] = next_slot(pr, pages, &cursor);
+        ahead_init(&ahead, pr, next_slots, next_count, slot_bytes);
         for (int64_t kv_head = 0; kv_head < pr->num_kv_heads; ++kv_head) {
             const int64_t first_head = kv_head * group;
             block_rows(pr->keys, slots, count, slot_stride, kv_head, chunks, is_bf16,
@@ -345,7 +396,7 @@ static inline __attribute__((always_inline)) void attend_task(
                     const int64_t state = (kv_head * groups + g) * dim;
                     block_heads_in_lanes(queries_t + state, key_rows, value_rows, count, lanes,
                                          chunks, running_max + first, running_sum + first,
-                                         running_acc + 8 * state);
+                                         running_acc + 8 * state, &ahead);
                 }
                 continue;
             }
@@ -358,8 +409,10 @@ static inline __attribute__((always_inline)) void attend_task(
                              scale;
             block_heads_apart(queries, key_rows, value_rows, count, group, chunks,
                               running_max + first_head, running_sum + first_head,
-                              running_acc + first_head * dim);
+                              running_acc + first_head * dim, &ahead);
         }
+        memcpy(slots, next_slots, next_count * sizeof(int64_t));
+        count = next_count;
     }
 }
 
