@@ -181,24 +181,23 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, step: PreparedStep, masks: StepTokenMasks | None) -> _DeviceOutput:
         forward = self.forward
-        hidden, num_padded_slots, sample_rows, future_slots = forward.forward(
-            step.inputs, step.metadata
-        )
+        output = forward.forward(step.inputs, step.metadata)
         sampler_output = None
         if step.sampled_sequences:
             # In the model's dtype: the sampler widens them to float32 only where it needs to
             # (greedy rows without penalties or logprobs take the argmax as they are).
-            logits = self.model.compute_logits(hidden.index_select(0, sample_rows), dtype=None)
+            logits = self.model.compute_logits(output.sampled_hidden(), dtype=None)
             sampler_output = self.sampler(logits, step.sampling_rows, masks)
             sampled = sampler_output.sampled_token_ids
             if step.inputs.shares_sampled_tokens:
                 sampled = forward.share_sampled(sampled.contiguous())
-            forward.store_sampled(sampled, future_slots)
+            forward.store_sampled(sampled, output.future_slots)
             sampler_output = _to_host(sampler_output)
         prompt_logprobs = [
-            (span, _to_host(self._prompt_logprobs(hidden, span))) for span in step.prompt_spans
+            (span, _to_host(self._prompt_logprobs(output.hidden, span)))
+            for span in step.prompt_spans
         ]
-        return _DeviceOutput(sampler_output, prompt_logprobs, num_padded_slots)
+        return _DeviceOutput(sampler_output, prompt_logprobs, output.num_padded_slots)
 
     def result(self, step: PreparedStep, output: _DeviceOutput) -> StepResult:
         """The step's results as host values; call once the device work is done."""

@@ -9,6 +9,7 @@ of sampled tokens) in the same order, and keeps nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,22 @@ from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel
 from vacpack.pinned_staging import PinnedStager
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """A step's forward, on the device."""
+
+    # [rows, hidden_size]: one row per token of the step, or (sampled_only) per sampled row.
+    hidden: torch.Tensor
+    num_padded_slots: int  # slots a replayed decode graph ran beyond the step's tokens
+    sample_rows: torch.Tensor  # [sampled] int64: the stream rows whose logits are sampled
+    future_slots: torch.Tensor  # [sampled] int64: where the sampled ids are kept on the device
+    sampled_only: bool
+
+    def sampled_hidden(self) -> torch.Tensor:
+        """The sampled rows' hidden states, in sampling order."""
+        return self.hidden if self.sampled_only else self.hidden.index_select(0, self.sample_rows)
 
 
 class StepForward:
@@ -55,11 +72,9 @@ class StepForward:
             None if inputs.use_graph else self.attention.build_metadata(inputs.layout, self.device)
         )
 
-    def forward(
-        self, inputs: StepInputs, metadata: Any
-    ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
-        """(hidden states, padded slots, sample rows, future slots), the last two on the
-        device. Nothing here waits for the device."""
+    def forward(self, inputs: StepInputs, metadata: Any) -> ForwardOutput:
+        """The step's hidden states, and where its sampled rows are. Nothing here waits for
+        the device."""
         token_ids, positions, sample_rows, future_slots = self.stager.stage(
             [inputs.token_ids, inputs.positions, inputs.sample_rows, inputs.future_slots]
         )
@@ -71,9 +86,22 @@ class StepForward:
             replayed = self.graph_runner.run(token_ids, positions, inputs.layout)
             assert replayed is not None, "prepare checked that the graph runner can run it"
             hidden, num_padded_slots = replayed
-            return hidden, num_padded_slots, sample_rows, future_slots
-        ctx = ForwardContext(self.attention, metadata, self.kv_cache)
-        return self.model(token_ids, positions, ctx), 0, sample_rows, future_slots
+            return ForwardOutput(hidden, num_padded_slots, sample_rows, future_slots, False)
+        # Where nothing reads the other rows' hidden states (no prompt logprobs), the model
+        # returns the sampled rows alone: a prefill's last layer runs its MLP for them only.
+        sampled_only = (
+            self.model.prunes_output_rows
+            and not inputs.prompt_passes
+            and len(inputs.sample_rows) < len(inputs.token_ids)
+        )
+        ctx = ForwardContext(
+            self.attention,
+            metadata,
+            self.kv_cache,
+            output_rows=sample_rows if sampled_only else None,
+        )
+        hidden = self.model(token_ids, positions, ctx)
+        return ForwardOutput(hidden, 0, sample_rows, future_slots, sampled_only)
 
     def store_sampled(self, sampled_token_ids: torch.Tensor, future_slots: torch.Tensor) -> None:
         """Keeps the sampled ids for later steps' placeholders."""
@@ -90,13 +118,13 @@ class StepForward:
     def run_as_worker(self, inputs: StepInputs) -> None:
         """A rank other than 0: the step's forward and rank 0's LM-head passes (whose gathers
         need every rank), in the order ModelRunner.run makes them."""
-        hidden, _, sample_rows, future_slots = self.forward(inputs, self.build_metadata(inputs))
+        output = self.forward(inputs, self.build_metadata(inputs))
         if inputs.sample_rows:
-            self.model.compute_logits(hidden.index_select(0, sample_rows), dtype=None)
+            self.model.compute_logits(output.sampled_hidden(), dtype=None)
             if inputs.shares_sampled_tokens:
                 sampled = torch.empty(
                     len(inputs.sample_rows), dtype=torch.int64, device=self.device
                 )
-                self.store_sampled(self.share_sampled(sampled), future_slots)
+                self.store_sampled(self.share_sampled(sampled), output.future_slots)
         for row_start, num_rows in inputs.prompt_passes:
-            self.model.compute_logits(hidden[row_start : row_start + num_rows])
+            self.model.compute_logits(output.hidden[row_start : row_start + num_rows])

@@ -25,6 +25,8 @@ class PackedModel(nn.Module):
     # Builds its layers with the elementwise ops of layer_ops.py (RMSNorm, SiLU*up, rotary),
     # whose implementations are then timed at load.
     uses_layer_ops: ClassVar[bool] = False
+    # Honours ForwardContext.output_rows: returns the hidden states of those rows alone.
+    prunes_output_rows: ClassVar[bool] = False
     config: Any
 
     @abstractmethod

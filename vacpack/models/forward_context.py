@@ -21,6 +21,10 @@ class ForwardContext:
     # [num_tokens] int64 segment ids (0: first text, 1: second) for a cross-encoder's pairs;
     # None where every token is of type 0.
     token_type_ids: torch.Tensor | None = None
+    # [rows] int64: the only rows whose final hidden states are read (a generation step's
+    # sampled rows), in the order they are wanted; None for every row. A model that honours it
+    # (PackedModel.prunes_output_rows) returns these rows alone.
+    output_rows: torch.Tensor | None = None
 
     def kv_layer(self, index: int) -> KVLayer | None:
         return None if self.kv_cache is None else self.kv_cache.layer(index)

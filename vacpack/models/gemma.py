@@ -20,7 +20,13 @@ from torch import nn
 
 from vacpack.attention.backend import AttentionSpec
 from vacpack.models.forward_context import ForwardContext
-from vacpack.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from vacpack.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    select_rows,
+    with_kept_rows,
+)
 from vacpack.models.model_config import ModelConfig, decoder_fields, split_rope_parameters
 from vacpack.models.norm import RMSNorm
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel
@@ -116,15 +122,18 @@ class GemmaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
+        keep_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As Llama's layer, the residual add is left to the next norm: this returns
-        (post_feedforward_norm(mlp), residual) and the caller adds them."""
+        (post_feedforward_norm(mlp), residual) and the caller adds them. keep_rows as
+        Llama's."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(cos_sin, hidden, ctx))
+        hidden, residual = select_rows(keep_rows, self.self_attn(cos_sin, hidden, ctx), residual)
+        hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
@@ -161,9 +170,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
             local_cos_sin = self.local_rotary.cos_sin_for(positions)
         hidden = self.embed_tokens(token_ids) * self.embed_scale
         residual = None
-        for layer in self.layers:
+        for layer, keep_rows in with_kept_rows(self.layers, ctx):
             cos_sin = local_cos_sin if layer.is_sliding else global_cos_sin
-            hidden, residual = layer(cos_sin, hidden, residual, ctx)
+            hidden, residual = layer(cos_sin, hidden, residual, ctx, keep_rows)
         assert residual is not None, "a model has at least one layer"
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden

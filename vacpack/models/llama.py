@@ -126,6 +126,29 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def with_kept_rows(
+    layers: nn.ModuleList, ctx: ForwardContext
+) -> list[tuple[nn.Module, torch.Tensor | None]]:
+    """Each layer with the rows it passes on past its attention: every row (None), and at the
+    last layer ctx.output_rows (see select_rows)."""
+    last = len(layers) - 1
+    return [(layer, ctx.output_rows if i == last else None) for i, layer in enumerate(layers)]
+
+
+def select_rows(
+    rows: torch.Tensor | None, hidden: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The given rows of a layer's hidden states and residual stream (all of them for None).
+
+    Every row's keys and values are written and read by attention; past the last layer's
+    attention a row meets no other, so the rows whose outputs nobody reads can stop there. In a
+    generation step that is every prompt row but the last of each prompt: a prefill skips the
+    last layer's MLP for nearly all its tokens (1/num_layers of its linears' work)."""
+    if rows is None:
+        return hidden, residual
+    return hidden.index_select(0, rows), residual.index_select(0, rows)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -146,13 +169,16 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
+        keep_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """keep_rows (the last layer's): past attention only these rows go on."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(cos_sin, hidden, ctx)
+        hidden, residual = select_rows(keep_rows, hidden, residual)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -161,6 +187,7 @@ class LlamaForCausalLM(PackedModel):
     config_class: ClassVar[Any] = ModelConfig
     is_decoder = True
     uses_layer_ops = True
+    prunes_output_rows = True
     # Checkpoint names that feed one of our merged layers: (our name, shard index).
     MERGED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
@@ -218,12 +245,13 @@ class LlamaForCausalLM(PackedModel):
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """Returns the final hidden states, one row per token of the packed stream."""
+        """Returns the final hidden states, one row per token of the packed stream (or per row
+        of ctx.output_rows)."""
         cos_sin = self.rotary.cos_sin_for(positions)
         hidden = self.embed_tokens(token_ids)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(cos_sin, hidden, residual, ctx)
+        for layer, keep_rows in with_kept_rows(self.layers, ctx):
+            hidden, residual = layer(cos_sin, hidden, residual, ctx, keep_rows)
         assert residual is not None, "a model has at least one layer"
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden

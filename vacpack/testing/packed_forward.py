@@ -25,8 +25,10 @@ def packed_forward(
     model: PackedModel,
     sequences: Sequence[Sequence[int]],
     attention_backend: str = "torch_sdpa",
+    output_rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Final hidden states [total tokens, hidden] of all sequences packed into one stream.
+    """Final hidden states [total tokens, hidden] of all sequences packed into one stream (or
+    of the stream's `output_rows` alone, as a generation step asks a model for its sampled rows).
 
     Attention is bidirectional within each sequence for encoders (model.is_causal False) and
     causal for decoders, through `attention_backend` (the portable one unless named); no KV
@@ -40,7 +42,12 @@ def packed_forward(
         attention_windows=attention_windows(model),
     )
     backend = create_backend(attention_backend)
-    ctx = ForwardContext(backend, backend.build_metadata(layout, CPU), kv_cache=None)
+    ctx = ForwardContext(
+        backend,
+        backend.build_metadata(layout, CPU),
+        kv_cache=None,
+        output_rows=None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64),
+    )
     token_ids = torch.tensor([token for tokens in sequences for token in tokens])
     positions = torch.cat([torch.arange(n) for n in seq_lens])
     return model(token_ids, positions, ctx)
