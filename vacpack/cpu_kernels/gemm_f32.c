@@ -140,34 +140,62 @@ static inline v8f activate8(v8f x, int activation) {
 
 // out[r] = a[kc][MR] . b[kc][NR] for the first `ROWS` rows, a compile-time constant at each
 // call: ROWS x 2 accumulators in registers, no work for the zero rows of a short last panel (a
-// single-sequence decode step computes one row, not six). `ahead` is the weight micro-panel the
-// caller reads next: one 64-byte line of it is prefetched into L2 per step of k, so that a new
-// panel never waits on memory (a decode step streams every weight from memory once).
+// single-sequence decode step computes one row, not six). One 64-byte line of the weight
+// micro-panel the caller reads next is prefetched into L2 per step of k over the first
+// `ahead_lines` steps, from `ahead` on (see ahead_share), so that a new panel does not wait on
+// memory (a decode step streams every weight from memory once). The steps after those run
+// the same product in a loop of their own: a test in the loop would cost every step.
+// One step of k: c[r] += a[r] * b[0:NR] for the first ROWS rows.
+static inline __attribute__((always_inline)) void product_step(const float* restrict a,
+                                                               const float* restrict b,
+                                                               const int ROWS, v8f c[MR][2]) {
+    const v8f b0 = load8(b), b1 = load8(b + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < ROWS; ++r) {
+        const v8f a_k = splat8(a[r]);
+        c[r][0] += a_k * b0, c[r][1] += a_k * b1;
+    }
+}
+
 static inline __attribute__((always_inline)) void block_product(
     int64_t kc, const float* restrict a, const float* restrict b, const float* ahead,
-    const int ROWS, v8f out[MR][2]) {
+    int64_t ahead_lines, const int ROWS, v8f out[MR][2]) {
     v8f c[MR][2];
 #pragma GCC unroll 6
     for (int r = 0; r < ROWS; ++r) c[r][0] = c[r][1] = (v8f){0};
+    int64_t kk = 0;
 #pragma GCC unroll 4
-    for (int64_t kk = 0; kk < kc; ++kk) {
+    for (; kk < ahead_lines; ++kk, a += MR, b += NR) {
         __builtin_prefetch(ahead + kk * NR, 0, 2);
-        const v8f b0 = load8(b), b1 = load8(b + 8);
-#pragma GCC unroll 6
-        for (int r = 0; r < ROWS; ++r) {
-            const v8f a_k = splat8(a[r]);
-            c[r][0] += a_k * b0, c[r][1] += a_k * b1;
-        }
-        a += MR, b += NR;
+        product_step(a, b, ROWS, c);
     }
+#pragma GCC unroll 4
+    for (; kk < kc; ++kk, a += MR, b += NR) product_step(a, b, ROWS, c);
 #pragma GCC unroll 6
     for (int r = 0; r < ROWS; ++r) out[r][0] = c[r][0], out[r][1] = c[r][1];
+}
+
+// Which lines of the next weight micro-panel the tile-th of a panel's `tiles` row tiles
+// prefetches: among many tiles (a prefill's input block) an equal share each, so that the
+// panel is asked for once; among a few (a decode step's rows) all of them each. Every tile
+// asking for the whole panel again cost a prefill's products 2-10% (a prefetch of a line
+// already in L2 still takes a load slot from the product at every step); shared among a few
+// tiles the decode-sized products, which wait on memory, ran 5-15% slower (2-core Zen 3).
+#define SHARED_AHEAD_MIN_TILES 16
+typedef struct {
+    int64_t first, lines;
+} AheadShare;
+
+static inline AheadShare ahead_share(int64_t tile, int64_t tiles, int64_t kc) {
+    if (tiles < SHARED_AHEAD_MIN_TILES) return (AheadShare){0, kc};
+    const int64_t first = tile * kc / tiles;
+    return (AheadShare){first, (tile + 1) * kc / tiles - first};
 }
 
 // y[0:rows, 0:cols] (= or +=) a[kc][MR] . b[kc][NR]; bias (or NULL) added where not
 // accumulating; `activation` applied where this is the reduction's last slice.
 static void micro_kernel(int64_t kc, const float* restrict a, const float* restrict b,
-                         const float* ahead, float* restrict y, int64_t y_stride, int rows,
+                         const float* ahead, int64_t ahead_lines, float* restrict y, int64_t y_stride, int rows,
                          int cols, int accumulate, const float* bias, int activation) {
     // The outputs this block adds to are read after the loop: fetched now, they arrive while it
     // runs instead of stalling it (a large layer's outputs are far out of cache).
@@ -175,12 +203,12 @@ static void micro_kernel(int64_t kc, const float* restrict a, const float* restr
         for (int r = 0; r < rows; ++r) __builtin_prefetch(y + r * y_stride, 1);
     v8f block[MR][2];
     switch (rows) {
-        case 1: block_product(kc, a, b, ahead, 1, block); break;
-        case 2: block_product(kc, a, b, ahead, 2, block); break;
-        case 3: block_product(kc, a, b, ahead, 3, block); break;
-        case 4: block_product(kc, a, b, ahead, 4, block); break;
-        case 5: block_product(kc, a, b, ahead, 5, block); break;
-        default: block_product(kc, a, b, ahead, MR, block); break;
+        case 1: block_product(kc, a, b, ahead, ahead_lines, 1, block); break;
+        case 2: block_product(kc, a, b, ahead, ahead_lines, 2, block); break;
+        case 3: block_product(kc, a, b, ahead, ahead_lines, 3, block); break;
+        case 4: block_product(kc, a, b, ahead, ahead_lines, 4, block); break;
+        case 5: block_product(kc, a, b, ahead, ahead_lines, 5, block); break;
+        default: block_product(kc, a, b, ahead, ahead_lines, MR, block); break;
     }
     if (rows == MR && cols == NR) {
         for (int r = 0; r < MR; ++r) {
@@ -236,7 +264,8 @@ static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
                 const float* ahead = p + 1 < panel_end ? b + k * NR : b;
                 for (int64_t r0 = 0; r0 < mc; r0 += MR) {
                     const int rows = mc - r0 < MR ? (int)(mc - r0) : MR;
-                    micro_kernel(kc, a_block + r0 * kc, b, ahead,
+                    const AheadShare share = ahead_share(r0 / MR, (mc + MR - 1) / MR, kc);
+                    micro_kernel(kc, a_block + r0 * kc, b, ahead + share.first * NR, share.lines,
                                  g->y + (m0 + r0) * y_stride + n0, y_stride, rows, cols, k0 > 0,
                                  bias ? bias + n0 : NULL, k0 + kc == k ? g->activation : ACT_NONE);
                 }
@@ -269,7 +298,7 @@ static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
             const float* ahead = p + 1 < panel_end || k0 + kc < k ? b + kc * NR : b;
             for (int64_t r0 = 0; r0 < m; r0 += MR) {
                 const int rows = m - r0 < MR ? (int)(m - r0) : MR;
-                micro_kernel(kc, a_slice + r0 * kc, b, ahead, g->y + r0 * y_stride + n0,
+                micro_kernel(kc, a_slice + r0 * kc, b, ahead, kc, g->y + r0 * y_stride + n0,
                              y_stride, rows, cols, k0 > 0, bias ? bias + n0 : NULL,
                              k0 + kc == k ? g->activation : ACT_NONE);
             }
