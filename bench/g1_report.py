@@ -63,6 +63,7 @@ def vacpack_prefill_mfu(
         num_layers=config["num_hidden_layers"],
         attention_hidden_size=config["num_attention_heads"] * head_dim,
         hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
     )
     device_tflops = flops / vacpack["prefill_device_time_s"] / 1e12

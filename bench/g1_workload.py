@@ -141,11 +141,15 @@ def prefill_model_flops(
     num_layers: int,
     attention_hidden_size: int,
     hidden_size: int,
+    intermediate_size: int,
     vocab_size: int,
 ) -> float:
-    """Model FLOPs of prefilling every prompt once: the numerator of prefill MFU.
+    """Model FLOPs of prefilling every prompt once: the numerator of prefill MFU. What
+    generation needs, not what an engine happens to run:
 
-    - Linear layers: 2 * num_non_embedding_params per prefill token (one multiply-add per weight).
+    - Linear layers: 2 * num_non_embedding_params per prefill token (one multiply-add per weight),
+      except the last layer past its attention (its output projection and gated MLP), which only
+      a prompt's last position needs.
     - Attention: QK^T and PV are each 2 * L^2 * attention_hidden_size FLOPs per layer for a full
       L x L square (attention_hidden_size = heads * head_dim); a causal mask keeps half of it,
       so 4 * num_layers * attention_hidden_size * L^2 / 2 per prompt of length L.
@@ -153,7 +157,12 @@ def prefill_model_flops(
 
     Embedding lookups, norms, RoPE and softmax are left out: they are not matmul work.
     """
-    linear_flops = 2 * num_non_embedding_params * num_prefill_tokens
+    last_layer_tail_params = (
+        attention_hidden_size * hidden_size + 3 * hidden_size * intermediate_size
+    )
+    unread_rows = num_prefill_tokens - len(prompt_lens)
+    linear_flops = 2 * (num_non_embedding_params * num_prefill_tokens)
+    linear_flops -= 2 * last_layer_tail_params * max(unread_rows, 0)
     attention_flops = 4 * num_layers * attention_hidden_size * sum(n * n / 2 for n in prompt_lens)
     lm_head_flops = 2 * hidden_size * vocab_size * len(prompt_lens)
     return float(linear_flops + attention_flops + lm_head_flops)
