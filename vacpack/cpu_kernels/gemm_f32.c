@@ -138,17 +138,9 @@ static inline v8f activate8(v8f x, int activation) {
     }
 }
 
-// out[r] = a[kc][MR] . b[kc][NR] for the first `ROWS` rows, a compile-time constant at each
-// call: ROWS x 2 accumulators in registers, no work for the zero rows of a short last panel (a
-// single-sequence decode step computes one row, not six). One 64-byte line of the weight
-// micro-panel the caller reads next is prefetched into L2 per step of k over the first
-// `ahead_lines` steps, from `ahead` on (see ahead_share), so that a new panel does not wait on
-// memory (a decode step streams every weight from memory once). The steps after those run
-// the same product in a loop of their own: a test in the loop would cost every step.
 // One step of k: c[r] += a[r] * b[0:NR] for the first ROWS rows.
-static inline __attribute__((always_inline)) void product_step(const float* restrict a,
-                                                               const float* restrict b,
-                                                               const int ROWS, v8f c[MR][2]) {
+static inline __attribute__((always_inline)) void product_step(
+    const float* restrict a, const float* restrict b, const int ROWS, v8f c[MR][2]) {
     const v8f b0 = load8(b), b1 = load8(b + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < ROWS; ++r) {
@@ -157,6 +149,13 @@ static inline __attribute__((always_inline)) void product_step(const float* rest
     }
 }
 
+// out[r] = a[kc][MR] . b[kc][NR] for the first `ROWS` rows, a compile-time constant at each
+// call: ROWS x 2 accumulators in registers, no work for the zero rows of a short last panel (a
+// single-sequence decode step computes one row, not six). One 64-byte line of the weight
+// micro-panel the caller reads next is prefetched into L2 per step of k over the first
+// `ahead_lines` steps, from `ahead` on (see ahead_share), so that a new panel does not wait on
+// memory (a decode step streams every weight from memory once). The steps after those run
+// the same product in a loop of their own: a test in the loop would cost every step.
 static inline __attribute__((always_inline)) void block_product(
     int64_t kc, const float* restrict a, const float* restrict b, const float* ahead,
     int64_t ahead_lines, const int ROWS, v8f out[MR][2]) {
@@ -195,8 +194,9 @@ static inline AheadShare ahead_share(int64_t tile, int64_t tiles, int64_t kc) {
 // y[0:rows, 0:cols] (= or +=) a[kc][MR] . b[kc][NR]; bias (or NULL) added where not
 // accumulating; `activation` applied where this is the reduction's last slice.
 static void micro_kernel(int64_t kc, const float* restrict a, const float* restrict b,
-                         const float* ahead, int64_t ahead_lines, float* restrict y, int64_t y_stride, int rows,
-                         int cols, int accumulate, const float* bias, int activation) {
+                         const float* ahead, int64_t ahead_lines, float* restrict y,
+                         int64_t y_stride, int rows, int cols, int accumulate, const float* bias,
+                         int activation) {
     // The outputs this block adds to are read after the loop: fetched now, they arrive while it
     // runs instead of stalling it (a large layer's outputs are far out of cache).
     if (accumulate)
