@@ -161,7 +161,7 @@ def prefill_model_flops(
         attention_hidden_size * hidden_size + 3 * hidden_size * intermediate_size
     )
     unread_rows = num_prefill_tokens - len(prompt_lens)
-    linear_flops = 2 * (num_non_embedding_params * num_prefill_tokens)
+    linear_flops = 2 * num_non_embedding_params * num_prefill_tokens
     linear_flops -= 2 * last_layer_tail_params * max(unread_rows, 0)
     attention_flops = 4 * num_layers * attention_hidden_size * sum(n * n / 2 for n in prompt_lens)
     lm_head_flops = 2 * hidden_size * vocab_size * len(prompt_lens)

@@ -143,7 +143,7 @@ def select_rows(
     Every row's keys and values are written and read by attention; past the last layer's
     attention a row meets no other, so the rows whose outputs nobody reads can stop there. In a
     generation step that is every prompt row but the last of each prompt: a prefill skips the
-    last layer's MLP for nearly all its tokens (1/num_layers of its linears' work)."""
+    last layer's MLP for nearly all its tokens (close to 1/num_layers of its linears' work)."""
     if rows is None:
         return hidden, residual
     return hidden.index_select(0, rows), residual.index_select(0, rows)
