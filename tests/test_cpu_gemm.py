@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from vacpack import LLM, SamplingParams
 from vacpack.config import EngineConfig
 from vacpack.cpu_kernels.gemm import GemmWeight, gemm_linear, gemm_supported, pack_weight
+from vacpack.host_memory import largest_cpu_cache_bytes
 from vacpack.models import linear_choice
 from vacpack.models.activations import ACTIVATIONS
 from vacpack.models.linear_choice import (
@@ -194,6 +195,48 @@ def test_a_vocabulary_wide_weight_is_timed_on_a_slice(monkeypatch: pytest.Monkey
     for call in calls.values():
         call()
     assert "[24, 1000]" in wide.key()  # the choice is the whole shape's
+
+
+def test_each_timed_product_reads_a_weight_no_cache_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timing = LinearTiming(32, 64, torch.float32, (4, 8))  # an 8 KiB weight
+    # Copies to fill the cache twice over: 1 MiB of cache takes 256 copies, capped; a weight
+    # twice the cache's size needs no second copy.
+    assert linear_choice.timed_weight_copies(timing, cache_bytes=40 << 10) == 10
+    assert linear_choice.timed_weight_copies(timing, cache_bytes=1 << 20) == (
+        linear_choice.MAX_WEIGHT_COPIES
+    )
+    assert linear_choice.timed_weight_copies(timing, cache_bytes=4 << 10) == 1
+    # Each product (two a call here) reads the next copy, each in memory of its own, every
+    # copy as often as the others; they compute the same layer.
+    used: list[int] = []
+    outputs: list[torch.Tensor] = []
+    real_linear = linear_choice.packed_linear
+
+    def recording(x: torch.Tensor, packed: GemmWeight, *args: object) -> torch.Tensor:
+        used.append(packed.panels.data_ptr())
+        outputs.append(real_linear(x, packed, *args))  # type: ignore[arg-type]
+        return outputs[-1]
+
+    monkeypatch.setattr(linear_choice, "packed_linear", recording)
+    call = linear_calls(timing, ["c_gemm"], num_copies=3)["c_gemm"]
+    for _ in range(3):
+        call()
+    assert len(used) == 6 and len(set(used)) == 3
+    assert used[:3] == used[3:]  # a rotation
+    for first, later in zip(outputs[:2], outputs[2:4], strict=True):
+        assert torch.equal(first, later)
+    assert "weights from memory" in timing.key()
+
+
+def test_the_largest_cpu_cache_is_read_from_sysfs(tmp_path: Path) -> None:
+    for index, size in [(0, "32K"), (2, "512K"), (3, "32768K")]:
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    (tmp_path / "index1").mkdir()  # a level that does not say its size
+    assert largest_cpu_cache_bytes(str(tmp_path)) == 32 << 20
+    assert largest_cpu_cache_bytes(str(tmp_path / "absent")) is None
 
 
 def test_the_chooser_times_each_shape_once(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import os
 import resource
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,27 @@ def available_host_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+CPU_CACHES_DIR = "/sys/devices/system/cpu/cpu0/cache"
+
+
+def largest_cpu_cache_bytes(caches_dir: str = CPU_CACHES_DIR) -> int | None:
+    """The size of the largest CPU cache the first core sees (its last level, which a whole
+    socket may share), from sysfs; None where the kernel does not say (not Linux, a container
+    hiding it)."""
+    sizes = []
+    for level in Path(caches_dir).glob("index*"):
+        try:
+            text = (level / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:].upper() in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1].upper()])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=None)
 
 
 def host_peak_memory_bytes() -> int:

@@ -17,6 +17,7 @@ measured choice made before loading (linear_choice.py): one layout per model, ne
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Literal, TypeAlias
@@ -71,6 +72,13 @@ def prepack(weight: torch.Tensor, kernel: LinearKernel = "onednn") -> PackedWeig
     except RuntimeError as error:  # an unusual build or shape: the plain path still works
         logger.warning("keeping a plain %s weight %s: %s", weight.dtype, tuple(weight.shape), error)
         return None
+
+
+def copy_packed(packed_weight: PackedWeight) -> PackedWeight:
+    """A copy of a packed weight in its own memory (oneDNN's opaque tensors copy too)."""
+    if isinstance(packed_weight, GemmWeight):
+        return dataclasses.replace(packed_weight, panels=packed_weight.panels.clone())
+    return packed_weight.clone()
 
 
 def packed_linear(
