@@ -165,11 +165,22 @@ def test_settling_a_choice_may_use_what_the_load_has_left(tmp_path: Path) -> Non
     clock = FakeClock()
     candidates = {"a": clock.costing(0.03), "b": clock.costing(0.02)}
     first = choose_with(clock, tmp_path, candidates, budget_s=0.06)
-    assert first.num_rounds == 0 and first.chosen == "b"
+    assert first.num_rounds == 1 and first.chosen == "b" and not first.settled
     with spending(TimingAllowance(total_s=1.0)) as allowance:
         again = choose_with(clock, tmp_path, dict(candidates), budget_s=0.06)
     assert again.num_rounds == SETTLED_ROUNDS and again.settled and again.chosen == "b"
-    assert allowance.spent_s == pytest.approx(again.measure_s) == pytest.approx(0.2)
+    # A warm-up of 0.05 s and the two rounds it lacked.
+    assert allowance.spent_s == pytest.approx(again.measure_s) == pytest.approx(0.15)
+
+
+def test_a_warm_up_slowed_by_first_call_costs_does_not_decide(tmp_path: Path) -> None:
+    """Warm-up spent the phase's budget, and "a"'s first call paid for its allocations and its
+    library's first load: one timed round still runs, and picks by it."""
+    clock = FakeClock()
+    candidates = {"a": clock.costing(0.05, 0.01), "b": clock.costing(0.02)}
+    choice = choose_with(clock, tmp_path, candidates, budget_s=0.06)
+    assert choice.num_rounds == 1 and choice.chosen == "a"
+    assert choice.best_time_s == pytest.approx({"a": 0.01, "b": 0.02})
 
 
 def test_an_unsettled_choice_stands_while_a_load_has_no_time_left(tmp_path: Path) -> None:

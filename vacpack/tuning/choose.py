@@ -111,7 +111,12 @@ def choose(
         _nested_measure_s.reset(token)
     if sorted(candidates) != sorted(names):
         raise ValueError(f"{phase}: built candidates {sorted(candidates)}, named {sorted(names)}")
-    min_rounds = 0
+    # At least one timed round, whatever the budget says: warm-up times carry first calls' costs
+    # (allocations, page faults, primitive creation, a library's first load), not what the
+    # phase costs every step. A round costs about what the warm-up did, less those. Warm-up
+    # times alone made PyTorch's SiLU-and-multiply look faster than the C kernel it trails 2x
+    # at a first load on the Zen 3 (its 0.06 s budget spent by the warm-up).
+    min_rounds = 1
     # Building the candidates' inputs counts, other phases measured meanwhile not (they charged
     # their own time).
     build_s = clock() - measure_start_s - sum(nested_s)
@@ -119,18 +124,13 @@ def choose(
         allowance.charge(build_s)
     earlier_rounds = earlier.num_rounds if earlier is not None else 0
     if earlier is not None:
-        # Settling an earlier choice: only the rounds it lacks (at least one, now that its
-        # candidates are built), from whatever the load has left: its settled choices cost
-        # it nothing this time.
-        max_rounds, min_rounds = max(1, SETTLED_ROUNDS - earlier_rounds), 1
+        # Settling an earlier choice: only the rounds it lacks, from whatever the load has
+        # left: its settled choices cost it nothing this time.
+        max_rounds = max(1, SETTLED_ROUNDS - earlier_rounds)
         if allowance is not None:
             budget_s = allowance.remaining_s
     elif allowance is not None:
-        granted_s = allowance.grant(budget_s)
-        # A spent allowance still leaves one timed round: warm-up times carry first calls'
-        # costs (allocations, primitive creation), not what the phase costs every step.
-        min_rounds = 1 if granted_s < budget_s else 0
-        budget_s = granted_s
+        budget_s = allowance.grant(budget_s)  # a spent one still leaves the round above
     timings = time_candidates(
         candidates, budget_s=budget_s, max_rounds=max_rounds, min_rounds=min_rounds, clock=clock
     )
