@@ -5,8 +5,8 @@ load). Then rounds call every candidate once, interleaved in a rotating order, s
 other work on the machine slows all candidates alike rather than whichever ran during it; a
 candidate's time is its best over the rounds, since on a shared machine noise only ever adds
 time. Rounds run while the next one fits in the time budget, up to a cap, after the `min_rounds`
-that run regardless (choose.py asks for one: warm-up times carry first calls' costs). On a GPU each call is timed from an idle device to
-the end of the work it queued.
+that run regardless (choose.py asks for one: warm-up times carry first calls' costs). On a GPU
+each call is timed from an idle device to the end of the work it queued.
 """
 
 from __future__ import annotations
