@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from vacpack import LLM, SamplingParams
 from vacpack.config import EngineConfig
+from vacpack.cpu_kernels.elementwise import silu_and_mul
 from vacpack.cpu_kernels.gemm import GemmWeight, gemm_linear, gemm_supported, pack_weight
 from vacpack.host_memory import largest_cpu_cache_bytes
 from vacpack.models import linear_choice
@@ -26,7 +27,14 @@ from vacpack.models.linear_choice import (
     linear_calls,
     timed_out_features,
 )
-from vacpack.models.parallel import ColumnParallelLinear, LMHead, RowParallelLinear, VocabEmbedding
+from vacpack.models.parallel import (
+    SINGLE_RANK,
+    ColumnParallelLinear,
+    GateUpParallelLinear,
+    LMHead,
+    RowParallelLinear,
+    VocabEmbedding,
+)
 from vacpack.runtime import load
 from vacpack.tuning import ChoiceSource, force_env_var
 
@@ -97,6 +105,48 @@ def test_the_activation_is_applied_as_outputs_are_written(
     assert out.isfinite().all()
 
 
+# (rows, in, intermediate): halves that fill whole panels of 8 and ragged ones (1, 17, 33),
+# reductions in one slice and in two and three (the sums kept whole until the last), few rows
+# (panels outermost) and many (row blocks outermost).
+GATED_SHAPES = [
+    (1, 8, 8),
+    (5, 40, 17),
+    (7, 1025, 33),
+    (64, 896, 64),
+    (300, 2101, 1),
+    (400, 300, 24),
+]
+
+
+@pytest.mark.parametrize("rows,in_features,intermediate", GATED_SHAPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_gated_projection_is_finished_as_its_outputs_are_written(
+    rows: int, in_features: int, intermediate: int, activation: str, with_bias: bool, threads: int
+) -> None:
+    generator = torch.Generator().manual_seed(rows + intermediate)
+    weight = torch.randn(2 * intermediate, in_features, generator=generator) * 0.2
+    bias = torch.randn(2 * intermediate, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gated = pack_weight(weight, gated_by=activation)
+        out = gemm_linear(x, gated, bias)
+        unfused = gemm_linear(x, pack_weight(weight), bias)
+    finally:
+        torch.set_num_threads(previous)
+    assert gated.shape == (intermediate, in_features) and out.shape == (rows, intermediate)
+    gate, up = _reference(x, weight, bias).double().chunk(2, dim=-1)
+    expected = (ACTIVATIONS[activation](gate) * up).float()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    if activation == "silu":  # the same sums, the same SiLU as the fused elementwise kernel's
+        assert torch.equal(out, silu_and_mul(unfused))
+    with pytest.raises(ValueError, match="no other activation"):
+        gemm_linear(x, gated, bias, "relu")
+
+
 def test_inputs_with_leading_dimensions_strides_or_no_rows() -> None:
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 24, generator=generator)
@@ -125,8 +175,15 @@ def test_the_model_layers_run_on_the_kernel_and_keep_only_its_copy() -> None:
     expected_gelu = F.gelu(expected_column)
     expected_tied, expected_untied = tied.project(hidden), untied.project(hidden)
 
-    for layer in (column, row, tied, untied):
+    gate_up, gate_up_onednn = (GateUpParallelLinear(48, 24, "silu", SINGLE_RANK) for _ in "ab")
+    gate_up.weight.data.normal_(std=0.2, generator=generator)
+    gate_up_onednn.weight.data.copy_(gate_up.weight)
+    gate, up = F.linear(x, gate_up.weight).chunk(2, dim=-1)
+    expected_gated = F.silu(gate) * up
+
+    for layer in (column, row, tied, untied, gate_up):
         layer.prepack_for_cpu("c_gemm")
+    gate_up_onednn.prepack_for_cpu("onednn")
 
     tolerance = {"atol": 1e-5, "rtol": 1e-5}
     torch.testing.assert_close(column(x), expected_column, **tolerance)
@@ -134,6 +191,10 @@ def test_the_model_layers_run_on_the_kernel_and_keep_only_its_copy() -> None:
     torch.testing.assert_close(row(expected_column), expected_row, **tolerance)
     torch.testing.assert_close(tied.project(hidden), expected_tied, **tolerance)
     torch.testing.assert_close(untied.project(hidden), expected_untied, **tolerance)
+    # The C kernel finishes a gated MLP's activation(gate) * up; oneDNN returns [gate | up].
+    assert gate_up.gates_itself and not gate_up_onednn.gates_itself
+    torch.testing.assert_close(gate_up(x), expected_gated, **tolerance)
+    torch.testing.assert_close(gate_up_onednn(x), torch.cat([gate, up], dim=-1), **tolerance)
     # Only the kernel's panels are kept, except a tied table, which lookups still read.
     assert column.weight.is_meta and row.weight.is_meta and untied.weight.is_meta
     assert not tied.weight.is_meta
@@ -259,16 +320,20 @@ def test_a_forced_kernel_that_cannot_run_is_refused(
         choose_linear_kernel(CPU, bf16, cache_dir=tmp_path)
 
 
+# Gated MLPs with SiLU (Qwen2), with tanh GELU (Gemma 2) and as a mixture's experts (Mixtral).
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "mixtral"])
 def test_a_model_on_the_c_kernel_generates_what_transformers_does(
-    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+    family: str, tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(force_env_var(linear_choice.PHASE), "c_gemm")
-    model_dir = tiny_checkpoint("qwen2")
+    model_dir = tiny_checkpoint(family)
     llm = LLM(str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=64)
     choices = [c for c in llm.loaded.measured_choices if c.phase == linear_choice.PHASE]
-    assert len(choices) == 5  # every weight shape, each forced
+    assert choices and len(choices) == len({c.shape_key for c in choices})  # each shape once
     assert all(c.chosen == "c_gemm" and c.source is ChoiceSource.FORCED_ENV for c in choices)
     assert isinstance(llm.loaded.model.lm_head.packed_weight, GemmWeight)
+    gate_ups = [m for m in llm.loaded.model.modules() if isinstance(m, GateUpParallelLinear)]
+    assert gate_ups and all(m.gates_itself for m in gate_ups)
     generator = torch.Generator().manual_seed(3)
     vocab_size = llm.loaded.config.vocab_size
     prompts = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (5, 70)]

@@ -17,10 +17,6 @@
 
 #include "vec8.h"
 
-#define LOG2E 1.4426950408889634f
-#define LN2_HI 0.693145751953125f  // ln 2 split in two, so n * LN2_HI is exact for |n| < 2^9
-#define LN2_LO 1.428606765330187e-06f
-
 // The first `count` (< 8) values of p, the other lanes 0.
 static inline v8f load_tail(const float* p, int64_t count) {
     float lanes[8] = {0};
@@ -32,28 +28,6 @@ static inline void store_tail(float* p, v8f v, int64_t count) {
     float lanes[8];
     store8(lanes, v);
     memcpy(p, lanes, count * sizeof(float));
-}
-
-// e^x to about one unit in the last place for x in [-87, 88] (clamped there: e^-87 is still a
-// normal float, and a SiLU past either end is its limit to float32 precision anyway).
-// x = n ln 2 + r with |r| <= ln 2 / 2 (n rounded by adding and subtracting 1.5 * 2^23), e^r by
-// its Taylor series to degree 7, then 2^n built in the exponent bits.
-static inline v8f exp8(v8f x) {
-    const v8f low = (v8f){0} - 87.0f, high = (v8f){0} + 88.0f;
-    x = select8(x < low, low, x);
-    x = select8(x > high, high, x);
-    const v8f n = (x * LOG2E + 12582912.0f) - 12582912.0f;
-    const v8f r = (x - n * LN2_HI) - n * LN2_LO;
-    v8f p = (v8f){0} + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)exponent_bits;
 }
 
 static inline float sum_lanes(v8f v) {
@@ -100,10 +74,7 @@ void add_rms_norm_f32(const float* x, float* residual, const float* weight, floa
     }
 }
 
-// silu(gate) * up on eight lanes, with SiLU as PyTorch computes it, x / (1 + e^-x).
-static inline v8f silu_mul8(v8f gate, v8f up) {
-    return gate / (1.0f + exp8((v8f){0} - gate)) * up;
-}
+static inline v8f silu_mul8(v8f gate, v8f up) { return silu8(gate) * up; }
 
 // out[i] = silu(gate[i]) * up[i] where row i of gate_up is [gate (n) | up (n)].
 void silu_and_mul_f32(const float* gate_up, int64_t gate_up_stride, float* out,

@@ -21,7 +21,10 @@ ACTIVATION_CODES: dict[str, int] = {
     "gelu": 2,  # the exact (erf) GELU
     "gelu_new": 3,  # the tanh approximation
     "gelu_pytorch_tanh": 3,
+    "silu": 4,
 }
+# A paired weight's panel: this many gate features, then the same up features (gemm_f32.c).
+PAIRED_FEATURES = 8
 _INT = ctypes.c_int64
 _POINTER = ctypes.c_void_p
 
@@ -29,11 +32,17 @@ _POINTER = ctypes.c_void_p
 @dataclass(frozen=True)
 class GemmWeight:
     """A [out_features, in_features] weight as gemm_f32.c reads it: panels of 16 output
-    features, each [in_features][16] (features past out_features zero)."""
+    features, each [in_features][16] (features past out_features zero).
+
+    Or, where `gated_by` names an activation, a gated MLP's [gate; up] projection with its
+    halves paired (panels of 8 gate features, then the same 8 up features): the product is
+    then activation(x @ gate^T) * (x @ up^T), out_features (the intermediate size) wide, and
+    the 2x wider [gate | up] never goes to memory."""
 
     panels: torch.Tensor
     out_features: int
     in_features: int
+    gated_by: str | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,9 +64,9 @@ def _pack_kernel() -> KernelFunction | None:
 
 @functools.cache
 def _gemm_kernel() -> KernelFunction | None:
-    # x, m, k, x row stride, packed w, n, bias, activation, y, y row stride, threads
-    argtypes = [_POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, ctypes.c_int, _POINTER, _INT]
-    return _function("gemm_f32", [*argtypes, ctypes.c_int], ctypes.c_int)
+    # x, m, k, x row stride, packed w, n, bias, activation, paired, y, y row stride, threads
+    argtypes = [_POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, ctypes.c_int, ctypes.c_int]
+    return _function("gemm_f32", [*argtypes, _POINTER, _INT, ctypes.c_int], ctypes.c_int)
 
 
 def applies_activation(name: str) -> bool:
@@ -70,14 +79,35 @@ def gemm_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and _gemm_kernel() is not None and _pack_kernel() is not None
 
 
-def pack_weight(weight: torch.Tensor) -> GemmWeight:
+def pair_halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """A [gate; up] stack (a weight's rows or a bias, 2 x the intermediate size) reordered into
+    paired panels: 8 gate rows, the same 8 up rows, and so on; each half padded with zeros to
+    a multiple of 8."""
+    gate, up = gate_up.chunk(2)
+    size, rest = gate.shape[0], gate.shape[1:]
+    num_pairs = -(-size // PAIRED_FEATURES)
+    pairs = gate_up.new_zeros(num_pairs, 2, PAIRED_FEATURES, *rest)
+    for half, rows in enumerate((gate, up)):
+        padded = gate_up.new_zeros(num_pairs * PAIRED_FEATURES, *rest)
+        padded[:size] = rows
+        pairs[:, half] = padded.view(num_pairs, PAIRED_FEATURES, *rest)
+    return pairs.view(2 * num_pairs * PAIRED_FEATURES, *rest)
+
+
+def pack_weight(weight: torch.Tensor, gated_by: str | None = None) -> GemmWeight:
     """`weight` ([out, in] float32 on the CPU) in the kernel's panels; a copy, so the plain
-    weight can be dropped."""
+    weight can be dropped. With `gated_by` (a key of ACTIVATION_CODES), `weight` is a gated
+    MLP's [gate; up] projection, packed with its halves paired (see GemmWeight)."""
     kernel = _pack_kernel()
     if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise RuntimeError("pack_weight needs a float32 CPU weight and the gemm_f32 kernel")
     if weight.dim() != 2 or weight.stride(1) != 1:
         weight = weight.reshape(weight.shape[0], -1).contiguous()
+    if gated_by is not None:
+        if gated_by not in ACTIVATION_CODES or weight.shape[0] % 2:
+            raise ValueError(f"cannot pair a {tuple(weight.shape)} weight gated by {gated_by!r}")
+        packed = pack_weight(pair_halves(weight))
+        return GemmWeight(packed.panels, weight.shape[0] // 2, weight.shape[1], gated_by)
     out_features, in_features = weight.shape
     num_panels = -(-out_features // 16)
     panels = torch.empty(num_panels * in_features * 16, dtype=torch.float32)
@@ -99,7 +129,8 @@ def gemm_linear(
     activation: str | None = None,
 ) -> torch.Tensor:
     """activation(x @ weight^T + bias), with any leading dimensions, like F.linear;
-    `activation` a key of ACTIVATION_CODES or None."""
+    `activation` a key of ACTIVATION_CODES or None. For a weight gated by an activation,
+    activation(x @ gate^T + gate bias) * (x @ up^T + up bias), `bias` as [gate; up]."""
     kernel = _gemm_kernel()
     if kernel is None:
         raise RuntimeError("the gemm_f32 kernel does not run here")
@@ -107,13 +138,17 @@ def gemm_linear(
         raise ValueError(
             f"input {tuple(x.shape)} {x.dtype} does not fit a float32 weight {weight.shape}"
         )
+    if weight.gated_by is not None and activation is not None:
+        raise ValueError(f"a weight gated by {weight.gated_by} takes no other activation")
     rows = x.reshape(-1, weight.in_features)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
     if rows.shape[0]:
         if bias is not None:
-            bias = bias.to(torch.float32).contiguous()
+            bias = bias.to(torch.float32)
+            bias = (pair_halves(bias) if weight.gated_by else bias).contiguous()
+        activation = weight.gated_by or activation
         # Named for torch.profiler, which cannot see into a ctypes call otherwise.
         with torch.profiler.record_function(PROFILER_NAME):
             status = kernel(
@@ -125,6 +160,7 @@ def gemm_linear(
                 weight.out_features,
                 bias.data_ptr() if bias is not None else None,
                 ACTIVATION_CODES[activation] if activation else 0,
+                weight.gated_by is not None,
                 out.data_ptr(),
                 out.stride(0),
                 torch.get_num_threads(),

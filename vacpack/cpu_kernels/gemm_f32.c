@@ -9,8 +9,10 @@
 // 12 FMAs per 8 loads, where a plain dot product does one per load. The blocking around it
 // keeps the micro-kernel's operands close: a weight micro-panel (one reduction slice x 16)
 // in L2 while it meets every 6-row panel of an input block (MC rows of the slice), each
-// streamed through L1. A bias and an activation (ReLU, GELU) are applied to each output block
-// as it is written.
+// streamed through L1. A bias and an activation (ReLU, GELU, SiLU) are applied to each output
+// block as it is written. A gated MLP's [gate; up] projection packed with its halves paired
+// (each panel 8 gate features, then the same 8 up features) is finished in the same pass:
+// activation(gate) * up, 8 outputs a panel, so its 2 x wider product never goes to memory.
 //
 // Threads split the output features (whole panels), each packing the input block it
 // reads itself: no barriers, and packing costs K loads per row against N / threads FMAs.
@@ -83,18 +85,25 @@ static void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t kc
 }
 
 // Activations applied to the outputs as they are written (codes shared with gemm.py).
-enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU_ERF = 2, ACT_GELU_TANH = 3 };
+enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU_ERF = 2, ACT_GELU_TANH = 3, ACT_SILU = 4 };
 
-// One call's operands: y[m, n] = activation(x[m, k] @ W^T + bias), strides in floats.
+// One call's operands: y[m, n] = activation(x[m, k] @ W^T + bias), strides in floats; or, for
+// a weight packed with paired halves (`paired`), y[m, n] = activation(gate) * up.
 typedef struct {
     const float* x;
     int64_t m, k, x_stride;
     const float* packed_w;
-    int64_t n;
-    const float* bias;  // or NULL
+    int64_t n;          // y's features (a paired weight's panels hold 2n, rounded up to 16)
+    const float* bias;  // or NULL (paired as the weight's features are)
     int activation;
+    int paired;
     float* y;
     int64_t y_stride;
+    // Where the sums of the reduction's slices before its last are kept: y itself, or for a
+    // paired weight, whose y holds half as many values, a buffer of the call's own (a row
+    // for each of the m rows, 16 values a panel).
+    float* partial;
+    int64_t partial_stride;
 } Gemm;
 
 // erf(x) for x >= 0 (Abramowitz and Stegun 7.1.26: absolute error below 1.5e-7), with the
@@ -133,6 +142,8 @@ static inline v8f activate8(v8f x, int activation) {
             const v8f u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
             return 0.5f * x * (1.0f + with_sign8(tanh_nonnegative8(abs8(u)), u));
         }
+        case ACT_SILU:
+            return silu8(x);
         default:
             return x;
     }
@@ -191,16 +202,27 @@ static inline AheadShare ahead_share(int64_t tile, int64_t tiles, int64_t kc) {
     return (AheadShare){first, (tile + 1) * kc / tiles - first};
 }
 
-// y[0:rows, 0:cols] (= or +=) a[kc][MR] . b[kc][NR]; bias (or NULL) added where not
-// accumulating; `activation` applied where this is the reduction's last slice.
+// Where a block of outputs goes, and what is done to it on the way.
+typedef struct {
+    float* y;  // the block's first output
+    int64_t y_stride;
+    const float* partial;  // the sums of earlier slices to add (accumulating), or NULL
+    int64_t partial_stride;
+    const float* bias;  // added where not accumulating, or NULL
+    int activation;     // ACT_NONE but at the reduction's last slice
+    int paired;         // y = activation(first vector) * second vector: 8 outputs a row
+} BlockOut;
+
+// y[0:rows, 0:cols] = the epilogue of (a[kc][MR] . b[kc][NR] + partial or bias); `cols` counts
+// y's columns (at most 8 where paired).
 static void micro_kernel(int64_t kc, const float* restrict a, const float* restrict b,
-                         const float* ahead, int64_t ahead_lines, float* restrict y,
-                         int64_t y_stride, int rows, int cols, int accumulate, const float* bias,
-                         int activation) {
-    // The outputs this block adds to are read after the loop: fetched now, they arrive while it
+                         const float* ahead, int64_t ahead_lines, const BlockOut* out, int rows,
+                         int cols) {
+    // The sums this block adds to are read after the loop: fetched now, they arrive while it
     // runs instead of stalling it (a large layer's outputs are far out of cache).
-    if (accumulate)
-        for (int r = 0; r < rows; ++r) __builtin_prefetch(y + r * y_stride, 1);
+    const float* partial = out->partial;
+    if (partial)
+        for (int r = 0; r < rows; ++r) __builtin_prefetch(partial + r * out->partial_stride, 1);
     v8f block[MR][2];
     switch (rows) {
         case 1: block_product(kc, a, b, ahead, ahead_lines, 1, block); break;
@@ -210,34 +232,59 @@ static void micro_kernel(int64_t kc, const float* restrict a, const float* restr
         case 5: block_product(kc, a, b, ahead, ahead_lines, 5, block); break;
         default: block_product(kc, a, b, ahead, ahead_lines, MR, block); break;
     }
-    if (rows == MR && cols == NR) {
-        for (int r = 0; r < MR; ++r) {
-            float* row = y + r * y_stride;
-            v8f low = block[r][0], high = block[r][1];
-            if (accumulate) {
-                low += load8(row), high += load8(row + 8);
-            } else if (bias) {
-                low += load8(bias), high += load8(bias + 8);
-            }
-            if (activation) low = activate8(low, activation), high = activate8(high, activation);
-            store8(row, low), store8(row + 8, high);
-        }
-        return;
-    }
-    // A ragged block (the last rows or output features): finished in a full-width row, then
-    // only its valid part written.
+    const int width = out->paired ? NR / 2 : NR;
+    // A paired weight's sums and bias are whole panels; elsewhere a ragged block's (the last
+    // output features) are `cols` values, read one by one.
+    const int whole = out->paired || cols == NR;
     for (int r = 0; r < rows; ++r) {
-        float* row = y + r * y_stride;
-        float tile[NR];
-        for (int j = 0; j < NR; ++j) {
-            const float base = j >= cols ? 0.0f : accumulate ? row[j] : bias ? bias[j] : 0.0f;
-            tile[j] = block[r][j / 8][j % 8] + base;
+        v8f low = block[r][0], high = block[r][1];
+        const float* base = out->partial ? out->partial + r * out->partial_stride : out->bias;
+        if (base && whole) {
+            low += load8(base), high += load8(base + 8);
+        } else if (base) {
+            float tile[NR] = {0};
+            for (int j = 0; j < cols; ++j) tile[j] = base[j];
+            low += load8(tile), high += load8(tile + 8);
         }
-        if (activation)
-            for (int half = 0; half < 2; ++half)
-                store8(tile + 8 * half, activate8(load8(tile + 8 * half), activation));
-        for (int j = 0; j < cols; ++j) row[j] = tile[j];
+        float* row = out->y + r * out->y_stride;
+        if (out->paired) {
+            low = activate8(low, out->activation) * high;
+        } else if (out->activation) {
+            low = activate8(low, out->activation), high = activate8(high, out->activation);
+        }
+        if (cols == width) {
+            store8(row, low);
+            if (!out->paired) store8(row + 8, high);
+        } else {  // a ragged block (the last output features): only its valid part written
+            float tile[NR];
+            store8(tile, low), store8(tile + 8, high);
+            for (int j = 0; j < cols; ++j) row[j] = tile[j];
+        }
     }
+}
+
+// Panel p's outputs for the rows from `row` on, after the slice [k0, k0 + kc) of the reduction;
+// *cols: how many of y's columns the block holds.
+static BlockOut block_out(const Gemm* g, int64_t p, int64_t row, int64_t k0, int64_t kc,
+                          int* cols) {
+    const int last = k0 + kc == g->k;
+    BlockOut out = {0};
+    out.bias = k0 == 0 && g->bias ? g->bias + p * NR : NULL;
+    out.activation = last ? g->activation : ACT_NONE;
+    out.paired = g->paired && last;
+    out.partial_stride = g->partial_stride;
+    if (k0 > 0) out.partial = g->partial + row * g->partial_stride + p * NR;
+    if (g->paired && !last) {  // the sums so far, kept whole
+        out.y = g->partial + row * g->partial_stride + p * NR;
+        out.y_stride = g->partial_stride;
+        *cols = NR;
+        return out;
+    }
+    const int64_t width = g->paired ? NR / 2 : NR, first = p * width;
+    out.y = g->y + row * g->y_stride + first;
+    out.y_stride = g->y_stride;
+    *cols = g->n - first < width ? (int)(g->n - first) : (int)width;
+    return out;
 }
 
 // One thread's share, panels [panel_begin, panel_end), blocks of MC input rows outermost,
@@ -249,8 +296,7 @@ static void micro_kernel(int64_t kc, const float* restrict a, const float* restr
 // runs 156.
 static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
                               float* a_block) {
-    const int64_t m = g->m, k = g->k, n = g->n, y_stride = g->y_stride;
-    const float* bias = g->bias;
+    const int64_t m = g->m, k = g->k;
     const int64_t slice = slice_length(k);
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
@@ -259,15 +305,14 @@ static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
             pack_rows(g->x + m0 * g->x_stride + k0, g->x_stride, mc, kc, a_block);
             for (int64_t p = panel_begin; p < panel_end; ++p) {
                 const float* b = g->packed_w + (p * k + k0) * NR;
-                const int64_t n0 = p * NR;
-                const int cols = n - n0 < NR ? (int)(n - n0) : NR;
                 const float* ahead = p + 1 < panel_end ? b + k * NR : b;
                 for (int64_t r0 = 0; r0 < mc; r0 += MR) {
                     const int rows = mc - r0 < MR ? (int)(mc - r0) : MR;
                     const AheadShare share = ahead_share(r0 / MR, (mc + MR - 1) / MR, kc);
+                    int cols;
+                    const BlockOut out = block_out(g, p, m0 + r0, k0, kc, &cols);
                     micro_kernel(kc, a_block + r0 * kc, b, ahead + share.first * NR, share.lines,
-                                 g->y + (m0 + r0) * y_stride + n0, y_stride, rows, cols, k0 > 0,
-                                 bias ? bias + n0 : NULL, k0 + kc == k ? g->activation : ACT_NONE);
+                                 &out, rows, cols);
                 }
             }
         }
@@ -279,8 +324,7 @@ static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
 // layer (the vocabulary projection) writes its outputs once instead of once per slice.
 static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
                               float* a_rows) {
-    const int64_t m = g->m, k = g->k, n = g->n, y_stride = g->y_stride;
-    const float* bias = g->bias;
+    const int64_t m = g->m, k = g->k;
     const int64_t m_padded = (m + MR - 1) / MR * MR;
     const int64_t slice = slice_length(k);
     for (int64_t k0 = 0; k0 < k; k0 += slice) {
@@ -288,8 +332,6 @@ static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
         pack_rows(g->x + k0, g->x_stride, m, kc, a_rows + k0 * m_padded);
     }
     for (int64_t p = panel_begin; p < panel_end; ++p) {
-        const int64_t n0 = p * NR;
-        const int cols = n - n0 < NR ? (int)(n - n0) : NR;
         for (int64_t k0 = 0; k0 < k; k0 += slice) {
             const int64_t kc = k - k0 < slice ? k - k0 : slice;
             const float* a_slice = a_rows + k0 * m_padded;
@@ -298,28 +340,38 @@ static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
             const float* ahead = p + 1 < panel_end || k0 + kc < k ? b + kc * NR : b;
             for (int64_t r0 = 0; r0 < m; r0 += MR) {
                 const int rows = m - r0 < MR ? (int)(m - r0) : MR;
-                micro_kernel(kc, a_slice + r0 * kc, b, ahead, kc, g->y + r0 * y_stride + n0,
-                             y_stride, rows, cols, k0 > 0, bias ? bias + n0 : NULL,
-                             k0 + kc == k ? g->activation : ACT_NONE);
+                int cols;
+                const BlockOut out = block_out(g, p, r0, k0, kc, &cols);
+                micro_kernel(kc, a_slice + r0 * kc, b, ahead, kc, &out, rows, cols);
             }
         }
     }
 }
 
 // y[m, n] = activation(x[m, k] @ W^T + bias) with W packed by pack_weight_f32; bias may be
-// NULL, activation one of ACT_*. Strides are in floats; y must not overlap x. Returns 0, or -1
-// where a buffer could not be allocated.
+// NULL, activation one of ACT_*. With `paired`, W is a gated MLP's [gate; up] projection packed
+// with its halves paired (gemm.py: panels of 8 gate then the same 8 up features, a bias alike)
+// and y[m, n] = activation(x @ gate^T) * (x @ up^T). Strides are in floats; y must not overlap
+// x. Returns 0, or -1 where a buffer could not be allocated.
 int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed_w,
-             int64_t n, const float* bias, int activation, float* y, int64_t y_stride,
-             int num_threads) {
-    const int64_t num_panels = (n + NR - 1) / NR;
+             int64_t n, const float* bias, int activation, int paired, float* y,
+             int64_t y_stride, int num_threads) {
+    const int64_t features_per_panel = paired ? NR / 2 : NR;
+    const int64_t num_panels = (n + features_per_panel - 1) / features_per_panel;
     if (num_threads > num_panels) num_threads = (int)num_panels;
     if (num_threads < 1) num_threads = 1;
     const int64_t m_padded = (m + MR - 1) / MR * MR;
     const int few_rows = m_padded * k * (int64_t)sizeof(float) <= A_ROWS_BYTES;
     const size_t a_floats =
         (size_t)(few_rows ? m_padded * k : (MC + MR) * slice_length(k));
-    const Gemm g = {x, m, k, x_stride, packed_w, n, bias, activation, y, y_stride};
+    Gemm g = {x, m, k, x_stride, packed_w, n, bias, activation, paired, y, y_stride, y, y_stride};
+    float* partial = NULL;
+    if (paired && slice_length(k) < k) {  // sums of gate and up kept whole until the last slice
+        g.partial_stride = num_panels * NR;
+        partial = malloc((size_t)m * g.partial_stride * sizeof(float));
+        if (!partial) return -1;
+        g.partial = partial;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -339,5 +391,6 @@ int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float
         }
         free(a_buffer);
     }
+    free(partial);
     return failed ? -1 : 0;
 }

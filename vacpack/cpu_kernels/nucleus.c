@@ -21,7 +21,6 @@
 
 #define NUM_BINS 4096
 #define BIN_RANGE 64.0f  // nats below the maximum that the bins cover; below that, the last bin
-#define LOG2E 1.4426950408889634f
 
 static int descending(const void* a, const void* b) {
     const float x = *(const float*)a, y = *(const float*)b;

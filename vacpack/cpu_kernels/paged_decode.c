@@ -38,7 +38,6 @@
 // Tasks wanted per thread: enough that threads finishing early find more work.
 #define TASKS_PER_THREAD 4
 #define MAX_SPLITS 64
-#define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
 static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch rounds

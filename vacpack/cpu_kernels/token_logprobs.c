@@ -31,7 +31,6 @@
 #include "vec8.h"
 
 #define CHUNK 1024  // values per chunk: 4 KiB of float32, read a second time from L1
-#define LOG2E 1.4426950408889634f
 
 static inline v8i select8i(v8i mask, v8i a, v8i b) { return (a & mask) | (b & ~mask); }
 

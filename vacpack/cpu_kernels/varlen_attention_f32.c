@@ -44,7 +44,6 @@
 // for copying them once over more rows.
 #define CAUSAL_QUERY_CHUNK 64
 #define BIDIRECTIONAL_QUERY_CHUNK 256
-#define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

@@ -1,6 +1,6 @@
 // Eight float32 lanes as GCC's vector extension, and the few operations the portable kernels
 // (paged_decode.c, varlen_attention_f32.c, elementwise_f32.c, argmax_f32.c,
-// token_logprobs.c) build from them.
+// token_logprobs.c, gemm_f32.c) build from them.
 // Built with -march=native (see build.py), a v8f is an AVX register on x86, a pair of NEON
 // registers on ARM, a pair of SSE registers where nothing wider exists. A kernel includes this
 // header; the build hashes it with the kernel's source, so a change here rebuilds them all.
@@ -79,5 +79,34 @@ static inline v8f exp2_nonpositive8(v8f x) {
     const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
     return p * (v8f)exponent_bits;
 }
+
+#define LOG2E 1.4426950408889634f  // 1 / ln 2
+#define LN2_HI 0.693145751953125f  // ln 2 split in two, so n * LN2_HI is exact for |n| < 2^9
+#define LN2_LO 1.428606765330187e-06f
+
+// e^x to about one unit in the last place for x in [-87, 88] (clamped there: e^-87 is still a
+// normal float, and a SiLU past either end is its limit to float32 precision anyway).
+// x = n ln 2 + r with |r| <= ln 2 / 2 (n rounded by adding and subtracting 1.5 * 2^23), e^r by
+// its Taylor series to degree 7, then 2^n built in the exponent bits.
+static inline v8f exp8(v8f x) {
+    const v8f low = (v8f){0} - 87.0f, high = (v8f){0} + 88.0f;
+    x = select8(x < low, low, x);
+    x = select8(x > high, high, x);
+    const v8f n = (x * LOG2E + 12582912.0f) - 12582912.0f;
+    const v8f r = (x - n * LN2_HI) - n * LN2_LO;
+    v8f p = (v8f){0} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)exponent_bits;
+}
+
+// SiLU on eight lanes as PyTorch computes it, x / (1 + e^-x).
+static inline v8f silu8(v8f x) { return x / (1.0f + exp8((v8f){0} - x)); }
 
 #endif

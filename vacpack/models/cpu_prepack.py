@@ -61,12 +61,18 @@ def can_prepack(weight: torch.Tensor, kernel: LinearKernel = "onednn") -> bool:
     return weight.dtype == torch.float32
 
 
-def prepack(weight: torch.Tensor, kernel: LinearKernel = "onednn") -> PackedWeight | None:
-    """The weight in `kernel`'s layout, or None where it cannot be packed (then use F.linear)."""
+def prepack(
+    weight: torch.Tensor, kernel: LinearKernel = "onednn", gated_by: str | None = None
+) -> PackedWeight | None:
+    """The weight in `kernel`'s layout, or None where it cannot be packed (then use F.linear).
+    `gated_by`: `weight` is a gated MLP's [gate; up] projection, which the C kernel then
+    finishes as gated_by(gate) * up (gemm.GemmWeight); only the C kernel takes it."""
+    if gated_by is not None and kernel != "c_gemm":
+        raise ValueError(f"only the C kernel finishes a gated projection, not {kernel}")
     if not can_prepack(weight, kernel):
         return None
     if kernel == "c_gemm":
-        return pack_weight(weight.detach())
+        return pack_weight(weight.detach(), gated_by)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
     except RuntimeError as error:  # an unusual build or shape: the plain path still works

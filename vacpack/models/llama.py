@@ -23,7 +23,7 @@ from vacpack.models.model_config import ModelConfig
 from vacpack.models.norm import RMSNorm
 from vacpack.models.parallel import (
     SINGLE_RANK,
-    ColumnParallelLinear,
+    GateUpParallelLinear,
     LMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -107,7 +107,7 @@ class LlamaMLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
         self.is_silu = config.hidden_act == "silu"
         size = intermediate_size or config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, tp)
+        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, size, config.hidden_act, tp)
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias=False, tp=tp, reduce_results=reduce_results
         )
@@ -120,6 +120,8 @@ class LlamaMLP(nn.Module):
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
+        if self.gate_up_proj.gates_itself:  # already act(gate) * up
+            return self.down_proj(gate_up)
         if self.is_silu:
             return self.down_proj(self.ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vacpack.cpu_kernels.gemm import GemmWeight, applies_activation
 from vacpack.distributed.collectives import Collectives
 from vacpack.models.activations import ACTIVATIONS
 from vacpack.models.base import TensorSource
@@ -193,6 +194,30 @@ class QKVParallelLinear(ColumnParallelLinear):
                          [q_rows, kv_rows, kv_rows])  # fmt: skip
 
 
+class GateUpParallelLinear(ColumnParallelLinear):
+    """A gated MLP's gate and up projections merged into one column-parallel matmul: each rank
+    computes its [gate | up]. Where the C kernel packs it (float32 on a CPU), the kernel also
+    finishes activation(gate) * up as it writes its outputs, and the layer returns that,
+    half as wide (`gates_itself`): the [gate | up] product never goes to memory, and no
+    separate pass reads it back."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str, tp: TensorParallel
+    ) -> None:
+        super().__init__(hidden_size, [intermediate_size, intermediate_size], False, tp)
+        self.activation = activation
+
+    def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
+        gated = kernel == "c_gemm" and applies_activation(self.activation)
+        _prepack_weight(self, kernel, self.activation if gated else None)
+
+    @property
+    def gates_itself(self) -> bool:
+        """Whether forward returns activation(gate) * up rather than [gate | up]."""
+        packed = self.packed_weight
+        return isinstance(packed, GemmWeight) and packed.gated_by is not None
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced,
     unless reduce_results is False: then the caller sums several such layers' partial results
@@ -312,8 +337,12 @@ class LMHead(VocabEmbedding):
             self.weight = meta_like(self.weight)
 
 
-def _prepack_weight(layer: ColumnParallelLinear | RowParallelLinear, kernel: LinearKernel) -> None:
-    layer.packed_weight = prepack(layer.weight, kernel)
+def _prepack_weight(
+    layer: ColumnParallelLinear | RowParallelLinear,
+    kernel: LinearKernel,
+    gated_by: str | None = None,
+) -> None:
+    layer.packed_weight = prepack(layer.weight, kernel, gated_by)
     if layer.packed_weight is not None:
         layer.weight = meta_like(layer.weight)
 
