@@ -95,6 +95,7 @@ def available_host_memory_bytes() -> int:
 
 
 CPU_CACHES_DIR = "/sys/devices/system/cpu/cpu0/cache"
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs writes "32768K"
 
 
 def largest_cpu_cache_bytes(caches_dir: str = CPU_CACHES_DIR) -> int | None:
@@ -107,9 +108,9 @@ def largest_cpu_cache_bytes(caches_dir: str = CPU_CACHES_DIR) -> int | None:
             text = (level / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[-1:].upper() in units and text[:-1].isdigit():
-            sizes.append(int(text[:-1]) * units[text[-1].upper()])
+        unit = text[-1:].upper()
+        if unit in _SIZE_UNITS and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * _SIZE_UNITS[unit])
         elif text.isdigit():
             sizes.append(int(text))
     return max(sizes, default=None)

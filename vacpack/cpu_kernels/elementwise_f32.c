@@ -74,8 +74,6 @@ void add_rms_norm_f32(const float* x, float* residual, const float* weight, floa
     }
 }
 
-static inline v8f silu_mul8(v8f gate, v8f up) { return silu8(gate) * up; }
-
 // out[i] = silu(gate[i]) * up[i] where row i of gate_up is [gate (n) | up (n)].
 void silu_and_mul_f32(const float* gate_up, int64_t gate_up_stride, float* out,
                       int64_t num_rows, int64_t n, int num_threads) {
@@ -86,10 +84,10 @@ void silu_and_mul_f32(const float* gate_up, int64_t gate_up_stride, float* out,
         const float* up = gate + n;
         float* o = out + i * n;
         for (int64_t j = 0; j < full; j += 8)
-            store8(o + j, silu_mul8(load8(gate + j), load8(up + j)));
+            store8(o + j, silu8(load8(gate + j)) * load8(up + j));
         if (full < n)
             store_tail(o + full,
-                       silu_mul8(load_tail(gate + full, n - full), load_tail(up + full, n - full)),
+                       silu8(load_tail(gate + full, n - full)) * load_tail(up + full, n - full),
                        n - full);
     }
 }

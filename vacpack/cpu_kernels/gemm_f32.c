@@ -238,7 +238,7 @@ static void micro_kernel(int64_t kc, const float* restrict a, const float* restr
     const int whole = out->paired || cols == NR;
     for (int r = 0; r < rows; ++r) {
         v8f low = block[r][0], high = block[r][1];
-        const float* base = out->partial ? out->partial + r * out->partial_stride : out->bias;
+        const float* base = partial ? partial + r * out->partial_stride : out->bias;
         if (base && whole) {
             low += load8(base), high += load8(base + 8);
         } else if (base) {
