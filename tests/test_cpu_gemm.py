@@ -53,8 +53,9 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 # (rows, in, out): every row count of a short panel (1 to 5 rows: the product loop is built once
 # per count) and around the 6-row register block; output features that are not a multiple of
 # the 16-feature panel; reductions in one slice, in two and three slices of at most 1,024 (the
-# last shorter); and inputs too large to pack whole (the blocked order, 180-row blocks and a
-# ragged last one).
+# last shorter), of whole eights of steps and not (the packing transposes eight steps at a
+# time); and inputs too large to pack whole (the blocked order, 180-row blocks and a ragged last
+# one).
 SHAPES = [
     (1, 8, 16),
     (2, 24, 20),

@@ -50,26 +50,6 @@ static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * 
 
 static const v8i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
 
-// Transposes 8 rows of 8 floats in registers: out[d] holds element d of every row. Three
-// rounds: pairs of rows interleaved, pairs of pairs, then the 128-bit halves.
-static inline void transpose8x8(const v8f r[8], v8f out[8]) {
-    v8f t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = SHUFFLE2(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-        t[i + 1] = SHUFFLE2(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int i = 0; i < 8; i += 4)
-        for (int j = 0; j < 2; ++j) {
-            u[i + 2 * j] = SHUFFLE2(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-            u[i + 2 * j + 1] = SHUFFLE2(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-        }
-    // u[0..3] hold dims (0, 4), (1, 5), (2, 6), (3, 7) of rows 0-3; u[4..7] of rows 4-7.
-    for (int d = 0; d < 4; ++d) {
-        out[d] = SHUFFLE2(u[d], u[d + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-        out[d + 4] = SHUFFLE2(u[d], u[d + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    }
-}
-
 // Where row j of one KV head is: a row of the stream, or a slot of a paged cache.
 typedef struct {
     const float* base;     // the KV head's first element of row 0 (or of slot 0)
@@ -123,9 +103,15 @@ static void pack_keys(const KeyRows* keys, int64_t n, int64_t n_padded, int64_t 
 }
 
 // scores[r][0..n_padded) = q_r . key (q_r already scaled) for ROW_BLOCK rows of `queries`
-// ([ROW_BLOCK][head_dim]); rows past the block repeat a real row and are never read back.
+// ([ROW_BLOCK][head_dim]); rows past the block repeat a real row and are never read back. Each
+// row's largest score among its first visible[r] keys goes to maxima[r] (-inf where it sees
+// none), taken from the accumulators as each block of keys is finished, so that the softmax
+// needs no pass of its own to find it.
 static void block_scores(const float* queries, const float* packed_keys, int64_t head_dim,
-                         int64_t n_padded, float* scores, int64_t stride) {
+                         int64_t n_padded, const int64_t visible[ROW_BLOCK], float* scores,
+                         int64_t stride, float maxima[ROW_BLOCK]) {
+    v8f top[ROW_BLOCK];
+    for (int r = 0; r < ROW_BLOCK; ++r) top[r] = (v8f){0} - INFINITY;
     for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
         const float* keys = packed_keys + block * head_dim * KEY_BLOCK;
         v8f acc[ROW_BLOCK][2];
@@ -140,34 +126,48 @@ static void block_scores(const float* queries, const float* packed_keys, int64_t
                 acc[r][1] += q * k1;
             }
         }
+        const int64_t first_key = block * KEY_BLOCK;
         for (int r = 0; r < ROW_BLOCK; ++r) {
-            store8(scores + r * stride + block * KEY_BLOCK, acc[r][0]);
-            store8(scores + r * stride + block * KEY_BLOCK + 8, acc[r][1]);
+            store8(scores + r * stride + first_key, acc[r][0]);
+            store8(scores + r * stride + first_key + 8, acc[r][1]);
+            if (first_key + KEY_BLOCK <= visible[r]) {
+                top[r] = select8(acc[r][0] > top[r], acc[r][0], top[r]);
+                top[r] = select8(acc[r][1] > top[r], acc[r][1], top[r]);
+            } else if (first_key < visible[r]) {  // the keys past the row's last are left out
+                const v8i seen = (v8i){0} + (int32_t)(visible[r] - first_key);
+                top[r] = select8((acc[r][0] > top[r]) & (LANE_INDEX < seen), acc[r][0], top[r]);
+                top[r] = select8((acc[r][1] > top[r]) & (LANE_INDEX + 8 < seen), acc[r][1],
+                                 top[r]);
+            }
         }
+    }
+    for (int r = 0; r < ROW_BLOCK; ++r) {
+        float max = top[r][0];
+        for (int lane = 1; lane < 8; ++lane) max = top[r][lane] > max ? top[r][lane] : max;
+        maxima[r] = max;
     }
 }
 
-// Softmax of one row over its first `visible` scores (log2 units), in place as weights
-// 2^(score - max), zero from `visible` up to n_padded. Returns the weights' sum and sets
-// max_log2 to the largest score.
-static float row_softmax(float* scores, int64_t visible, int64_t n_padded, float* max_log2) {
-    v8f top = (v8f){0} - INFINITY;
-    for (int64_t j = 0; j < visible; j += 8) {
-        const v8f s = load8(scores + j);
-        top = select8((s > top) & (LANE_INDEX < (v8i){0} + (int32_t)(visible - j)), s, top);
-    }
-    float max = top[0];
-    for (int lane = 1; lane < 8; ++lane) max = top[lane] > max ? top[lane] : max;
-    *max_log2 = max;
+// Softmax of one row over its first `visible` scores (log2 units), whose largest is max_log2,
+// in place as weights 2^(score - max), zero from `visible` up to n_padded. Returns the weights'
+// sum.
+static float row_softmax(float* scores, int64_t visible, int64_t n_padded, float max_log2) {
     v8f total = {0};
-    for (int64_t j = 0; j < n_padded; j += 8) {
-        const v8i inside = LANE_INDEX < (v8i){0} + (int32_t)(visible - j);
-        const v8f weights =
-            visible > j ? select8(inside, exp2_nonpositive8(load8(scores + j) - max), (v8f){0})
-                        : (v8f){0};
+    int64_t j = 0;
+    for (; j + 8 <= visible; j += 8) {
+        const v8f weights = exp2_nonpositive8(load8(scores + j) - max_log2);
         store8(scores + j, weights);
         total += weights;
     }
+    if (j < visible) {
+        const v8i inside = LANE_INDEX < (v8i){0} + (int32_t)(visible - j);
+        const v8f weights =
+            select8(inside, exp2_nonpositive8(load8(scores + j) - max_log2), (v8f){0});
+        store8(scores + j, weights);
+        total += weights;
+        j += 8;
+    }
+    for (; j < n_padded; j += 8) store8(scores + j, (v8f){0});
     return ((total[0] + total[4]) + (total[1] + total[5])) +
            ((total[2] + total[6]) + (total[3] + total[7]));
 }
@@ -311,10 +311,11 @@ int varlen_attention_f32(const float* q, const float* k, const float* v, float* 
                 // Query-major rows: the block's last row sees the most keys.
                 const int64_t block_seen = visible[num_rows - 1];
                 const int64_t block_padded = round_up(block_seen, KEY_BLOCK);
-                block_scores(queries, keys, head_dim, block_padded, scores, max_padded);
+                block_scores(queries, keys, head_dim, block_padded, visible, scores, max_padded,
+                             maxima);
                 for (int r = 0; r < ROW_BLOCK; ++r)
                     sums[r] = row_softmax(scores + r * max_padded, visible[r], block_padded,
-                                          &maxima[r]);
+                                          maxima[r]);
                 if (lse)
                     for (int r = 0; r < num_rows; ++r)
                         lse[lse_index[r]] =

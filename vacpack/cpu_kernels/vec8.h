@@ -30,6 +30,26 @@ static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
 #define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
 
+// Transposes 8 rows of 8 floats in registers: out[d] holds element d of every row. Three
+// rounds: pairs of rows interleaved, pairs of pairs, then the 128-bit halves.
+static inline void transpose8x8(const v8f r[8], v8f out[8]) {
+    v8f t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = SHUFFLE2(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = SHUFFLE2(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; ++j) {
+            u[i + 2 * j] = SHUFFLE2(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[i + 2 * j + 1] = SHUFFLE2(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    // u[0..3] hold dims (0, 4), (1, 5), (2, 6), (3, 7) of rows 0-3; u[4..7] of rows 4-7.
+    for (int d = 0; d < 4; ++d) {
+        out[d] = SHUFFLE2(u[d], u[d + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        out[d + 4] = SHUFFLE2(u[d], u[d + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
 // bfloat16 as its bits: the upper half of a float32, so widening is a shift.
 typedef uint16_t bf16;
 typedef uint32_t v8u __attribute__((vector_size(32)));
