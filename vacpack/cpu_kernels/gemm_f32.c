@@ -71,11 +71,10 @@ void pack_weight_f32(const float* w, int64_t n, int64_t k, int64_t w_stride, flo
 
 // x[rows, k0:k0+kc] into panels of MR rows, each [kc][MR]; rows past `rows` zero. A whole
 // panel goes eight steps of k at a time: its rows' eight values each, transposed in registers,
-// stored as eight runs of MR (each vector store's last two lanes are overwritten by the next,
-// and the last store's by what is packed after it, or fall in the buffer's slack). Packing value
-// by value cost a [2,048 x 384] -> 384 product 20% of its time (the packing runs in every
-// thread, for the outputs it computes), vectorised 5-8% less on the 2-core Zen 3.
-#define PACK_SLACK 2  // floats past a packed buffer's end that the last vector store may write
+// stored as eight runs of MR (each vector store's last two lanes are overwritten by the next
+// store, the eighth's by the next eight steps, so its last 1-8 steps go value by value and
+// nothing is written past the panel). Packing value by value cost a [2,048 x 384] -> 384
+// product 20% of its time (every thread packs the rows it reads), this way 6% (2-core Zen 3).
 static void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t kc, float* out) {
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         float* panel = out + r0 * kc;
@@ -83,14 +82,14 @@ static void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t kc
         if (r0 + MR <= rows) {
             const float* source[MR];
             for (int r = 0; r < MR; ++r) source[r] = x + (r0 + r) * x_stride;
-            for (; kk + 8 <= kc; kk += 8) {
+            for (; kk + 8 < kc; kk += 8) {
                 v8f in[8] = {{0}}, steps[8];
                 for (int r = 0; r < MR; ++r) in[r] = load8(source[r] + kk);
                 transpose8x8(in, steps);
                 for (int j = 0; j < 8; ++j) store8(panel + (kk + j) * MR, steps[j]);
             }
         }
-        for (int r = 0; r < MR; ++r) {  // the steps past the last eight, and a ragged panel
+        for (int r = 0; r < MR; ++r) {  // the last steps, and every step of a ragged panel
             const float* source = r0 + r < rows ? x + (r0 + r) * x_stride : NULL;
             for (int64_t step = kk; step < kc; ++step)
                 panel[step * MR + r] = source ? source[step] : 0.0f;
@@ -395,8 +394,7 @@ int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float
 #endif
         const int64_t panel_begin = num_panels * thread / threads;
         const int64_t panel_end = num_panels * (thread + 1) / threads;
-        float* a_buffer =
-            aligned_alloc(64, ((a_floats + PACK_SLACK) * sizeof(float) + 63) / 64 * 64);
+        float* a_buffer = aligned_alloc(64, (a_floats * sizeof(float) + 63) / 64 * 64);
         if (!a_buffer) {
             failed = 1;
         } else if (few_rows) {
