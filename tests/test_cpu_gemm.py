@@ -226,6 +226,40 @@ def test_both_candidates_compute_the_same_layer() -> None:
     assert "gelu" in timing.key() and "[3 rows, 24] x [24, 40]" in timing.key()
 
 
+def test_a_gated_projection_is_timed_with_the_pass_it_needs_on_each_kernel() -> None:
+    # The C kernel finishes silu(gate) * up itself; oneDNN's [gate | up] goes through the
+    # model's pass, which the timing runs after its product.
+    timing = LinearTiming(24, 64, torch.float32, (3, 2), gated_by="silu")
+    passed: list[torch.Size] = []
+
+    def gate_pass(gate_up: torch.Tensor) -> torch.Tensor:
+        passed.append(gate_up.shape)
+        return silu_and_mul(gate_up)
+
+    calls = linear_calls(timing, ["onednn", "c_gemm"], num_copies=2, gate_pass=gate_pass)
+    calls["c_gemm"]()
+    assert passed == []
+    calls["onednn"]()
+    assert passed == [torch.Size([3, 64]), torch.Size([2, 64])]
+    assert "[3 + 2 rows, 24] x [24, 64] then silu(gate) * up" in timing.key()
+    assert LinearTiming(24, 64, torch.float32, (3, 2)).key() != timing.key()
+
+
+def test_the_gate_pass_is_the_models_own() -> None:
+    def fused(gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
+
+    linears = ModelLinears(torch.float32, gated_mlp=True, silu_and_mul=fused)
+    assert linears.timing(64, 16, vocabulary=False, gated_by="silu").gated_by == "silu"
+    assert linears.gate_pass("silu") is fused
+    gate_up = torch.randn(5, 8)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tanh_gelu = ACTIVATIONS["gelu_pytorch_tanh"]
+    torch.testing.assert_close(
+        linears.gate_pass("gelu_pytorch_tanh")(gate_up), tanh_gelu(gate) * up
+    )
+
+
 def test_only_onednn_runs_bf16_or_off_the_cpu(tmp_path: Path) -> None:
     bf16 = LinearTiming(16, 64, torch.bfloat16, (4,))
     assert choose_linear_kernel(CPU, bf16, cache_dir=tmp_path) == ("onednn", None)
@@ -360,12 +394,17 @@ def test_a_float32_load_packs_each_shape_for_its_measured_kernel(
     assert len(measured) == len({c.shape_key for c in measured}) == 5
     assert all(c.source is ChoiceSource.MEASURED for c in measured)
     assert all(set(c.best_time_s) == {"onednn", "c_gemm"} for c in measured)
+    # The MLP's gate/up projection is timed through silu(gate) * up, as the layer runs it.
+    gate_up_choices = [c for c in measured if "silu(gate) * up" in c.shape_key]
+    assert len(gate_up_choices) == 1
     by_shape = {c.shape_key.split("] x [")[1].split("]")[0]: c.chosen for c in measured}
     layer = loaded.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
         in_features, out_features = linear.weight.shape[1], linear.weight.shape[0]
         on_c_kernel = isinstance(linear.packed_weight, GemmWeight)
         assert on_c_kernel == (by_shape[f"{in_features}, {out_features}"] == "c_gemm")
+    gates_on_c_kernel = gate_up_choices[0].chosen == "c_gemm"
+    assert layer.mlp.gate_up_proj.gates_itself == gates_on_c_kernel
     again = [c for c in load(config).measured_choices if c.phase == linear_choice.PHASE]
     assert [c.source for c in again] == [ChoiceSource.CACHED] * 5
     assert [c.chosen for c in again] == [c.chosen for c in measured]

@@ -145,7 +145,9 @@ def _load(
     layer_shapes = LayerShapes.from_hf(hf_config, dtype) if decoder_layers else None
     layer_ops, layer_ops_choices = choose_layer_ops(device, layer_shapes, dtype)
     # Each linear weight shape's kernel is timed as the loader packs it.
-    linears = ModelLinears.from_hf(hf_config, dtype, gated_mlp=decoder_layers)
+    linears = ModelLinears.from_hf(
+        hf_config, dtype, gated_mlp=decoder_layers, silu_and_mul=layer_ops.silu_and_mul
+    )
     linear_kernels = LinearKernelChooser(device, linears)
     model, load_stats = load_model_shard(
         model_dir, hf_config, dtype, device, layer_ops, tp, linear_kernels

@@ -6,7 +6,9 @@ oneDNN's packed matmul is the default; in float32 vacpack's own register-blocked
 shape and the row count: on the Zen 3 the C kernel wins decode-sized products by 15-40% and
 prefill-sized ones by 0-20% or loses them by a few percent, shape by shape. So each distinct
 weight shape of the model is timed with both kernels, as the model runs it (an encoder's up
-projection with its activation) at a prefill slice's rows and at decode batches' (as many rows
+projection with its activation; a gated MLP's gate/up projection through act(gate) * up, which
+the C kernel finishes as it writes its outputs and oneDNN's product leaves to a pass of the
+model's) at a prefill slice's rows and at decode batches' (as many rows
 again), one call covering both so that each regime's speed weighs the same, and the faster
 kernel packs the weights of that shape (phase `cpu_linear`, one choice per shape;
 VACPACK_CHOICE_CPU_LINEAR=onednn|c_gemm forces one). Each weight is packed once, for its
@@ -25,8 +27,9 @@ from typing import Any
 
 import torch
 
+from vacpack.cpu_kernels.gemm import GemmWeight, applies_activation
 from vacpack.host_memory import largest_cpu_cache_bytes
-from vacpack.models.activations import ONEDNN_POST_OPS
+from vacpack.models.activations import ACTIVATIONS, ONEDNN_POST_OPS
 from vacpack.models.cpu_prepack import (
     LinearKernel,
     PackedWeight,
@@ -85,13 +88,34 @@ class LinearTiming:
     dtype: torch.dtype
     row_counts: tuple[int, ...]
     activation: str | None = None  # applied by the matmul, as the model's layer does
+    # A gated MLP's [gate; up] projection, of which the layer returns gated_by(gate) * up: the C
+    # kernel finishes that as it writes its outputs, after oneDNN's product a pass does.
+    gated_by: str | None = None
 
     def key(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         rows = " + ".join(str(n) for n in self.row_counts)
         inner, out = self.in_features, self.out_features
         activation = f" then {self.activation}" if self.activation else ""
+        if self.gated_by:
+            activation += f" then {self.gated_by}(gate) * up"
         return f"[{rows} rows, {inner}] x [{inner}, {out}]{activation} {dtype}, weights from memory"
+
+
+# What a gated MLP does with a [gate | up] product the matmul did not finish (the model's own
+# pass: its measured SiLU-and-multiply op for SiLU, PyTorch's activation otherwise).
+GatePass = Callable[[torch.Tensor], torch.Tensor]
+
+
+def torch_gate_pass(activation: str) -> GatePass:
+    """activation(gate) * up in PyTorch, as the MLP computes it where no fused op covers it."""
+    act = ACTIVATIONS[activation]
+
+    def gate_pass(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return gate_pass
 
 
 @dataclass(frozen=True)
@@ -103,21 +127,33 @@ class ModelLinears:
     # An encoder's up projection ([out, in]) and the activation its matmul applies.
     activation_shape: tuple[int, int] | None = None
     activation: str | None = None
+    # The model's SiLU-and-multiply op (its measured layer op), for timing a gated projection
+    # oneDNN leaves unfinished; PyTorch's where None.
+    silu_and_mul: GatePass | None = None
 
     @classmethod
-    def from_hf(cls, hf_config: Any, dtype: torch.dtype, gated_mlp: bool) -> ModelLinears:
+    def from_hf(
+        cls,
+        hf_config: Any,
+        dtype: torch.dtype,
+        gated_mlp: bool,
+        silu_and_mul: GatePass | None = None,
+    ) -> ModelLinears:
         hidden_size = getattr(hf_config, "hidden_size", None)
         intermediate_size = getattr(hf_config, "intermediate_size", None)
         activation = getattr(hf_config, "hidden_act", None)
         sizes_known = isinstance(hidden_size, int) and isinstance(intermediate_size, int)
         if gated_mlp or activation not in ONEDNN_POST_OPS or not sizes_known:
-            return cls(dtype, gated_mlp)
+            return cls(dtype, gated_mlp, silu_and_mul=silu_and_mul)
         assert isinstance(hidden_size, int) and isinstance(intermediate_size, int)
-        return cls(dtype, gated_mlp, (intermediate_size, hidden_size), activation)
+        return cls(dtype, gated_mlp, (intermediate_size, hidden_size), activation, silu_and_mul)
 
-    def timing(self, out_features: int, in_features: int, vocabulary: bool) -> LinearTiming:
+    def timing(
+        self, out_features: int, in_features: int, vocabulary: bool, gated_by: str | None = None
+    ) -> LinearTiming:
         """The timing of a weight [out_features, in_features]; `vocabulary`: the LM head, which
-        a generation step runs on its decode rows only."""
+        a generation step runs on its decode rows only; `gated_by`: a gated MLP's gate/up
+        projection and its activation."""
         if vocabulary:
             rows: tuple[int, ...] = (DECODE_ROWS,)
         elif self.gated_mlp:
@@ -126,7 +162,13 @@ class ModelLinears:
             rows = (PREFILL_ROWS,)
         activated = (out_features, in_features) == self.activation_shape
         activation = self.activation if activated and not vocabulary else None
-        return LinearTiming(in_features, out_features, self.dtype, rows, activation)
+        return LinearTiming(in_features, out_features, self.dtype, rows, activation, gated_by)
+
+    def gate_pass(self, activation: str) -> GatePass:
+        """The pass the model runs on an unfinished [gate | up] product of `activation`."""
+        if activation == "silu" and self.silu_and_mul is not None:
+            return self.silu_and_mul
+        return torch_gate_pass(activation)
 
 
 def eligible_linear_kernels(device: torch.device, dtype: torch.dtype) -> list[LinearKernel]:
@@ -158,10 +200,15 @@ def timed_weight_copies(timing: LinearTiming, cache_bytes: int | None = None) ->
 
 
 def linear_calls(
-    timing: LinearTiming, kernels: list[LinearKernel], num_copies: int | None = None
+    timing: LinearTiming,
+    kernels: list[LinearKernel],
+    num_copies: int | None = None,
+    gate_pass: GatePass | None = None,
 ) -> dict[str, Callable[[], object]]:
     """One call per kernel: the timed layer at each of the row counts, on the same inputs, each
-    product on the next of `num_copies` copies of the weight (timed_weight_copies by default)."""
+    product on the next of `num_copies` copies of the weight (timed_weight_copies by default).
+    A gated projection ends in gated_by(gate) * up: the C kernel's own, else `gate_pass`
+    (PyTorch's by default) after the product."""
     generator = torch.Generator().manual_seed(0)
     out_features = timed_out_features(timing)
     # Random rows repeated: a timing does not depend on the values, and drawing 64 MiB of
@@ -175,18 +222,26 @@ def linear_calls(
     ]
     if num_copies is None:
         num_copies = timed_weight_copies(timing)
+    gated_by = timing.gated_by
+    if gated_by is not None and gate_pass is None:
+        gate_pass = torch_gate_pass(gated_by)
 
     def run(weights: Iterator[tuple[torch.Tensor, PackedWeight | None]]) -> None:
         for x in inputs:
             plain, packed = next(weights)
             if packed is None:
-                torch.nn.functional.linear(x, plain, bias)
+                out = torch.nn.functional.linear(x, plain, bias)
             else:
-                packed_linear(x, packed, bias, timing.activation)
+                out = packed_linear(x, packed, bias, timing.activation)
+            if gate_pass is not None and not _gates_itself(packed):
+                gate_pass(out)
 
     def rotation(kernel: LinearKernel) -> Iterator[tuple[torch.Tensor, PackedWeight | None]]:
         # Packed once and the packed weight copied: packing each copy cost 3x the time.
-        packed = prepack(weight, kernel)
+        gates = (
+            gated_by if kernel == "c_gemm" and gated_by and applies_activation(gated_by) else None
+        )
+        packed = prepack(weight, kernel, gates)
         copies: list[tuple[torch.Tensor, PackedWeight | None]]
         if packed is None:
             copies = [(weight.clone(), None) for _ in range(num_copies)]
@@ -198,6 +253,10 @@ def linear_calls(
     return {kernel: functools.partial(run, rotation(kernel)) for kernel in kernels}
 
 
+def _gates_itself(packed: PackedWeight | None) -> bool:
+    return isinstance(packed, GemmWeight) and packed.gated_by is not None
+
+
 def choose_linear_kernel(
     device: torch.device,
     timing: LinearTiming,
@@ -205,10 +264,11 @@ def choose_linear_kernel(
     candidates: Mapping[str, Callable[[], object]] | None = None,
     cache_dir: Path | None = None,
     clock: Clock = time.perf_counter,
+    gate_pass: GatePass | None = None,
 ) -> tuple[LinearKernel, MeasuredChoice | None]:
     """The kernel to pack weights of `timing`'s shape for, and the choice that picked it (None
     where no kernel or only one runs here). `candidates` replaces the real
-    matmuls (tests inject timings through it and `clock`)."""
+    matmuls (tests inject timings through it and `clock`); `gate_pass`: see linear_calls."""
     kernels = eligible_linear_kernels(device, timing.dtype)
     if not kernels:
         return "onednn", None
@@ -219,7 +279,7 @@ def choose_linear_kernel(
             list(kernels),
             (lambda: candidates)
             if candidates is not None
-            else functools.partial(linear_calls, timing, kernels),
+            else functools.partial(linear_calls, timing, kernels, gate_pass=gate_pass),
             preferred="onednn",
             preferred_tolerance=C_GEMM_MIN_SPEEDUP,
             budget_s=BUDGET_S,
@@ -241,13 +301,18 @@ class LinearKernelChooser:
         self.linears = linears
         self.cache_dir = cache_dir
         self.choices: list[MeasuredChoice] = []
-        self._kernels: dict[tuple[int, int, bool], LinearKernel] = {}
+        self._kernels: dict[tuple[int, int, bool, str | None], LinearKernel] = {}
 
-    def __call__(self, out_features: int, in_features: int, vocabulary: bool) -> LinearKernel:
-        shape = (out_features, in_features, vocabulary)
+    def __call__(
+        self, out_features: int, in_features: int, vocabulary: bool, gated_by: str | None = None
+    ) -> LinearKernel:
+        shape = (out_features, in_features, vocabulary, gated_by)
         if shape not in self._kernels:
-            timing = self.linears.timing(out_features, in_features, vocabulary)
-            kernel, choice = choose_linear_kernel(self.device, timing, cache_dir=self.cache_dir)
+            timing = self.linears.timing(out_features, in_features, vocabulary, gated_by)
+            gate_pass = self.linears.gate_pass(gated_by) if gated_by else None
+            kernel, choice = choose_linear_kernel(
+                self.device, timing, cache_dir=self.cache_dir, gate_pass=gate_pass
+            )
             self._kernels[shape] = kernel
             if choice is not None:
                 self.choices.append(choice)

@@ -347,8 +347,9 @@ def _prepack_weight(
         layer.weight = meta_like(layer.weight)
 
 
-# Which kernel packs a weight of shape [out_features, in_features]; `vocabulary`: the LM head.
-LinearKernelFor: TypeAlias = Callable[[int, int, bool], LinearKernel]
+# Which kernel packs a weight of shape [out_features, in_features]; `vocabulary`: the LM head;
+# the last: a gated MLP's gate/up projection's activation, which the C kernel would apply.
+LinearKernelFor: TypeAlias = Callable[[int, int, bool, str | None], LinearKernel]
 
 
 def prepack_linear_weights(model: nn.Module, kernel_for: LinearKernelFor | None = None) -> int:
@@ -364,6 +365,13 @@ def prepack_linear_weights(model: nn.Module, kernel_for: LinearKernelFor | None 
     for layer in layers:
         out_features, in_features = layer.weight.shape
         vocabulary = isinstance(layer, VocabEmbedding)
-        kernel = kernel_for(out_features, in_features, vocabulary) if kernel_for else "onednn"
+        gated_by = (
+            layer.activation
+            if isinstance(layer, GateUpParallelLinear) and applies_activation(layer.activation)
+            else None
+        )
+        kernel = (
+            kernel_for(out_features, in_features, vocabulary, gated_by) if kernel_for else "onednn"
+        )
         layer.prepack_for_cpu(kernel)
     return sum(layer.packed_weight is not None for layer in layers)
