@@ -21,6 +21,13 @@ ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxy
     }
 )
 
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's activation(gate) * up from its [gate | up] product, in PyTorch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
+
+
 # (oneDNN's eltwise post-op, its algorithm) for the activations it fuses into a linear layer.
 ONEDNN_POST_OPS: Mapping[str, tuple[str, str]] = MappingProxyType(
     {

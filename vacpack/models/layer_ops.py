@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vacpack.cpu_kernels import elementwise
+from vacpack.models.activations import act_and_mul
 from vacpack.models.rotary import apply_rotary
 from vacpack.registry import LazyRegistry
 
@@ -55,8 +55,7 @@ class LayerOps:
         return self.rms_norm(residual, weight, eps), residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return act_and_mul(gate_up, "silu")
 
     def rotary_qk(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]

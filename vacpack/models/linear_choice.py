@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from vacpack.cpu_kernels.gemm import GemmWeight, applies_activation
+from vacpack.cpu_kernels.gemm import GemmWeight
 from vacpack.host_memory import largest_cpu_cache_bytes
-from vacpack.models.activations import ACTIVATIONS, ONEDNN_POST_OPS
+from vacpack.models.activations import ONEDNN_POST_OPS, act_and_mul
 from vacpack.models.cpu_prepack import (
     LinearKernel,
     PackedWeight,
@@ -88,8 +88,9 @@ class LinearTiming:
     dtype: torch.dtype
     row_counts: tuple[int, ...]
     activation: str | None = None  # applied by the matmul, as the model's layer does
-    # A gated MLP's [gate; up] projection, of which the layer returns gated_by(gate) * up: the C
-    # kernel finishes that as it writes its outputs, after oneDNN's product a pass does.
+    # A gated MLP's [gate; up] projection, of which the layer returns gated_by(gate) * up (an
+    # activation the C kernel applies): the C kernel finishes that as it writes its outputs,
+    # after oneDNN's product a pass does.
     gated_by: str | None = None
 
     def key(self) -> str:
@@ -105,17 +106,6 @@ class LinearTiming:
 # What a gated MLP does with a [gate | up] product the matmul did not finish (the model's own
 # pass: its measured SiLU-and-multiply op for SiLU, PyTorch's activation otherwise).
 GatePass = Callable[[torch.Tensor], torch.Tensor]
-
-
-def torch_gate_pass(activation: str) -> GatePass:
-    """activation(gate) * up in PyTorch, as the MLP computes it where no fused op covers it."""
-    act = ACTIVATIONS[activation]
-
-    def gate_pass(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return act(gate) * up
-
-    return gate_pass
 
 
 @dataclass(frozen=True)
@@ -168,7 +158,7 @@ class ModelLinears:
         """The pass the model runs on an unfinished [gate | up] product of `activation`."""
         if activation == "silu" and self.silu_and_mul is not None:
             return self.silu_and_mul
-        return torch_gate_pass(activation)
+        return functools.partial(act_and_mul, activation=activation)
 
 
 def eligible_linear_kernels(device: torch.device, dtype: torch.dtype) -> list[LinearKernel]:
@@ -224,7 +214,7 @@ def linear_calls(
         num_copies = timed_weight_copies(timing)
     gated_by = timing.gated_by
     if gated_by is not None and gate_pass is None:
-        gate_pass = torch_gate_pass(gated_by)
+        gate_pass = functools.partial(act_and_mul, activation=gated_by)
 
     def run(weights: Iterator[tuple[torch.Tensor, PackedWeight | None]]) -> None:
         for x in inputs:
@@ -238,10 +228,7 @@ def linear_calls(
 
     def rotation(kernel: LinearKernel) -> Iterator[tuple[torch.Tensor, PackedWeight | None]]:
         # Packed once and the packed weight copied: packing each copy cost 3x the time.
-        gates = (
-            gated_by if kernel == "c_gemm" and gated_by and applies_activation(gated_by) else None
-        )
-        packed = prepack(weight, kernel, gates)
+        packed = prepack(weight, kernel, gated_by if kernel == "c_gemm" else None)
         copies: list[tuple[torch.Tensor, PackedWeight | None]]
         if packed is None:
             copies = [(weight.clone(), None) for _ in range(num_copies)]

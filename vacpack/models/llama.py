@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from vacpack.models.activations import ACTIVATIONS
+from vacpack.models.activations import ACTIVATIONS, act_and_mul
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.layer_ops import current_layer_ops
@@ -104,7 +104,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(
                 f"hidden_act {config.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
             )
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.hidden_act = config.hidden_act
         self.is_silu = config.hidden_act == "silu"
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = GateUpParallelLinear(config.hidden_size, size, config.hidden_act, tp)
@@ -124,8 +124,7 @@ class LlamaMLP(nn.Module):
             return self.down_proj(gate_up)
         if self.is_silu:
             return self.down_proj(self.ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(act_and_mul(gate_up, self.hidden_act))
 
 
 def with_kept_rows(

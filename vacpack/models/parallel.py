@@ -207,9 +207,13 @@ class GateUpParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, [intermediate_size, intermediate_size], False, tp)
         self.activation = activation
 
+    @property
+    def c_kernel_gate(self) -> str | None:
+        """The activation the C kernel applies to this layer's gate, None where it cannot."""
+        return self.activation if applies_activation(self.activation) else None
+
     def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
-        gated = kernel == "c_gemm" and applies_activation(self.activation)
-        _prepack_weight(self, kernel, self.activation if gated else None)
+        _prepack_weight(self, kernel, self.c_kernel_gate if kernel == "c_gemm" else None)
 
     @property
     def gates_itself(self) -> bool:
@@ -365,11 +369,7 @@ def prepack_linear_weights(model: nn.Module, kernel_for: LinearKernelFor | None 
     for layer in layers:
         out_features, in_features = layer.weight.shape
         vocabulary = isinstance(layer, VocabEmbedding)
-        gated_by = (
-            layer.activation
-            if isinstance(layer, GateUpParallelLinear) and applies_activation(layer.activation)
-            else None
-        )
+        gated_by = layer.c_kernel_gate if isinstance(layer, GateUpParallelLinear) else None
         kernel = (
             kernel_for(out_features, in_features, vocabulary, gated_by) if kernel_for else "onednn"
         )
