@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from vacpack import LLM, SamplingParams
 from vacpack.cpu_kernels.elementwise import (
+    add_layer_norm,
     add_rms_norm,
     elementwise_kernels_available,
     rms_norm,
@@ -20,6 +21,7 @@ from vacpack.models.norm import RMSNorm
 from vacpack.models.rotary import RopeSettings, RotaryEmbedding, apply_rotary
 from vacpack.testing.layer_ops import layer_ops_holders, set_layer_ops
 from vacpack.testing.packed_forward import load_for_test, packed_forward
+from vacpack.testing.tiny_encoders import minilm_dir
 
 CPU = torch.device("cpu")
 F32 = torch.float32
@@ -58,6 +60,30 @@ def test_add_rms_norm_updates_the_residual_in_place(hidden_size: int) -> None:
     assert summed.data_ptr() == residual.data_ptr()
     assert torch.equal(residual, expected_sum)
     torch.testing.assert_close(out, reference, **TOLERANCE)
+
+
+@pytest.mark.parametrize("hidden_size", [384, 100, 7])
+def test_add_layer_norm_equals_pytorch(hidden_size: int) -> None:
+    """Rows far from zero mean too (the first five): there the kernel's mean, corrected from
+    the deviations, and its variance, taken about it, stay as close to float64's as
+    PyTorch's."""
+    generator = torch.Generator().manual_seed(hidden_size + 2)
+    x = torch.randn(41, hidden_size, generator=generator) * 2
+    residual = torch.randn(41, hidden_size, generator=generator)
+    residual[:5] += 1000.0
+    weight = torch.rand(hidden_size, generator=generator) + 0.5
+    bias = torch.randn(hidden_size, generator=generator)
+    reference = F.layer_norm(x + residual, (hidden_size,), weight, bias, 1e-12)
+    out = add_layer_norm(x, residual, weight, bias, 1e-12)
+    torch.testing.assert_close(out[5:], reference[5:], rtol=1e-5, atol=1e-5)
+    exact = F.layer_norm(
+        (x + residual).double(), (hidden_size,), weight.double(), bias.double(), 1e-12
+    )
+    error, reference_error = [(y.double() - exact)[:5].abs().max().item() for y in (out, reference)]
+    assert error <= 1.5 * reference_error + 1e-6
+    assert torch.equal(LayerOps().add_layer_norm(x, residual, weight, bias, 1e-12), reference)
+    with pytest.raises(ValueError, match="bad bias"):
+        add_layer_norm(x, residual, weight, bias[:-1], 1e-12)
 
 
 @pytest.mark.parametrize("width", [4864, 100, 7])
@@ -124,3 +150,13 @@ def test_greedy_generation_is_unchanged_by_the_kernels(tiny_checkpoint) -> None:
     set_layer_ops(llm.loaded.model, LayerOps)
     unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fused == unfused
+
+
+def test_an_encoders_embeddings_are_unchanged_by_the_kernel() -> None:
+    llm = LLM(str(minilm_dir()), dtype="float32")
+    texts = ["a", "a short text", " ".join(["longer"] * 90)]
+    assert set_layer_ops(llm.loaded.model, CpuKernelLayerOps) == 13  # embeddings + 2 a layer
+    fused = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    set_layer_ops(llm.loaded.model, LayerOps)
+    unfused = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Each elementwise op of a decoder layer from the implementation measured fastest for it.
+"""Each elementwise op of a model's layers from the implementation measured fastest for it.
 
 Timings are injected: each candidate's first call runs for real where it can run here (the C
 kernels only on a CPU with AVX512-BF16), and a fake clock advances by the cost each op's
@@ -17,9 +17,15 @@ from fake_clock import FakeClock
 from vacpack.config import EngineConfig
 from vacpack.cpu_kernels import elementwise
 from vacpack.models import layer_ops_choice
-from vacpack.models.layer_ops import OP_NAMES, CpuKernelLayerOps, LayerOps, PerOpLayerOps
+from vacpack.models.layer_ops import (
+    DECODER_LAYER_OPS,
+    ENCODER_LAYER_OPS,
+    OP_NAMES,
+    CpuKernelLayerOps,
+    LayerOps,
+    PerOpLayerOps,
+)
 from vacpack.models.layer_ops_choice import (
-    LAYER_OP_PHASES,
     LayerShapes,
     choose_layer_ops,
     op_calls,
@@ -30,6 +36,7 @@ from vacpack.tuning import ChoiceSource, force_env_var
 
 CPU = torch.device("cpu")
 KERNELS_RUN_HERE = elementwise.elementwise_kernels_available(CPU, torch.bfloat16)
+KERNEL_AVAILABLE = elementwise.elementwise_kernels_available  # before the fixture fakes it
 SHAPES = LayerShapes(
     hidden_size=64,
     intermediate_size=96,
@@ -82,10 +89,10 @@ def test_each_op_takes_its_faster_implementation(monkeypatch: pytest.MonkeyPatch
         "silu_and_mul": LayerOps,
         "rotary_qk": CpuKernelLayerOps,
     }
-    assert [c.phase for c in choices] == [f"layer_op_{op}" for op in OP_NAMES]
+    assert [c.phase for c in choices] == [f"layer_op_{op}" for op in DECODER_LAYER_OPS]
     assert all(c.source is ChoiceSource.MEASURED for c in choices)
     assert choices[0].best_time_s == pytest.approx({"cpu_kernels": 0.001, "torch": 0.002})
-    assert {op for op, _ in calls} == set(OP_NAMES)
+    assert {op for op, _ in calls} == set(DECODER_LAYER_OPS)  # a decoder's ops alone
 
 
 def test_one_implementation_winning_every_op_is_used_as_it_is(
@@ -137,7 +144,7 @@ def test_per_op_ops_run_each_op_where_chosen() -> None:
         512,
         {"rms_norm": recording, "add_rms_norm": reference, "silu_and_mul": reference}
         | {"rotary_qk": recording},
-    )
+    )  # add_layer_norm not given: PyTorch's
     expected_name = (
         "rms_norm recording, add_rms_norm torch, silu_and_mul torch, rotary_qk recording"
     )
@@ -148,8 +155,8 @@ def test_per_op_ops_run_each_op_where_chosen() -> None:
         outputs = {name: call() for name, call in got.items()}
         torch.testing.assert_close(outputs["per_op"], outputs["reference"])
     assert calls == ["rms_norm"]
-    with pytest.raises(ValueError, match="no implementation given"):
-        PerOpLayerOps(512, {"rms_norm": reference})
+    with pytest.raises(ValueError, match="no such layer ops"):
+        PerOpLayerOps(512, {"layer_norm": reference})
 
 
 def test_shapes_come_from_a_decoder_config() -> None:
@@ -161,15 +168,42 @@ def test_shapes_come_from_a_decoder_config() -> None:
     assert LayerShapes.from_hf(object(), torch.bfloat16) is None
 
 
-def test_only_families_built_with_layer_ops_time_them(
+def test_an_op_only_pytorch_runs_in_a_dtype_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused add with LayerNorm exists in float32 alone: in bf16 the C kernels' ops would
+    run PyTorch's for it, so nothing is timed for it; an encoder's float32 load times it."""
+    assert not KERNEL_AVAILABLE(CPU, torch.bfloat16, "add_layer_norm")
+
+    def available(device: torch.device, dtype: torch.dtype, op: str = "rms_norm") -> bool:
+        return op != "add_layer_norm" or dtype == torch.float32  # every other kernel runs
+
+    monkeypatch.setattr(elementwise, "elementwise_kernels_available", available)
+    clock, calls = inject(monkeypatch, fused_wins=set(OP_NAMES))
+    assert not CpuKernelLayerOps().implements("add_layer_norm", torch.bfloat16)
+    ops, choices = choose_layer_ops(CPU, SHAPES, torch.bfloat16, ENCODER_LAYER_OPS, clock=clock)
+    assert choices == () and calls == [] and type(ops) is LayerOps  # its only candidate
+    if KERNEL_AVAILABLE(CPU, torch.float32, "add_layer_norm"):
+        float32 = LayerShapes(**{**SHAPES.__dict__, "dtype": torch.float32})
+        ops, choices = choose_layer_ops(CPU, float32, torch.float32, ENCODER_LAYER_OPS, clock=clock)
+        assert [c.phase for c in choices] == ["layer_op_add_layer_norm"]
+        assert type(ops) is CpuKernelLayerOps and {op for op, _ in calls} == {"add_layer_norm"}
+
+
+def test_each_family_times_the_ops_its_layers_call(
     tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A decoder's load times its layer ops where fused float32 kernels run; an encoder, which
-    has no RMSNorm, SiLU or rotary, times none."""
+    """A decoder's load times its RMSNorm, SiLU and rotary ops where fused float32 kernels run,
+    an encoder's its residual add with LayerNorm, and each model runs what was chosen."""
     monkeypatch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path))
     fused = elementwise.elementwise_kernels_available(CPU, torch.float32)
     decoder = load(EngineConfig(str(tiny_checkpoint("qwen2")), dtype="float32", device="cpu"))
     phases = {c.phase for c in decoder.measured_choices}
-    assert (set(LAYER_OP_PHASES) <= phases) == fused
+    decoder_phases = {f"layer_op_{op}" for op in DECODER_LAYER_OPS}
+    assert (decoder_phases <= phases) == fused and "layer_op_add_layer_norm" not in phases
     encoder = load(EngineConfig(str(minilm_dir()), dtype="float32", device="cpu"))
-    assert not set(LAYER_OP_PHASES) & {c.phase for c in encoder.measured_choices}
+    choices = [c for c in encoder.measured_choices if c.phase.startswith("layer_op_")]
+    assert [c.phase for c in choices] == (["layer_op_add_layer_norm"] if fused else [])
+    norm = encoder.model.layers[0].mlp_norm
+    if choices:
+        assert norm.ops.implements("add_layer_norm", torch.float32) == (
+            choices[0].chosen == "cpu_kernels"
+        )

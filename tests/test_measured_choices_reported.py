@@ -16,9 +16,13 @@ from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
 from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
 from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
-from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
+from vacpack.models.layer_ops import DECODER_LAYER_OPS
+from vacpack.models.layer_ops_choice import layer_op_phase
 from vacpack.models.linear_choice import eligible_linear_kernels
 from vacpack.tuning import ChoiceSource
+
+DECODER_LAYER_OP_PHASES = [layer_op_phase(op) for op in DECODER_LAYER_OPS]
+
 
 CPU = torch.device("cpu")
 # torch_sdpa's options, then one attention_cascade per prefix length.
@@ -93,9 +97,9 @@ def test_a_loaded_model_reports_and_runs_its_choices(
     # One linear-kernel choice per weight shape where the C kernel competes.
     linears = [c for c in llm.loaded.measured_choices if c.phase == "cpu_linear"]
     assert bool(linears) == (len(eligible_linear_kernels(CPU, torch.float32)) > 1)
-    assert len(lines) == 1 + two_backends + (len(LAYER_OP_PHASES) if layer_ops else 0) + len(
-        linears
-    )
+    assert len(lines) == 1 + two_backends + (
+        len(DECODER_LAYER_OP_PHASES) if layer_ops else 0
+    ) + len(linears)
     # Every measurement of the load, the engine's and the corpus job's included, was charged
     # to the load's one timing allowance.
     # (The corpus runner's list starts with the load's; a cached choice measured nothing.)

@@ -14,8 +14,12 @@ from server_process import ServerProcess, metric_value, running_server
 from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
 from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
-from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
+from vacpack.models.layer_ops import DECODER_LAYER_OPS
+from vacpack.models.layer_ops_choice import layer_op_phase
 from vacpack.models.linear_choice import eligible_linear_kernels
+
+DECODER_LAYER_OP_PHASES = [layer_op_phase(op) for op in DECODER_LAYER_OPS]
+
 
 MAX_MODEL_LEN = 256
 PAGE_SIZE_TOKENS = 16
@@ -108,7 +112,9 @@ def test_metrics_name_what_was_chosen_by_measurement(client: httpx.Client) -> No
     backends = {"attention_paged", "attention_paged_prefill"} if two_backends else set()
     options = {"sdpa_prefill", "sdpa_decode"}
     linears = {"cpu_linear"} if len(eligible_linear_kernels(cpu, torch.float32)) > 1 else set()
-    assert phases == options | backends | set(LAYER_OP_PHASES if layer_ops else ()) | linears
+    assert (
+        phases == options | backends | set(DECODER_LAYER_OP_PHASES if layer_ops else ()) | linears
+    )
     assert all(line.endswith(" 1.0") and 'model_name="tiny"' in line for line in chosen)
     rounds = [
         line for line in text.splitlines() if line.startswith("vacpack:measured_choice_rounds{")

@@ -23,8 +23,12 @@ from vacpack.engine.timeline import (
 )
 from vacpack.engine.timeline_plot import plot_timeline
 from vacpack.models.cpu_dtype import DTYPES
-from vacpack.models.layer_ops_choice import LAYER_OP_PHASES
+from vacpack.models.layer_ops import DECODER_LAYER_OPS
+from vacpack.models.layer_ops_choice import layer_op_phase
 from vacpack.models.linear_choice import eligible_linear_kernels
+
+DECODER_LAYER_OP_PHASES = [layer_op_phase(op) for op in DECODER_LAYER_OPS]
+
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -261,10 +265,10 @@ def test_bench_writes_timeline_plot_and_json(
     # a cascade's prefixes where the C kernel runs) and the cascade, behind each shared prefix
     # length timed.
     every_phase = [c["phase"] for c in results["measured_choices"]]
-    phases = [phase for phase in every_phase if phase not in LAYER_OP_PHASES]
+    phases = [phase for phase in every_phase if phase not in DECODER_LAYER_OP_PHASES]
     dtype = DTYPES[results["dtype"]]
     layer_ops = elementwise_kernels_available(torch.device("cpu"), dtype)
-    layer_phases = list(LAYER_OP_PHASES) if layer_ops else []
+    layer_phases = list(DECODER_LAYER_OP_PHASES) if layer_ops else []
     assert every_phase[1 : 1 + len(layer_phases)] == layer_phases
     assert len(phases) == len(every_phase) - len(layer_phases)
     assert phases[0] == "cpu_dtype"

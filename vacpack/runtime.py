@@ -104,14 +104,14 @@ class LoadedModel:
             return self.model.compute_logits(hidden, dtype)
 
 
-def _uses_layer_ops(hf_config: PretrainedConfig) -> bool:
-    """Whether the checkpoint's family builds its layers with layer ops (decoders do, encoders
-    do not): only then are their implementations timed."""
+def _model_class(hf_config: PretrainedConfig) -> type[PackedModel] | None:
+    """The family class the checkpoint loads as; None where it names none this package has
+    (loading then says so)."""
     architectures = getattr(hf_config, "architectures", None) or []
     try:
-        return bool(architectures) and model_class_for(architectures[0]).uses_layer_ops
+        return model_class_for(architectures[0]) if architectures else None
     except ValueError:
-        return False  # not a supported architecture: loading says so
+        return None
 
 
 def load(
@@ -140,10 +140,12 @@ def _load(
         trust_remote_code=config.trust_remote_code,
         revision=config.revision,
     )
-    # The decoder layers (the families built on llama.py) are the ones with layer ops.
-    decoder_layers = _uses_layer_ops(hf_config)
-    layer_shapes = LayerShapes.from_hf(hf_config, dtype) if decoder_layers else None
-    layer_ops, layer_ops_choices = choose_layer_ops(device, layer_shapes, dtype)
+    # The elementwise ops the family's layers call are timed on its shapes.
+    model_class = _model_class(hf_config)
+    layer_ops_used = model_class.layer_ops_used if model_class else ()
+    decoder_layers = bool(model_class and model_class.decoder_layers)
+    layer_shapes = LayerShapes.from_hf(hf_config, dtype) if layer_ops_used else None
+    layer_ops, layer_ops_choices = choose_layer_ops(device, layer_shapes, dtype, layer_ops_used)
     # Each linear weight shape's kernel is timed as the loader packs it.
     linears = ModelLinears.from_hf(
         hf_config, dtype, gated_mlp=decoder_layers, silu_and_mul=layer_ops.silu_and_mul

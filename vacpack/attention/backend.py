@@ -138,4 +138,4 @@ def describe_spec(spec: AttentionSpec) -> str:
         parts.append(f"a score scale of {spec.scale:.6g}")
     if spec.logit_softcap is not None:
         parts.append(f"score soft-capping at {spec.logit_softcap:g}")
-    return " and ".join(parts) or "plain causal attention"
+    return " and ".join(parts) or "full attention"  # causal or not: the workload says

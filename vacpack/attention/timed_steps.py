@@ -42,7 +42,7 @@ class AttentionShapes:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    specs: tuple[AttentionSpec, ...] = ()  # one per layer; empty: plain causal attention
+    specs: tuple[AttentionSpec, ...] = ()  # one per layer; empty: full attention
     max_model_len: int = 2048  # the longest sequence the model runs
 
     @property

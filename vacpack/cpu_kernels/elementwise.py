@@ -1,7 +1,8 @@
 """The decoder block's elementwise ops on CPU tensors, each one pass over its rows: RMSNorm
 (alone or after the residual add), SiLU(gate) * up and rotary embeddings. bf16 from
 elementwise.c (AVX512-BF16; rounding where PyTorch's ops round), float32 from elementwise_f32.c
-(plain C vectorised for the CPU at hand: any CPU with a C compiler)."""
+(plain C vectorised for the CPU at hand: any CPU with a C compiler). And an encoder block's
+residual add with LayerNorm, float32 only."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "rms_norm": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
     # x, residual (updated in place), weight, out, rows, columns, eps, threads
     "add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT, _THREADS],
+    # x, residual, weight, bias, out, rows, columns, eps, threads
+    "add_layer_norm": [*[_POINTER] * 5, _INT, _INT, _FLOAT, _THREADS],
     # gate_up, its row stride, out, rows, columns of out, threads
     "silu_and_mul": [_POINTER, _INT, _POINTER, _INT, _INT, _THREADS],
     # q, its token stride, its heads; k, its token stride, its heads; cos, sin, their token
@@ -36,10 +39,12 @@ _SIGNATURES: dict[str, list[type]] = {
         *(_INT, _INT, _THREADS),
     ],
 }
+# Ops whose kernel exists in float32 alone (elementwise_f32.c).
+_FLOAT32_ONLY = frozenset({"add_layer_norm"})
 
 
 def _function(op: str, dtype: torch.dtype) -> KernelFunction | None:
-    if dtype not in _LIBRARIES:
+    if dtype not in _LIBRARIES or (op in _FLOAT32_ONLY and dtype != torch.float32):
         return None
     library, portable, suffix = _LIBRARIES[dtype]
     return kernel_function(library, f"{op}_{suffix}", _SIGNATURES[op], portable=portable)
@@ -52,9 +57,12 @@ def _kernel(op: str, dtype: torch.dtype) -> KernelFunction:
     return function
 
 
-def elementwise_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on `device` in `dtype` can run its norms, activation and rotary here."""
-    return device.type == "cpu" and _function("rms_norm", dtype) is not None
+def elementwise_kernels_available(
+    device: torch.device, dtype: torch.dtype, op: str = "rms_norm"
+) -> bool:
+    """Whether a model on `device` in `dtype` can run its norms, activation and rotary here
+    (with `op`: that op's kernel)."""
+    return device.type == "cpu" and _function(op, dtype) is not None
 
 
 def _check(name: str, condition: bool, what: str) -> None:
@@ -91,6 +99,35 @@ def add_rms_norm(
     out = torch.empty_like(x)
     _normalize("add_rms_norm", x, residual.data_ptr(), weight, out, eps)
     return out, residual
+
+
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """LayerNorm(x + residual) over the last dimension of float32 rows [rows, hidden], as a new
+    tensor: a post-norm encoder block's residual add and norm in one pass."""
+    _rows("add_layer_norm", x)
+    contiguous = x.is_contiguous() and residual.is_contiguous()
+    _check("add_layer_norm", contiguous, "needs contiguous rows")
+    same = residual.shape == x.shape and residual.dtype == x.dtype
+    _check("add_layer_norm", same, "bad residual")
+    for name, vector in (("weight", weight), ("bias", bias)):
+        fits = vector.shape == (x.shape[1],) and vector.dtype == x.dtype and vector.is_contiguous()
+        _check("add_layer_norm", fits, f"bad {name}")
+    out = torch.empty_like(x)
+    rows, columns = x.shape
+    _kernel("add_layer_norm", x.dtype)(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        columns,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def _normalize(

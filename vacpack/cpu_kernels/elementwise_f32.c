@@ -1,6 +1,7 @@
 // The elementwise ops of a Llama-style decoder block, fused, on float32 for any CPU: RMSNorm
 // (alone or after the residual add), SiLU(gate) * up, and rotary embeddings of the query and
-// key heads. The float32 twins of elementwise.c, whose bf16 kernels need AVX512-BF16.
+// key heads; the float32 twins of elementwise.c, whose bf16 kernels need AVX512-BF16. And an
+// encoder block's residual add with LayerNorm (float32 only).
 //
 // In PyTorch each of these is several ops (RMSNorm alone is five on float32), each reading and
 // writing the whole activation. Here each row is read once and written once, while it sits in
@@ -71,6 +72,56 @@ void add_rms_norm_f32(const float* x, float* residual, const float* weight, floa
         const float* xi = x + i * n;
         for (int64_t j = 0; j < n; ++j) r[j] += xi[j];
         normalize_row(r, weight, out + i * n, n, eps);
+    }
+}
+
+// out = LayerNorm(x + residual) * weight + bias, row by row: a post-norm (BERT) block's add
+// and norm. x, residual and out are [rows, n], contiguous. Each row's sum goes to `out` while
+// its mean is summed; a second pass over the row (in L1) sums its deviations from that mean and
+// their squares, which correct the mean for its rounding and give the variance without the
+// cancellation a sum of squares risks (rows far from zero mean keep full precision). Then the
+// row is normalised in place. PyTorch's add and LayerNorm move the rows through memory three
+// times more.
+void add_layer_norm_f32(const float* x, const float* residual, const float* weight,
+                        const float* bias, float* out, int64_t num_rows, int64_t n, float eps,
+                        int num_threads) {
+    const int64_t full = n - n % 8, tail = n - full;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < num_rows; ++i) {
+        const float* a = x + i * n;
+        const float* b = residual + i * n;
+        float* o = out + i * n;
+        v8f sum = {0};
+        for (int64_t j = 0; j < full; j += 8) {
+            const v8f v = load8(a + j) + load8(b + j);
+            store8(o + j, v);
+            sum += v;
+        }
+        if (tail) {
+            const v8f v = load_tail(a + full, tail) + load_tail(b + full, tail);
+            store_tail(o + full, v, tail);
+            sum += v;
+        }
+        const float rough_mean = sum_lanes(sum) / (float)n;
+        v8f deviations = {0}, squares = {0};
+        for (int64_t j = 0; j < full; j += 8) {
+            const v8f d = load8(o + j) - rough_mean;
+            deviations += d;
+            squares += d * d;
+        }
+        float tail_deviations = 0.0f, tail_squares = 0.0f;
+        for (int64_t j = full; j < n; ++j) {
+            const float d = o[j] - rough_mean;
+            tail_deviations += d;
+            tail_squares += d * d;
+        }
+        const float shift = (sum_lanes(deviations) + tail_deviations) / (float)n;
+        const float variance = (sum_lanes(squares) + tail_squares) / (float)n - shift * shift;
+        const float mean = rough_mean + shift;
+        const float inverse = 1.0f / sqrtf(variance + eps);
+        for (int64_t j = 0; j < full; j += 8)
+            store8(o + j, (load8(o + j) - mean) * inverse * load8(weight + j) + load8(bias + j));
+        for (int64_t j = full; j < n; ++j) o[j] = (o[j] - mean) * inverse * weight[j] + bias[j];
     }
 }
 

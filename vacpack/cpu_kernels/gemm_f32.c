@@ -119,16 +119,37 @@ typedef struct {
     int64_t partial_stride;
 } Gemm;
 
-// erf(x) for x >= 0 (Abramowitz and Stegun 7.1.26: absolute error below 1.5e-7), with the
-// exponential from vec8.h's exp2.
-static inline v8f erf_nonnegative8(v8f x) {
-    const v8f t = 1.0f / (1.0f + 0.3275911f * x);
-    v8f p = splat8(1.061405429f);
-    p = p * t - 1.453152027f;
-    p = p * t + 1.421413741f;
-    p = p * t - 0.284496736f;
-    p = p * t + 0.254829592f;
-    return 1.0f - p * t * exp2_nonpositive8(-1.4426950408889634f * x * x);
+static inline v8f abs8(v8f x) { return (v8f)((v8i)x & 0x7fffffff); }
+
+// sign(x) * magnitude, for magnitude >= 0.
+static inline v8f with_sign8(v8f magnitude, v8f x) {
+    return (v8f)((v8i)magnitude | ((v8i)x & (int32_t)0x80000000));
+}
+
+// erf(x) as x P(x^2) / Q(x^2) with P and Q of degree 5 in x^2, fitted minimax (in float64, on
+// |x| <= 3.925, past which erf rounds to +-1 in float32, given exactly): within 4.2e-7 of erf
+// when evaluated in float32, and about half the operations of an exp-based formula (Abramowitz
+// and Stegun 7.1.26, 1.5e-7), which cost an encoder's up projection 12% over a plain product
+// where this costs 8% (2-core Zen 3, [2,048-8,192 x 384] -> 1,536).
+#define ERF_SATURATION 3.925f
+static inline v8f erf8(v8f x) {
+    const v8f magnitude = abs8(x);
+    const v8i saturated = magnitude > ERF_SATURATION;
+    const v8f u = select8(saturated, splat8(ERF_SATURATION), magnitude);
+    const v8f t = u * u;
+    v8f p = splat8(1.995675802390906e-06f);
+    p = p * t + 0.0002961005375254899f;
+    p = p * t + 0.004181707743555307f;
+    p = p * t + 0.054002609103918076f;
+    p = p * t + 0.19985057413578033f;
+    p = p * t + 1.1283786296844482f;
+    v8f q = splat8(3.812845898210071e-05f);
+    q = q * t + 0.001267719198949635f;
+    q = q * t + 0.01578725501894951f;
+    q = q * t + 0.11802217364311218f;
+    q = q * t + 0.5104411840438843f;
+    q = q * t + 1.0f;
+    return with_sign8(select8(saturated, splat8(1.0f), u * p / q), x);
 }
 
 // tanh(x) for x >= 0, as (1 - e) / (1 + e) with e = exp(-2x) <= 1.
@@ -137,20 +158,12 @@ static inline v8f tanh_nonnegative8(v8f x) {
     return (1.0f - e) / (1.0f + e);
 }
 
-static inline v8f abs8(v8f x) { return (v8f)((v8i)x & 0x7fffffff); }
-
-// sign(x) * magnitude, for magnitude >= 0.
-static inline v8f with_sign8(v8f magnitude, v8f x) {
-    return (v8f)((v8i)magnitude | ((v8i)x & (int32_t)0x80000000));
-}
-
 static inline v8f activate8(v8f x, int activation) {
     switch (activation) {
         case ACT_RELU:
             return select8(x < 0.0f, splat8(0.0f), x);
         case ACT_GELU_ERF:  // x / 2 (1 + erf(x / sqrt 2)), transformers' "gelu"
-            return 0.5f * x *
-                   (1.0f + with_sign8(erf_nonnegative8(abs8(x) * 0.7071067811865476f), x));
+            return 0.5f * x * (1.0f + erf8(x * 0.7071067811865476f));
         case ACT_GELU_TANH: {  // x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
             const v8f u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
             return 0.5f * x * (1.0f + with_sign8(tanh_nonnegative8(abs8(u)), u));

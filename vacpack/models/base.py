@@ -22,9 +22,12 @@ class PackedModel(nn.Module):
     # The family's configuration class: `config_class.from_hf(hf_config)` builds `config`.
     config_class: ClassVar[Any]
     is_decoder: ClassVar[bool] = False  # generates: has an LM head and a KV cache layout
-    # Builds its layers with the elementwise ops of layer_ops.py (RMSNorm, SiLU*up, rotary),
-    # whose implementations are then timed at load.
-    uses_layer_ops: ClassVar[bool] = False
+    # The elementwise ops of layer_ops.py its layers call (a decoder block's RMSNorm, SiLU*up
+    # and rotary; a post-norm encoder block's residual add with LayerNorm), whose
+    # implementations are timed at load.
+    layer_ops_used: ClassVar[tuple[str, ...]] = ()
+    # Its layers are decoder blocks (a gated MLP), whose linears run prefills and decode steps.
+    decoder_layers: ClassVar[bool] = False
     # Honours ForwardContext.output_rows: returns the hidden states of those rows alone.
     prunes_output_rows: ClassVar[bool] = False
     config: Any

@@ -22,6 +22,8 @@ from vacpack.models.activations import ACTIVATIONS, ONEDNN_POST_OPS
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
 from vacpack.models.labels import id2label_from_hf, num_labels_from_hf
+from vacpack.models.layer_ops import ENCODER_LAYER_OPS
+from vacpack.models.norm import AddLayerNorm
 from vacpack.models.parallel import (
     SINGLE_RANK,
     ColumnParallelLinear,
@@ -99,7 +101,7 @@ class EncoderEmbeddings(nn.Module):
             config.max_position_embeddings + config.position_offset, config.hidden_size
         )
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.norm = AddLayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def forward(
         self,
@@ -115,7 +117,7 @@ class EncoderEmbeddings(nn.Module):
             type_rows = self.token_type_embeddings(token_type_ids)
         # Types are added before positions, in the reference's order.
         hidden = self.word_embeddings(token_ids) + type_rows
-        return self.norm(hidden + self.position_embeddings(position_ids))
+        return self.norm(hidden, self.position_embeddings(position_ids))
 
 
 class EncoderAttention(nn.Module):
@@ -167,13 +169,13 @@ class EncoderLayer(nn.Module):
     def __init__(self, config: EncoderConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.attention = EncoderAttention(config, layer_index, tp)
-        self.attention_norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.attention_norm = AddLayerNorm(config.hidden_size, config.layer_norm_eps)
         self.mlp = EncoderMLP(config, tp)
-        self.mlp_norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.mlp_norm = AddLayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.attention_norm(hidden + self.attention(hidden, ctx))
-        return self.mlp_norm(hidden + self.mlp(hidden))
+        hidden = self.attention_norm(self.attention(hidden, ctx), hidden)
+        return self.mlp_norm(self.mlp(hidden), hidden)
 
 
 # Inside "encoder.layer.N.": checkpoint name prefix -> (our prefix, shard index). The attention
@@ -205,6 +207,7 @@ class BertModel(PackedModel):
 
     config_class = EncoderConfig
     is_decoder = False
+    layer_ops_used = ENCODER_LAYER_OPS
     # Encoders attend in both directions: run them with BatchLayout(..., causal=False).
     is_causal = False
     # Task checkpoints put the encoder under this prefix; bare ones have none.

@@ -1,4 +1,7 @@
-"""The elementwise ops of a decoder layer, and which implementation a model is built with.
+"""The elementwise ops of a model's layers, and which implementation a model is built with.
+
+A decoder block's are RMSNorm (alone and after the residual add), SiLU(gate) * up and rotary
+embeddings; a post-norm encoder block's, its residual add with LayerNorm.
 
 `LayerOps` is PyTorch's own ops, portable and the reference; `CpuKernelLayerOps` runs each op
 as one fused C pass on CPUs (vacpack/cpu_kernels: elementwise.c for bf16 where the CPU has
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vacpack.cpu_kernels import elementwise
 from vacpack.models.activations import act_and_mul
@@ -62,6 +66,22 @@ class LayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
 
+    def add_layer_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """LayerNorm(x + residual) over the last dimension."""
+        return F.layer_norm(x + residual, weight.shape, weight, bias, eps)
+
+    def implements(self, op: str, dtype: torch.dtype) -> bool:
+        """Whether `op` on `dtype` runs code of this implementation's own, not the PyTorch ops
+        it inherits (which the reference, this class, runs for every op)."""
+        return type(self) is LayerOps or getattr(type(self), op) is not getattr(LayerOps, op)
+
 
 class CpuKernelLayerOps(LayerOps):
     """One fused C pass per op over rows that stay in L1; layouts the kernels do not take
@@ -89,37 +109,79 @@ class CpuKernelLayerOps(LayerOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return elementwise.rotary_qk(q, k, *cos_sin)
 
+    def add_layer_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        fused = self.implements("add_layer_norm", x.dtype) and x.dim() == 2
+        if fused and x.is_contiguous() and residual.is_contiguous():
+            return elementwise.add_layer_norm(x, residual, weight, bias, eps)
+        return super().add_layer_norm(x, residual, weight, bias, eps)
 
-OP_NAMES = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk")
+    def implements(self, op: str, dtype: torch.dtype) -> bool:
+        cpu = torch.device("cpu")
+        return super().implements(op, dtype) and elementwise.elementwise_kernels_available(
+            cpu, dtype, op
+        )
+
+
+# The ops a decoder block calls, and a post-norm encoder block's.
+DECODER_LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk")
+ENCODER_LAYER_OPS = ("add_layer_norm",)
+OP_NAMES = DECODER_LAYER_OPS + ENCODER_LAYER_OPS
 
 
 class PerOpLayerOps(LayerOps):
     """Each op from its own implementation: the one measured fastest for it at the model's
-    shapes (layer_ops_choice.py)."""
+    shapes (layer_ops_choice.py); an op not given (one the model's layers never call) runs
+    PyTorch's."""
 
     def __init__(self, mlp_rows_per_pass: int | None, ops_by_name: dict[str, LayerOps]) -> None:
         super().__init__(mlp_rows_per_pass)
-        missing = set(OP_NAMES) - set(ops_by_name)
-        if missing:
-            raise ValueError(f"no implementation given for {sorted(missing)}")
+        unknown = set(ops_by_name) - set(OP_NAMES)
+        if unknown:
+            raise ValueError(f"no such layer ops: {sorted(unknown)}")
         self.ops_by_name = ops_by_name
-        self.name = ", ".join(f"{op} {ops_by_name[op].name}" for op in OP_NAMES)
+        self.name = ", ".join(
+            f"{op} {ops_by_name[op].name}" for op in OP_NAMES if op in ops_by_name
+        )
+        self._torch = LayerOps(mlp_rows_per_pass)
+
+    def _for(self, op: str) -> LayerOps:
+        return self.ops_by_name.get(op, self._torch)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.ops_by_name["rms_norm"].rms_norm(x, weight, eps)
+        return self._for("rms_norm").rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops_by_name["add_rms_norm"].add_rms_norm(x, residual, weight, eps)
+        return self._for("add_rms_norm").add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops_by_name["silu_and_mul"].silu_and_mul(gate_up)
+        return self._for("silu_and_mul").silu_and_mul(gate_up)
 
     def rotary_qk(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops_by_name["rotary_qk"].rotary_qk(q, k, cos_sin)
+        return self._for("rotary_qk").rotary_qk(q, k, cos_sin)
+
+    def add_layer_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        return self._for("add_layer_norm").add_layer_norm(x, residual, weight, bias, eps)
+
+    def implements(self, op: str, dtype: torch.dtype) -> bool:
+        return self._for(op).implements(op, dtype)
 
 
 @dataclass(frozen=True)

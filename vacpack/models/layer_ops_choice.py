@@ -1,12 +1,13 @@
-"""Each elementwise op of a decoder layer from the implementation measured fastest for it.
+"""Each elementwise op of a model's layers from the implementation measured fastest for it.
 
 Where fused kernels run (the C kernels: bf16 on a CPU with AVX512-BF16, float32 on any CPU
-with a C compiler; the Triton kernels: on a GPU), each op (RMSNorm, the residual add with
-RMSNorm, SiLU(gate) * up, rotary embeddings) is timed against its PyTorch twin on the model's
-own shapes, a slice of a prefill's rows as the MLP runs them, through vacpack.tuning (phase
-layer_op_<op>; VACPACK_CHOICE_LAYER_OP_<OP> forces one). A fused pass saves memory traffic, but
-PyTorch's vectorised ops may still win on a CPU whose kernels were not tuned for it; where only
-PyTorch's ops run, nothing is timed.
+with a C compiler; the Triton kernels: on a GPU), each op the model's layers call (a decoder's
+RMSNorm, residual add with RMSNorm, SiLU(gate) * up and rotary embeddings; an encoder's
+residual add with LayerNorm) is timed against its PyTorch twin on the model's own shapes, a
+slice of a prefill's rows as the MLP runs them, through vacpack.tuning (phase layer_op_<op>;
+VACPACK_CHOICE_LAYER_OP_<OP> forces one). A fused pass saves memory traffic, but PyTorch's
+vectorised ops may still win on a CPU whose kernels were not tuned for it; where only PyTorch's
+ops run an op, it is not timed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from vacpack.models.layer_ops import (
     CPU_MLP_ROWS_PER_PASS,
+    DECODER_LAYER_OPS,
     OP_NAMES,
     LayerOps,
     PerOpLayerOps,
@@ -30,16 +32,22 @@ from vacpack.models.layer_ops import (
 from vacpack.tuning import ChoiceSource, MeasuredChoice, choose
 from vacpack.tuning.timing import Clock
 
-# The tuning phase of each op's choice, in OP_NAMES' order.
-LAYER_OP_PHASES = tuple(f"layer_op_{op}" for op in OP_NAMES)
+
+def layer_op_phase(op: str) -> str:
+    """The tuning phase of an op's choice."""
+    return f"layer_op_{op}"
+
+
+LAYER_OP_PHASES = tuple(layer_op_phase(op) for op in OP_NAMES)
 # Each op's share of the load-time budget for measured choices: these ops are short.
 BUDGET_S = 0.06
 RMS_NORM_EPS = 1e-6
+LAYER_NORM_EPS = 1e-12
 
 
 @dataclass(frozen=True)
 class LayerShapes:
-    """The widths the elementwise ops of one decoder layer run at."""
+    """The widths the elementwise ops of one layer run at."""
 
     hidden_size: int
     intermediate_size: int
@@ -51,7 +59,7 @@ class LayerShapes:
 
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: torch.dtype) -> LayerShapes | None:
-        """From the fields every decoder family here has; None where one is missing."""
+        """From the fields every family here has; None where one is missing."""
         hidden_size = getattr(hf_config, "hidden_size", None)
         intermediate_size = getattr(hf_config, "intermediate_size", None)
         num_heads = getattr(hf_config, "num_attention_heads", None)
@@ -91,7 +99,11 @@ def op_calls(
         return torch.empty(shape, dtype=dtype, device=device).uniform_(-1.0, 1.0)
 
     args: tuple[Any, ...]
-    if op in ("rms_norm", "add_rms_norm"):
+    if op == "add_layer_norm":
+        hidden = shapes.hidden_size
+        x, residual = uniform(rows, hidden), uniform(rows, hidden)
+        args = (x, residual, uniform(hidden), uniform(hidden), LAYER_NORM_EPS)
+    elif op in ("rms_norm", "add_rms_norm"):
         x, weight = uniform(rows, shapes.hidden_size), uniform(shapes.hidden_size)
         args = (x, weight, RMS_NORM_EPS)
         if op == "add_rms_norm":
@@ -115,31 +127,37 @@ def choose_layer_ops(
     device: torch.device,
     shapes: LayerShapes | None,
     dtype: torch.dtype,
+    ops_used: tuple[str, ...] = DECODER_LAYER_OPS,
     *,
     cache_dir: Path | None = None,
     clock: Clock = time.perf_counter,
 ) -> tuple[LayerOps, tuple[MeasuredChoice, ...]]:
-    """The ops a model is built with, and the choices that made them (none where a single
-    implementation runs here, or the model's shapes are unknown: then the preferred one)."""
+    """The ops a model whose layers call `ops_used` is built with, and the choices that made
+    them (none where a single implementation runs here, or the model's shapes are unknown: then
+    the preferred one). An implementation that would run an op on PyTorch's ops anyway (a
+    kernel missing in this dtype) is no candidate for it."""
     implementations = eligible_layer_ops(device, dtype)
     preferred = next(iter(implementations.values()))
-    if shapes is None:
+    if shapes is None or not ops_used:
         return preferred, ()
     choices = []
     with torch.inference_mode():
-        for op, phase in zip(OP_NAMES, LAYER_OP_PHASES, strict=True):
+        for op in ops_used:
+            candidates = {
+                name: ops for name, ops in implementations.items() if ops.implements(op, dtype)
+            }
             choices.append(
                 choose(
-                    phase,
+                    layer_op_phase(op),
                     shapes.key(op),
-                    list(implementations),
-                    functools.partial(op_calls, op, implementations, shapes, device),
+                    list(candidates),
+                    functools.partial(op_calls, op, candidates, shapes, device),
                     budget_s=BUDGET_S,
                     cache_dir=cache_dir,
                     clock=clock,
                 )
             )
-    chosen = {op: implementations[c.chosen] for op, c in zip(OP_NAMES, choices, strict=True)}
+    chosen = {op: implementations[c.chosen] for op, c in zip(ops_used, choices, strict=True)}
     names = {ops.name for ops in chosen.values()}
     ops = (
         implementations[names.pop()]

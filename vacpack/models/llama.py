@@ -18,7 +18,7 @@ from torch import nn
 from vacpack.models.activations import ACTIVATIONS, act_and_mul
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext
-from vacpack.models.layer_ops import current_layer_ops
+from vacpack.models.layer_ops import DECODER_LAYER_OPS, current_layer_ops
 from vacpack.models.model_config import ModelConfig
 from vacpack.models.norm import RMSNorm
 from vacpack.models.parallel import (
@@ -187,7 +187,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(PackedModel):
     config_class: ClassVar[Any] = ModelConfig
     is_decoder = True
-    uses_layer_ops = True
+    layer_ops_used = DECODER_LAYER_OPS
+    decoder_layers = True
     prunes_output_rows = True
     # Checkpoint names that feed one of our merged layers: (our name, shard index).
     MERGED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {
