@@ -80,8 +80,8 @@ void add_rms_norm_f32(const float* x, float* residual, const float* weight, floa
 // its mean is summed; a second pass over the row (in L1) sums its deviations from that mean and
 // their squares, which correct the mean for its rounding and give the variance without the
 // cancellation a sum of squares risks (rows far from zero mean keep full precision). Then the
-// row is normalised in place. PyTorch's add and LayerNorm move the rows through memory three
-// times more.
+// row is normalised in place. PyTorch's add writes the sum and its LayerNorm reads it back:
+// five passes over the rows' memory where this makes three.
 void add_layer_norm_f32(const float* x, const float* residual, const float* weight,
                         const float* bias, float* out, int64_t num_rows, int64_t n, float eps,
                         int num_threads) {
