@@ -202,8 +202,5 @@ def test_each_family_times_the_ops_its_layers_call(
     encoder = load(EngineConfig(str(minilm_dir()), dtype="float32", device="cpu"))
     choices = [c for c in encoder.measured_choices if c.phase.startswith("layer_op_")]
     assert [c.phase for c in choices] == (["layer_op_add_layer_norm"] if fused else [])
-    norm = encoder.model.layers[0].mlp_norm
-    if choices:
-        assert norm.ops.implements("add_layer_norm", torch.float32) == (
-            choices[0].chosen == "cpu_kernels"
-        )
+    if choices:  # the layers hold the chosen implementation
+        assert encoder.model.layers[0].mlp_norm.ops.name == choices[0].chosen
