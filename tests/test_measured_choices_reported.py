@@ -16,13 +16,9 @@ from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
 from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
 from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
-from vacpack.models.layer_ops import DECODER_LAYER_OPS
-from vacpack.models.layer_ops_choice import layer_op_phase
+from vacpack.models.layer_ops_choice import DECODER_LAYER_OP_PHASES
 from vacpack.models.linear_choice import eligible_linear_kernels
 from vacpack.tuning import ChoiceSource
-
-DECODER_LAYER_OP_PHASES = [layer_op_phase(op) for op in DECODER_LAYER_OPS]
-
 
 CPU = torch.device("cpu")
 # torch_sdpa's options, then one attention_cascade per prefix length.

@@ -14,12 +14,8 @@ from server_process import ServerProcess, metric_value, running_server
 from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.build import load_kernel_library
 from vacpack.cpu_kernels.elementwise import elementwise_kernels_available
-from vacpack.models.layer_ops import DECODER_LAYER_OPS
-from vacpack.models.layer_ops_choice import layer_op_phase
+from vacpack.models.layer_ops_choice import DECODER_LAYER_OP_PHASES
 from vacpack.models.linear_choice import eligible_linear_kernels
-
-DECODER_LAYER_OP_PHASES = [layer_op_phase(op) for op in DECODER_LAYER_OPS]
-
 
 MAX_MODEL_LEN = 256
 PAGE_SIZE_TOKENS = 16

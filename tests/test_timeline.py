@@ -23,12 +23,8 @@ from vacpack.engine.timeline import (
 )
 from vacpack.engine.timeline_plot import plot_timeline
 from vacpack.models.cpu_dtype import DTYPES
-from vacpack.models.layer_ops import DECODER_LAYER_OPS
-from vacpack.models.layer_ops_choice import layer_op_phase
+from vacpack.models.layer_ops_choice import DECODER_LAYER_OP_PHASES
 from vacpack.models.linear_choice import eligible_linear_kernels
-
-DECODER_LAYER_OP_PHASES = [layer_op_phase(op) for op in DECODER_LAYER_OPS]
-
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

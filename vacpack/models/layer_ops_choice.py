@@ -24,7 +24,6 @@ import torch
 from vacpack.models.layer_ops import (
     CPU_MLP_ROWS_PER_PASS,
     DECODER_LAYER_OPS,
-    OP_NAMES,
     LayerOps,
     PerOpLayerOps,
     eligible_layer_ops,
@@ -38,7 +37,8 @@ def layer_op_phase(op: str) -> str:
     return f"layer_op_{op}"
 
 
-LAYER_OP_PHASES = tuple(layer_op_phase(op) for op in OP_NAMES)
+# A decoder's layer-op phases, in the order its load times them.
+DECODER_LAYER_OP_PHASES = tuple(layer_op_phase(op) for op in DECODER_LAYER_OPS)
 # Each op's share of the load-time budget for measured choices: these ops are short.
 BUDGET_S = 0.06
 RMS_NORM_EPS = 1e-6
