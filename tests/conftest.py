@@ -25,8 +25,10 @@ from cli_zygote import Zygote
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from vacpack.models.cpu_dtype import ARITHMETIC_PHASE
 from vacpack.testing.tiny_models import build_tiny_checkpoint, build_tokenizer
 from vacpack.tokenizer import load_tokenizer
+from vacpack.tuning import force_env_var
 
 TinyCheckpointFactory = Callable[..., Path]
 
@@ -34,9 +36,14 @@ TinyCheckpointFactory = Callable[..., Path]
 @pytest.fixture(scope="session", autouse=True)
 def _measured_choices_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Choices measured while the tests run are cached apart from the user's and benchmarks':
-    never read from a machine's earlier runs. Tests of the selection itself set their own."""
+    never read from a machine's earlier runs. Tests of the selection itself set their own.
+
+    A model loaded in bfloat16 computes in bfloat16 here, whatever this CPU would measure
+    faster: the bfloat16 tests test bfloat16 arithmetic on every machine the suite runs on
+    (test_bf16_weights.py tests float32 arithmetic on bfloat16 weights, and its measurement)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path_factory.mktemp("measured_choices")))
+        patch.setenv(force_env_var(ARITHMETIC_PHASE), "bfloat16")
         yield
 
 

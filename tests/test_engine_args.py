@@ -18,6 +18,7 @@ FLAG_VALUES = {
     "revision": ("--revision", "v2", "v2"),
     "trust_remote_code": ("--trust-remote-code", None, True),
     "dtype": ("--dtype", "float32", "float32"),
+    "cpu_bf16_arithmetic": ("--cpu-bf16-arithmetic", "float32", "float32"),
     "device": ("--device", "cpu", "cpu"),
     "max_model_len": ("--max-model-len", "512", 512),
     "max_num_seqs": ("--max-num-seqs", "7", 7),

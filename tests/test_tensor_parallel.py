@@ -103,12 +103,23 @@ def test_two_ranks_generate_and_score_what_one_does(
     _wait_until_gone(worker_pids)
 
 
-def test_two_ranks_embed_what_one_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        {"dtype": "float32"},
+        # Each rank keeps its matrices in bfloat16 and computes in float32, as rank 0 does.
+        {"dtype": "bfloat16", "cpu_bf16_arithmetic": "float32"},
+    ],
+    ids=["float32", "bfloat16-weights"],
+)
+def test_two_ranks_embed_what_one_does(tmp_path: Path, dtypes: dict[str, str]) -> None:
     model_dir = str(build_tiny_bert(tmp_path / "bert"))
     texts = ["hello world", "a longer text about many things " * 6, "x", *TEXTS]
-    engine = {"dtype": "float32", "max_num_batched_tokens": 64}  # bins of at most 64 tokens
-    expected = LLM(model_dir, **engine).embed(texts, use_tqdm=False)
+    engine = {**dtypes, "max_num_batched_tokens": 64}  # bins of at most 64 tokens
+    single = LLM(model_dir, **engine)
+    expected = single.embed(texts, use_tqdm=False)
     llm = LLM(model_dir, **engine, tensor_parallel_size=TP_SIZE)
+    assert llm.loaded.dtype_description == single.loaded.dtype_description
     assert llm.loaded.driver is not None
     worker_pids = llm.loaded.driver.worker_pids
     for output, reference in zip(llm.embed(texts, use_tqdm=False), expected, strict=True):

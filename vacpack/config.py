@@ -22,6 +22,11 @@ class EngineConfig:
     dtype: str = "auto"
     """auto (bfloat16; float16 for a float16 checkpoint on CUDA; on a CPU float32 where
     bfloat16 matmuls are measured much slower), bfloat16, float16, or float32."""
+    cpu_bf16_arithmetic: str = "auto"
+    """CPU, bfloat16: the arithmetic of the products on the bfloat16 weights. auto (float32
+    where it is measured much faster, as on CPUs without AVX512-BF16 or AMX; else bfloat16),
+    bfloat16, or float32 (the activations, norms and KV cache float32 too; the linear weights
+    and vocabulary tables stay bfloat16)."""
     device: str = "auto"
     """auto (cuda when present), cpu, cuda, or cuda:N."""
     max_model_len: int | None = None
@@ -83,6 +88,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
             raise ValueError(
                 f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}"
+            )
+        if self.cpu_bf16_arithmetic not in ("auto", "bfloat16", "float32"):
+            raise ValueError(
+                "cpu_bf16_arithmetic must be auto, bfloat16 or float32, got "
+                f"{self.cpu_bf16_arithmetic!r}"
             )
 
 

@@ -22,7 +22,12 @@ from vacpack.distributed.driver import Driver
 from vacpack.host_memory import keep_freed_host_memory
 from vacpack.huge_pages import check_weights_in_huge_pages
 from vacpack.models.base import PackedModel
-from vacpack.models.cpu_dtype import choose_cpu_dtype, timed_linear_shape
+from vacpack.models.cpu_dtype import (
+    DTYPES,
+    choose_bf16_arithmetic,
+    choose_cpu_dtype,
+    timed_linear_shape,
+)
 from vacpack.models.forward_context import attention_specs
 from vacpack.models.hub import resolve_model_path
 from vacpack.models.layer_ops_choice import LayerShapes, choose_layer_ops
@@ -31,7 +36,7 @@ from vacpack.models.loader import LoadStats, checkpoint_dtype, load_hf_config, l
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel, kv_head_rows
 from vacpack.models.registry import model_class_for
 from vacpack.tokenizer import eos_token_ids, load_tokenizer
-from vacpack.tuning import MeasuredChoice, TimingAllowance, spending
+from vacpack.tuning import ChoiceSource, MeasuredChoice, TimingAllowance, spending
 
 NO_LOAD_STATS = LoadStats(0, 0)
 
@@ -45,7 +50,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the activations', the arithmetic's and the KV cache's
     max_model_len: int
     # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU, the layers'
     # elementwise ops), with the timings that chose it: for job reports and /metrics.
@@ -60,6 +65,14 @@ class LoadedModel:
     # The ledger of this load's measurements: the engine's and corpus runner's choices, made
     # later, are charged to it too, so that a first load's timing stays within one bound.
     timing_allowance: TimingAllowance = field(default_factory=TimingAllowance)
+    # The linear layers' weights' and vocabulary tables' dtype where it is not `dtype`.
+    weight_dtype: torch.dtype | None = None
+
+    @property
+    def dtype_description(self) -> str:
+        """The dtype, as reports give it ("bfloat16 weights, float32 arithmetic" where the
+        weights are kept in another)."""
+        return describe_dtypes(self.dtype, self.weight_dtype or self.dtype)
 
     @property
     def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
@@ -134,7 +147,8 @@ def _load(
         keep_freed_host_memory()
     model_dir = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(model_dir, config.trust_remote_code)
-    dtype, dtype_choice = resolve_load_dtype(config, hf_config, device)
+    dtypes = resolve_load_dtype(config, hf_config, device)
+    dtype, weight_dtype = dtypes.dtype, dtypes.weight_dtype
     tokenizer = load_tokenizer(
         config.tokenizer or str(model_dir),
         trust_remote_code=config.trust_remote_code,
@@ -148,11 +162,15 @@ def _load(
     layer_ops, layer_ops_choices = choose_layer_ops(device, layer_shapes, dtype, layer_ops_used)
     # Each linear weight shape's kernel is timed as the loader packs it.
     linears = ModelLinears.from_hf(
-        hf_config, dtype, gated_mlp=decoder_layers, silu_and_mul=layer_ops.silu_and_mul
+        hf_config,
+        dtype,
+        gated_mlp=decoder_layers,
+        silu_and_mul=layer_ops.silu_and_mul,
+        weight_dtype=weight_dtype,
     )
     linear_kernels = LinearKernelChooser(device, linears)
     model, load_stats = load_model_shard(
-        model_dir, hf_config, dtype, device, layer_ops, tp, linear_kernels
+        model_dir, hf_config, dtype, device, layer_ops, tp, linear_kernels, weight_dtype
     )
     if device.type == "cpu":
         check_weights_in_huge_pages(load_stats.parameter_bytes)
@@ -179,7 +197,7 @@ def _load(
         dtype=dtype,
         max_model_len=max_model_len,
         measured_choices=(
-            *([dtype_choice] if dtype_choice else []),
+            *dtypes.choices,
             *layer_ops_choices,
             *linear_kernels.choices,
         ),
@@ -188,15 +206,46 @@ def _load(
         load_stats=load_stats,
         rank_load_stats=rank_load_stats if tp.rank == 0 else (),
         timing_allowance=allowance,
+        weight_dtype=weight_dtype if weight_dtype != dtype else None,
     )
 
 
-def resolve_load_dtype(
-    config: EngineConfig, hf_config: Any, device: torch.device
-) -> tuple[torch.dtype, MeasuredChoice | None]:
-    """The dtype to load in, and the measurement that chose it (dtype auto on a CPU)."""
-    choice = _measured_cpu_dtype(config, hf_config, device)
-    return resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device, choice), choice
+@dataclass(frozen=True)
+class LoadDtypes:
+    """What a model is loaded in, and the measurements that chose it."""
+
+    dtype: torch.dtype  # the activations', the arithmetic's and the KV cache's
+    # The linear layers' weights and the vocabulary tables': `dtype`, or bfloat16 with float32
+    # arithmetic on a CPU without bfloat16 instructions (models/cpu_dtype.py).
+    weight_dtype: torch.dtype
+    choices: tuple[MeasuredChoice, ...] = ()
+
+    def describe(self) -> str:
+        """ "bfloat16", or "bfloat16 weights, float32 arithmetic"."""
+        return describe_dtypes(self.dtype, self.weight_dtype)
+
+
+def describe_dtypes(dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if weight_dtype == dtype:
+        return name
+    return f"{str(weight_dtype).removeprefix('torch.')} weights, {name} arithmetic"
+
+
+def resolve_load_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> LoadDtypes:
+    """The dtypes to load in (dtype auto on a CPU: measured), and on a CPU, for bfloat16, the
+    arithmetic (config.cpu_bf16_arithmetic; auto: measured)."""
+    dtype_choice = _measured_cpu_dtype(config, hf_config, device)
+    dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device, dtype_choice)
+    choices: tuple[MeasuredChoice, ...] = (dtype_choice,) if dtype_choice is not None else ()
+    shape = timed_linear_shape(hf_config)
+    if dtype != torch.bfloat16 or device.type != "cpu" or shape is None:
+        return LoadDtypes(dtype, dtype, choices)
+    forced = None if config.cpu_bf16_arithmetic == "auto" else config.cpu_bf16_arithmetic
+    arithmetic = choose_bf16_arithmetic(shape, forced=forced)
+    if arithmetic.source is not ChoiceSource.ONLY_CANDIDATE:
+        choices += (arithmetic,)
+    return LoadDtypes(DTYPES[arithmetic.chosen], dtype, choices)
 
 
 def _measured_cpu_dtype(

@@ -129,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(
         f"vacpack bench: {len(prompts)} prompts of {args.input_len[0]}-{args.input_len[1]} "
         f"tokens, {args.output_len} output tokens each, on {model} "
-        f"({llm.loaded.device}, {str(llm.loaded.dtype).removeprefix('torch.')})"
+        f"({llm.loaded.device}, {llm.loaded.dtype_description})"
     )
     start_s = time.perf_counter()
     outputs = llm.generate(
@@ -144,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "model": model,
         "device": str(llm.loaded.device),
-        "dtype": str(llm.loaded.dtype).removeprefix("torch."),
+        "dtype": llm.loaded.dtype_description,
         "engine_args": engine_kwargs(args),
         "num_prompts": len(prompts),
         "input_len": list(args.input_len),

@@ -1,5 +1,6 @@
 """float32 linear layers through gemm_f32.c: weights packed once into the kernel's panels,
-products register-blocked for the CPU at hand (any CPU with a C compiler)."""
+products register-blocked for the CPU at hand (any CPU with a C compiler). The weights may be
+kept as bfloat16 (half the memory) while the arithmetic stays float32."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ ACTIVATION_CODES: dict[str, int] = {
 }
 # A paired weight's panel: this many gate features, then the same up features (gemm_f32.c).
 PAIRED_FEATURES = 8
+# What the panels may hold; the inputs, outputs and arithmetic are float32 either way.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 _INT = ctypes.c_int64
 _POINTER = ctypes.c_void_p
 
@@ -32,7 +35,7 @@ _POINTER = ctypes.c_void_p
 @dataclass(frozen=True)
 class GemmWeight:
     """A [out_features, in_features] weight as gemm_f32.c reads it: panels of 16 output
-    features, each [in_features][16] (features past out_features zero).
+    features, each [in_features][16] (features past out_features zero), float32 or bfloat16.
 
     Or, where `gated_by` names an activation, a gated MLP's [gate; up] projection with its
     halves paired (panels of 8 gate features, then the same 8 up features): the product is
@@ -48,6 +51,11 @@ class GemmWeight:
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (the product's is float32)."""
+        return self.panels.dtype
+
 
 def _function(
     name: str, argtypes: Sequence[object], restype: object = None
@@ -57,16 +65,20 @@ def _function(
 
 # Looked up once: gemm_linear runs for every linear layer of every step.
 @functools.cache
-def _pack_kernel() -> KernelFunction | None:
+def _pack_kernel(dtype: torch.dtype) -> KernelFunction | None:
     # w, n, k, w row stride, packed, threads
-    return _function("pack_weight_f32", [_POINTER, _INT, _INT, _INT, _POINTER, ctypes.c_int])
+    name = "pack_weight_bf16" if dtype == torch.bfloat16 else "pack_weight_f32"
+    return _function(name, [_POINTER, _INT, _INT, _INT, _POINTER, ctypes.c_int])
 
 
 @functools.cache
 def _gemm_kernel() -> KernelFunction | None:
-    # x, m, k, x row stride, packed w, n, bias, activation, paired, y, y row stride, threads
-    argtypes = [_POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, ctypes.c_int, ctypes.c_int]
-    return _function("gemm_f32", [*argtypes, _POINTER, _INT, ctypes.c_int], ctypes.c_int)
+    # x, m, k, x row stride, packed w, bf16 weights, n, bias, activation, paired, y, y row
+    # stride, threads
+    argtypes = [_POINTER, _INT, _INT, _INT, _POINTER, ctypes.c_int, _INT, _POINTER, ctypes.c_int]
+    return _function(
+        "gemm_f32", [*argtypes, ctypes.c_int, _POINTER, _INT, ctypes.c_int], ctypes.c_int
+    )
 
 
 def applies_activation(name: str) -> bool:
@@ -74,9 +86,13 @@ def applies_activation(name: str) -> bool:
     return name in ACTIVATION_CODES
 
 
-def gemm_supported(dtype: torch.dtype) -> bool:
-    """Whether float32 linears can run through the C kernel here (it builds on this machine)."""
-    return dtype == torch.float32 and _gemm_kernel() is not None and _pack_kernel() is not None
+def gemm_supported(weight_dtype: torch.dtype) -> bool:
+    """Whether the C kernel runs here (it builds on this machine) on `weight_dtype` weights."""
+    return (
+        weight_dtype in WEIGHT_DTYPES
+        and _gemm_kernel() is not None
+        and _pack_kernel(weight_dtype) is not None
+    )
 
 
 def pair_halves(gate_up: torch.Tensor) -> torch.Tensor:
@@ -95,12 +111,15 @@ def pair_halves(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def pack_weight(weight: torch.Tensor, gated_by: str | None = None) -> GemmWeight:
-    """`weight` ([out, in] float32 on the CPU) in the kernel's panels; a copy, so the plain
-    weight can be dropped. With `gated_by` (a key of ACTIVATION_CODES), `weight` is a gated
-    MLP's [gate; up] projection, packed with its halves paired (see GemmWeight)."""
-    kernel = _pack_kernel()
-    if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise RuntimeError("pack_weight needs a float32 CPU weight and the gemm_f32 kernel")
+    """`weight` ([out, in] float32 or bfloat16 on the CPU) in the kernel's panels, of its dtype;
+    a copy, so the plain weight can be dropped. With `gated_by` (a key of ACTIVATION_CODES),
+    `weight` is a gated MLP's [gate; up] projection, packed with its halves paired (see
+    GemmWeight)."""
+    if weight.dtype not in WEIGHT_DTYPES or weight.device.type != "cpu":
+        raise ValueError(f"pack_weight takes float32 or bfloat16 CPU weights, not {weight.dtype}")
+    kernel = _pack_kernel(weight.dtype)
+    if kernel is None:
+        raise RuntimeError("the gemm_f32 kernel does not run here")
     if weight.dim() != 2 or weight.stride(1) != 1:
         weight = weight.reshape(weight.shape[0], -1).contiguous()
     if gated_by is not None:
@@ -110,7 +129,7 @@ def pack_weight(weight: torch.Tensor, gated_by: str | None = None) -> GemmWeight
         return GemmWeight(packed.panels, weight.shape[0] // 2, weight.shape[1], gated_by)
     out_features, in_features = weight.shape
     num_panels = -(-out_features // 16)
-    panels = torch.empty(num_panels * in_features * 16, dtype=torch.float32)
+    panels = torch.empty(num_panels * in_features * 16, dtype=weight.dtype)
     kernel(
         weight.data_ptr(),
         out_features,
@@ -136,7 +155,8 @@ def gemm_linear(
         raise RuntimeError("the gemm_f32 kernel does not run here")
     if x.dtype != torch.float32 or x.shape[-1] != weight.in_features:
         raise ValueError(
-            f"input {tuple(x.shape)} {x.dtype} does not fit a float32 weight {weight.shape}"
+            f"input {tuple(x.shape)} {x.dtype} does not fit a {weight.shape} weight (the "
+            "kernel takes float32 inputs)"
         )
     if weight.gated_by is not None and activation is not None:
         raise ValueError(f"a weight gated by {weight.gated_by} takes no other activation")
@@ -157,6 +177,7 @@ def gemm_linear(
                 weight.in_features,
                 rows.stride(0),
                 weight.panels.data_ptr(),
+                weight.dtype == torch.bfloat16,
                 weight.out_features,
                 bias.data_ptr() if bias is not None else None,
                 ACTIVATION_CODES[activation] if activation else 0,

@@ -20,6 +20,14 @@
 // Written with GCC's vector extensions and built with -O3 -march=native for the machine at
 // hand (see build.py): AVX2 with FMA is the register budget it is shaped for (16 vector
 // registers); AVX-512 and NEON builds run the same code.
+//
+// The weights may also be kept as bfloat16 (pack_weight_bf16: half the memory, as a bfloat16
+// checkpoint holds them) while the arithmetic stays float32: for CPUs without bfloat16
+// instructions, where oneDNN's bfloat16 products widen every operand as they go and ran 7x
+// slower than float32 on a 2-core Zen 3. Here each panel's reduction slice is widened once
+// into a per-thread float32 buffer (a shift per value) before the row tiles that read it, so
+// the micro-kernel is the float32 one: 0.95-1.02x its float32 speed there, where widening
+// inside the micro-kernel's loop (a load-port-bound loop) ran 1.36-1.59x slower.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,23 +58,38 @@ static inline int64_t slice_length(int64_t k) {
     return (k + num_slices - 1) / num_slices;
 }
 
-// W [n, k] (row stride w_stride) into panels [ceil(n / 16)][k][16], features past n zero.
-void pack_weight_f32(const float* w, int64_t n, int64_t k, int64_t w_stride, float* packed,
-                     int num_threads) {
+// W [n, k] (row stride w_stride) into panels [ceil(n / 16)][k][16], features past n zero; W's
+// values moved as bits, `element_bytes` (4: float32, 2: bfloat16) each.
+static void pack_weight(const void* w, int element_bytes, int64_t n, int64_t k,
+                        int64_t w_stride, void* packed, int num_threads) {
     const int64_t num_panels = (n + NR - 1) / NR;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < num_panels; ++p) {
-        float* panel = packed + p * k * NR;
         for (int j = 0; j < NR; ++j) {
-            const int64_t row = p * NR + j;
-            if (row < n) {
-                const float* source = w + row * w_stride;
-                for (int64_t kk = 0; kk < k; ++kk) panel[kk * NR + j] = source[kk];
+            const int64_t row = p * NR + j, first = p * k * NR + j;
+            const char* source = row < n ? (const char*)w + row * w_stride * element_bytes : NULL;
+            if (element_bytes == 4) {  // source NULL: a feature past n, zeros
+                const uint32_t* values = (const uint32_t*)source;
+                uint32_t* column = (uint32_t*)packed + first;
+                for (int64_t kk = 0; kk < k; ++kk) column[kk * NR] = values ? values[kk] : 0;
             } else {
-                for (int64_t kk = 0; kk < k; ++kk) panel[kk * NR + j] = 0.0f;
+                const uint16_t* values = (const uint16_t*)source;
+                uint16_t* column = (uint16_t*)packed + first;
+                for (int64_t kk = 0; kk < k; ++kk) column[kk * NR] = values ? values[kk] : 0;
             }
         }
     }
+}
+
+void pack_weight_f32(const float* w, int64_t n, int64_t k, int64_t w_stride, float* packed,
+                     int num_threads) {
+    pack_weight(w, sizeof(float), n, k, w_stride, packed, num_threads);
+}
+
+// The same for a bfloat16 W, into bfloat16 panels (the bits as they are).
+void pack_weight_bf16(const bf16* w, int64_t n, int64_t k, int64_t w_stride, bf16* packed,
+                      int num_threads) {
+    pack_weight(w, sizeof(bf16), n, k, w_stride, packed, num_threads);
 }
 
 // x[rows, k0:k0+kc] into panels of MR rows, each [kc][MR]; rows past `rows` zero. A whole
@@ -105,7 +128,8 @@ enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU_ERF = 2, ACT_GELU_TANH = 3, ACT_SILU
 typedef struct {
     const float* x;
     int64_t m, k, x_stride;
-    const float* packed_w;
+    const void* packed_w;  // float32 panels, or bfloat16 ones where bf16_weights
+    int bf16_weights;
     int64_t n;          // y's features (a paired weight's panels hold 2n, rounded up to 16)
     const float* bias;  // or NULL (paired as the weight's features are)
     int activation;
@@ -313,6 +337,22 @@ static BlockOut block_out(const Gemm* g, int64_t p, int64_t row, int64_t k0, int
     return out;
 }
 
+// Panel p's reduction slice [k0, k0 + kc) as float32 ([kc][NR]): in place, or for bfloat16
+// panels widened into `wide` (the calling thread's, kc x NR floats) while the slice that is
+// read next, `next` values further on (0: none), is asked for line by line, as the micro-kernel
+// does for float32 panels.
+static const float* panel_slice(const Gemm* g, int64_t p, int64_t k0, int64_t kc, int64_t next,
+                                float* wide) {
+    const int64_t first = (p * g->k + k0) * NR;
+    if (!g->bf16_weights) return (const float*)g->packed_w + first;
+    const bf16* source = (const bf16*)g->packed_w + first;
+    for (int64_t i = 0; i < kc * NR; i += 8) {
+        if (next && i % 32 == 0) __builtin_prefetch(source + next + i, 0, 2);  // 32: a line
+        store8(wide + i, load8_bf16(source + i));
+    }
+    return wide;
+}
+
 // One thread's share, panels [panel_begin, panel_end), blocks of MC input rows outermost,
 // reduction slices inside: each input block is packed once and meets every panel, and the
 // outputs a block adds to (MC rows of the thread's panels) are read back once per slice while
@@ -321,7 +361,7 @@ static BlockOut block_out(const Gemm* g, int64_t p, int64_t row, int64_t k0, int
 // this order runs 135 on the 2-core Zen 3, a 2,048-row [4,864 -> 896] projection 139 where it
 // runs 156.
 static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
-                              float* a_block) {
+                              float* a_block, float* wide) {
     const int64_t m = g->m, k = g->k;
     const int64_t slice = slice_length(k);
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
@@ -330,15 +370,17 @@ static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
             const int64_t kc = k - k0 < slice ? k - k0 : slice;
             pack_rows(g->x + m0 * g->x_stride + k0, g->x_stride, mc, kc, a_block);
             for (int64_t p = panel_begin; p < panel_end; ++p) {
-                const float* b = g->packed_w + (p * k + k0) * NR;
-                const float* ahead = p + 1 < panel_end ? b + k * NR : b;
+                const int more = p + 1 < panel_end;
+                const float* b = panel_slice(g, p, k0, kc, more ? k * NR : 0, wide);
+                // The micro-kernels ask for the next float32 panel (bfloat16: done above).
+                const float* ahead = more && !g->bf16_weights ? b + k * NR : b;
                 for (int64_t r0 = 0; r0 < mc; r0 += MR) {
                     const int rows = mc - r0 < MR ? (int)(mc - r0) : MR;
                     const AheadShare share = ahead_share(r0 / MR, (mc + MR - 1) / MR, kc);
                     int cols;
                     const BlockOut out = block_out(g, p, m0 + r0, k0, kc, &cols);
-                    micro_kernel(kc, a_block + r0 * kc, b, ahead + share.first * NR, share.lines,
-                                 &out, rows, cols);
+                    micro_kernel(kc, a_block + r0 * kc, b, ahead + share.first * NR,
+                                 g->bf16_weights ? 0 : share.lines, &out, rows, cols);
                 }
             }
         }
@@ -349,7 +391,7 @@ static void gemm_blocks_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
 // once (they fit in L2) and each panel's outputs are finished while they are in L1, so a wide
 // layer (the vocabulary projection) writes its outputs once instead of once per slice.
 static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_end,
-                              float* a_rows) {
+                              float* a_rows, float* wide) {
     const int64_t m = g->m, k = g->k;
     const int64_t m_padded = (m + MR - 1) / MR * MR;
     const int64_t slice = slice_length(k);
@@ -361,27 +403,30 @@ static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
         for (int64_t k0 = 0; k0 < k; k0 += slice) {
             const int64_t kc = k - k0 < slice ? k - k0 : slice;
             const float* a_slice = a_rows + k0 * m_padded;
-            const float* b = g->packed_w + (p * k + k0) * NR;
             // Panels lie one after another, each slice after the last: the next is contiguous.
-            const float* ahead = p + 1 < panel_end || k0 + kc < k ? b + kc * NR : b;
+            const int more = p + 1 < panel_end || k0 + kc < k;
+            const float* b = panel_slice(g, p, k0, kc, more ? kc * NR : 0, wide);
+            // The micro-kernels ask for the next float32 slice (bfloat16: done above).
+            const float* ahead = more && !g->bf16_weights ? b + kc * NR : b;
+            const int64_t ahead_lines = g->bf16_weights ? 0 : kc;
             for (int64_t r0 = 0; r0 < m; r0 += MR) {
                 const int rows = m - r0 < MR ? (int)(m - r0) : MR;
                 int cols;
                 const BlockOut out = block_out(g, p, r0, k0, kc, &cols);
-                micro_kernel(kc, a_slice + r0 * kc, b, ahead, kc, &out, rows, cols);
+                micro_kernel(kc, a_slice + r0 * kc, b, ahead, ahead_lines, &out, rows, cols);
             }
         }
     }
 }
 
-// y[m, n] = activation(x[m, k] @ W^T + bias) with W packed by pack_weight_f32; bias may be
-// NULL, activation one of ACT_*. With `paired`, W is a gated MLP's [gate; up] projection packed
+// y[m, n] = activation(x[m, k] @ W^T + bias) with W packed by pack_weight_f32, or with
+// `bf16_weights` by pack_weight_bf16; bias may be NULL, activation one of ACT_*. With `paired`, W is a gated MLP's [gate; up] projection packed
 // with its halves paired (gemm.py: panels of 8 gate then the same 8 up features, a bias alike)
 // and y[m, n] = activation(x @ gate^T) * (x @ up^T). Strides are in floats; y must not overlap
 // x. Returns 0, or -1 where a buffer could not be allocated.
-int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed_w,
-             int64_t n, const float* bias, int activation, int paired, float* y,
-             int64_t y_stride, int num_threads) {
+int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const void* packed_w,
+             int bf16_weights, int64_t n, const float* bias, int activation, int paired,
+             float* y, int64_t y_stride, int num_threads) {
     const int64_t features_per_panel = paired ? NR / 2 : NR;
     const int64_t num_panels = (n + features_per_panel - 1) / features_per_panel;
     if (num_threads > num_panels) num_threads = (int)num_panels;
@@ -390,7 +435,11 @@ int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float
     const int few_rows = m_padded * k * (int64_t)sizeof(float) <= A_ROWS_BYTES;
     const size_t a_floats =
         (size_t)(few_rows ? m_padded * k : (MC + MR) * slice_length(k));
-    Gemm g = {x, m, k, x_stride, packed_w, n, bias, activation, paired, y, y_stride, y, y_stride};
+    // Each thread's buffer: its packed inputs, after a widened bfloat16 panel slice if any
+    // (a whole number of 64-byte lines, so the inputs stay aligned).
+    const size_t wide_floats = bf16_weights ? (size_t)slice_length(k) * NR : 0;
+    Gemm g = {x, m, k, x_stride, packed_w, bf16_weights, n, bias, activation,
+              paired, y, y_stride, y, y_stride};
     float* partial = NULL;
     if (paired && slice_length(k) < k) {  // sums of gate and up kept whole until the last slice
         g.partial_stride = num_panels * NR;
@@ -407,15 +456,17 @@ int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float
 #endif
         const int64_t panel_begin = num_panels * thread / threads;
         const int64_t panel_end = num_panels * (thread + 1) / threads;
-        float* a_buffer = aligned_alloc(64, (a_floats * sizeof(float) + 63) / 64 * 64);
-        if (!a_buffer) {
+        const size_t buffer_bytes = (wide_floats + a_floats) * sizeof(float);
+        float* buffer = aligned_alloc(64, (buffer_bytes + 63) / 64 * 64);
+        float* wide = buffer, *a_buffer = buffer + wide_floats;
+        if (!buffer) {
             failed = 1;
         } else if (few_rows) {
-            gemm_panels_outer(&g, panel_begin, panel_end, a_buffer);
+            gemm_panels_outer(&g, panel_begin, panel_end, a_buffer, wide);
         } else {
-            gemm_blocks_outer(&g, panel_begin, panel_end, a_buffer);
+            gemm_blocks_outer(&g, panel_begin, panel_end, a_buffer, wide);
         }
-        free(a_buffer);
+        free(buffer);
     }
     free(partial);
     return failed ? -1 : 0;

@@ -119,7 +119,7 @@ class LLMEngine:
         self.timeline = StepTimeline()
         self.setup = EngineSetup(
             device=str(device),
-            dtype=str(loaded.dtype).removeprefix("torch."),
+            dtype=loaded.dtype_description,
             attention_backend=self.attention.name,
             async_scheduling=self.async_scheduling,
             max_num_seqs=config.max_num_seqs,

@@ -9,6 +9,13 @@ thread. Which case a CPU is in is found out by timing, not by reading its flags:
 run the model's largest linear layer (the MLP's up projection) at a prefill-sized row count
 through the path the model itself takes (cpu_prepack.py: a prepacked oneDNN weight where
 oneDNN packs that dtype here, else F.linear).
+
+`dtype="bfloat16"` asked for by name keeps bfloat16 weights, but on such a CPU the arithmetic
+need not be bfloat16: vacpack's C kernel (cpu_kernels/gemm_f32.c) multiplies float32 inputs by
+bfloat16 weights it widens as it goes, at its float32 speed. Which arithmetic is faster here is
+timed the same way (phase `cpu_bf16_arithmetic`); with float32 arithmetic the activations, norms
+and KV cache are float32 and only the matrices (linear layers, vocabulary tables) stay bfloat16,
+at half the memory, and the results are those of the bfloat16 weights computed in float32.
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vacpack.models.cpu_prepack import packed_linear, prepack
+from vacpack.models.cpu_prepack import can_prepack, packed_linear, prepack
 from vacpack.tuning import MeasuredChoice, choose
 from vacpack.tuning.timing import Clock
 
 logger = logging.getLogger(__name__)
 
 PHASE = "cpu_dtype"
+ARITHMETIC_PHASE = "cpu_bf16_arithmetic"
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # bfloat16 stays the choice while its matmuls take at most this much longer than float32's:
 # it halves the memory of weights and KV cache, which buys longer batches.
@@ -62,20 +70,88 @@ def timed_linear_shape(hf_config: Any) -> LinearShape | None:
     return LinearShape(TIMED_ROWS, hidden_size, intermediate_size)
 
 
-def linear_candidates(shape: LinearShape) -> dict[str, Callable[[], object]]:
-    """One call per dtype of the linear at `shape`, as the model's layers run it."""
+def _operands(shape: LinearShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and a weight for the linear at `shape`, float32."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape.num_rows, shape.in_features, generator=generator)
     weight = torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.02
-    candidates: dict[str, Callable[[], object]] = {}
-    for name, dtype in DTYPES.items():
-        x_cast, weight_cast = x.to(dtype), weight.to(dtype)
-        packed = prepack(weight_cast)
-        if packed is not None:
-            candidates[name] = functools.partial(packed_linear, x_cast, packed, None)
-        else:
-            candidates[name] = functools.partial(F.linear, x_cast, weight_cast)
-    return candidates
+    return x, weight
+
+
+def _onednn_call(x: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
+    """x @ weight^T as the model's layers run it in their dtype (oneDNN's, prepacked where it
+    packs that dtype here)."""
+    packed = prepack(weight)
+    if packed is not None:
+        return functools.partial(packed_linear, x, packed, None)
+    return functools.partial(F.linear, x, weight)
+
+
+def linear_candidates(shape: LinearShape) -> dict[str, Callable[[], object]]:
+    """One call per dtype of the linear at `shape`, as the model's layers run it."""
+    x, weight = _operands(shape)
+    return {name: _onednn_call(x.to(dtype), weight.to(dtype)) for name, dtype in DTYPES.items()}
+
+
+def float32_arithmetic_runs() -> bool:
+    """Whether bfloat16 weights can be multiplied in float32 here (the C kernel runs)."""
+    return can_prepack(torch.empty(1, 1, dtype=torch.bfloat16), "c_gemm")
+
+
+def bf16_arithmetic_candidates(shape: LinearShape) -> dict[str, Callable[[], object]]:
+    """The linear at `shape` on bfloat16 weights in each arithmetic: bfloat16 (oneDNN's, as
+    the model runs it) and float32 (the C kernel's; float32_arithmetic_runs must hold)."""
+    x, weight = _operands(shape)
+    weight = weight.to(torch.bfloat16)
+    packed = prepack(weight, "c_gemm")
+    assert packed is not None, "the C kernel does not run here"
+    return {
+        "bfloat16": _onednn_call(x.to(torch.bfloat16), weight),
+        "float32": functools.partial(packed_linear, x, packed, None),
+    }
+
+
+def choose_bf16_arithmetic(
+    shape: LinearShape,
+    *,
+    forced: str | None = None,
+    candidates: Mapping[str, Callable[[], object]] | None = None,
+    cache_dir: Path | None = None,
+    clock: Clock = time.perf_counter,
+) -> MeasuredChoice:
+    """bfloat16 or float32 arithmetic for a bfloat16 model whose largest linear is `shape` (its
+    weights stay bfloat16 either way): bfloat16 unless float32 is more than BF16_MAX_SLOWDOWN
+    times faster, or `forced` (a name; float32 where the C kernel runs). `candidates` and
+    `clock`: as for choose_cpu_dtype."""
+    if candidates is not None:
+        names = list(candidates)
+    else:
+        names = ["bfloat16", "float32"] if float32_arithmetic_runs() else ["bfloat16"]
+    with torch.inference_mode():
+        choice = choose(
+            ARITHMETIC_PHASE,
+            shape.key(),
+            names,
+            (lambda: candidates)
+            if candidates is not None
+            else (lambda: bf16_arithmetic_candidates(shape)),
+            forced=forced,
+            preferred="bfloat16",
+            preferred_tolerance=BF16_MAX_SLOWDOWN,
+            budget_s=BUDGET_S,
+            cache_dir=cache_dir,
+            clock=clock,
+        )
+    slowdown = choice.speed_ratio("bfloat16", "float32")
+    if choice.chosen == "float32" and slowdown is not None:
+        logger.info(
+            "dtype bfloat16: bfloat16 weights with float32 arithmetic, %.1fx faster than "
+            "bfloat16 arithmetic on this CPU at the model's shapes (%s; %s)",
+            slowdown,
+            shape.key(),
+            choice.source.value,
+        )
+    return choice
 
 
 def choose_cpu_dtype(

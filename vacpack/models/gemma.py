@@ -158,7 +158,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def finish_loading(self) -> None:
         super().finish_loading()
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.embed_tokens.dtype
         self.embed_scale = float(torch.tensor(self.config.hidden_size**0.5, dtype=dtype))
 
     def forward(

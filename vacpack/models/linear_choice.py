@@ -92,9 +92,19 @@ class LinearTiming:
     # activation the C kernel applies): the C kernel finishes that as it writes its outputs,
     # after oneDNN's product a pass does.
     gated_by: str | None = None
+    # The weights' dtype where it is not `dtype`, that of the inputs, outputs and arithmetic
+    # (bfloat16 weights, float32 arithmetic: models/cpu_dtype.py).
+    weight_dtype: torch.dtype | None = None
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype the weights are kept in."""
+        return self.weight_dtype or self.dtype
 
     def key(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.stored_dtype != self.dtype:
+            dtype += f" on {str(self.stored_dtype).removeprefix('torch.')} weights"
         rows = " + ".join(str(n) for n in self.row_counts)
         inner, out = self.in_features, self.out_features
         activation = f" then {self.activation}" if self.activation else ""
@@ -120,6 +130,7 @@ class ModelLinears:
     # The model's SiLU-and-multiply op (its measured layer op), for timing a gated projection
     # oneDNN leaves unfinished; PyTorch's where None.
     silu_and_mul: GatePass | None = None
+    weight_dtype: torch.dtype | None = None  # where not `dtype` (see LinearTiming)
 
     @classmethod
     def from_hf(
@@ -128,15 +139,19 @@ class ModelLinears:
         dtype: torch.dtype,
         gated_mlp: bool,
         silu_and_mul: GatePass | None = None,
+        weight_dtype: torch.dtype | None = None,
     ) -> ModelLinears:
         hidden_size = getattr(hf_config, "hidden_size", None)
         intermediate_size = getattr(hf_config, "intermediate_size", None)
         activation = getattr(hf_config, "hidden_act", None)
         sizes_known = isinstance(hidden_size, int) and isinstance(intermediate_size, int)
         if gated_mlp or activation not in ONEDNN_POST_OPS or not sizes_known:
-            return cls(dtype, gated_mlp, silu_and_mul=silu_and_mul)
+            return cls(dtype, gated_mlp, silu_and_mul=silu_and_mul, weight_dtype=weight_dtype)
         assert isinstance(hidden_size, int) and isinstance(intermediate_size, int)
-        return cls(dtype, gated_mlp, (intermediate_size, hidden_size), activation, silu_and_mul)
+        activation_shape = (intermediate_size, hidden_size)
+        return cls(
+            dtype, gated_mlp, activation_shape, activation, silu_and_mul, weight_dtype=weight_dtype
+        )
 
     def timing(
         self, out_features: int, in_features: int, vocabulary: bool, gated_by: str | None = None
@@ -152,7 +167,9 @@ class ModelLinears:
             rows = (PREFILL_ROWS,)
         activated = (out_features, in_features) == self.activation_shape
         activation = self.activation if activated and not vocabulary else None
-        return LinearTiming(in_features, out_features, self.dtype, rows, activation, gated_by)
+        return LinearTiming(
+            in_features, out_features, self.dtype, rows, activation, gated_by, self.weight_dtype
+        )
 
     def gate_pass(self, activation: str) -> GatePass:
         """The pass the model runs on an unfinished [gate | up] product of `activation`."""
@@ -161,20 +178,26 @@ class ModelLinears:
         return functools.partial(act_and_mul, activation=activation)
 
 
-def eligible_linear_kernels(device: torch.device, dtype: torch.dtype) -> list[LinearKernel]:
-    """The kernels that can pack `dtype` weights here, oneDNN (or F.linear) first."""
+def eligible_linear_kernels(
+    device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+) -> list[LinearKernel]:
+    """The kernels that run `dtype` linears on `weight_dtype` weights (default: `dtype`) here,
+    oneDNN (or F.linear) first. The C kernel's arithmetic is float32, on float32 or bfloat16
+    weights; oneDNN's is the weights' dtype."""
     if device.type != "cpu":
         return []
-    kernels: list[LinearKernel] = ["onednn"]
-    if can_prepack(torch.empty(1, 1, dtype=dtype), "c_gemm"):
-        kernels.append("c_gemm")
-    return kernels
+    weight_dtype = weight_dtype or dtype
+    c_gemm_runs = dtype == torch.float32 and can_prepack(
+        torch.empty(1, 1, dtype=weight_dtype), "c_gemm"
+    )
+    kernels: list[LinearKernel] = ["onednn"] if weight_dtype == dtype else []
+    return [*kernels, "c_gemm"] if c_gemm_runs else kernels
 
 
 def timed_out_features(timing: LinearTiming) -> int:
     """The output features a weight is timed on: all, or a slice of TIMED_WEIGHT_BYTES (a
     whole number of the C kernel's 16-column panels)."""
-    element_bytes = torch.empty((), dtype=timing.dtype).element_size()
+    element_bytes = torch.empty((), dtype=timing.stored_dtype).element_size()
     columns = -(-TIMED_WEIGHT_BYTES // (timing.in_features * element_bytes))
     return min(timing.out_features, -(-columns // 16) * 16)
 
@@ -184,7 +207,7 @@ def timed_weight_copies(timing: LinearTiming, cache_bytes: int | None = None) ->
     weight from memory as the model does (see COLD_CACHE_MULTIPLE)."""
     if cache_bytes is None:
         cache_bytes = largest_cpu_cache_bytes() or DEFAULT_CACHE_BYTES
-    element_bytes = torch.empty((), dtype=timing.dtype).element_size()
+    element_bytes = torch.empty((), dtype=timing.stored_dtype).element_size()
     weight_bytes = timed_out_features(timing) * timing.in_features * element_bytes
     return min(MAX_WEIGHT_COPIES, -(-COLD_CACHE_MULTIPLE * cache_bytes // weight_bytes))
 
@@ -204,7 +227,9 @@ def linear_calls(
     # Random rows repeated: a timing does not depend on the values, and drawing 64 MiB of
     # normals one at a time cost 0.1 s a weight.
     block = torch.randn(min(out_features, 256), timing.in_features, generator=generator) * 0.02
-    weight = block.to(timing.dtype).repeat(-(-out_features // block.shape[0]), 1)[:out_features]
+    weight = block.to(timing.stored_dtype).repeat(-(-out_features // block.shape[0]), 1)[
+        :out_features
+    ]
     bias = torch.zeros(out_features, dtype=timing.dtype) if timing.activation else None
     inputs = [
         torch.randn(rows, timing.in_features, generator=generator).to(timing.dtype)
@@ -256,7 +281,7 @@ def choose_linear_kernel(
     """The kernel to pack weights of `timing`'s shape for, and the choice that picked it (None
     where no kernel or only one runs here). `candidates` replaces the real
     matmuls (tests inject timings through it and `clock`); `gate_pass`: see linear_calls."""
-    kernels = eligible_linear_kernels(device, timing.dtype)
+    kernels = eligible_linear_kernels(device, timing.dtype, timing.weight_dtype)
     if not kernels:
         return "onednn", None
     with torch.inference_mode():
@@ -267,7 +292,7 @@ def choose_linear_kernel(
             (lambda: candidates)
             if candidates is not None
             else functools.partial(linear_calls, timing, kernels, gate_pass=gate_pass),
-            preferred="onednn",
+            preferred="onednn" if "onednn" in kernels else None,
             preferred_tolerance=C_GEMM_MIN_SPEEDUP,
             budget_s=BUDGET_S,
             cache_dir=cache_dir,

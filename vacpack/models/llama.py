@@ -236,7 +236,7 @@ class LlamaForCausalLM(PackedModel):
     def finish_loading(self) -> None:
         device = self.embed_tokens.weight.device
         for rotary in self.rotary_embeddings():
-            rotary.build_cache(device, self.embed_tokens.weight.dtype)
+            rotary.build_cache(device, self.embed_tokens.dtype)
 
     def limit_context(self, max_model_len: int) -> None:
         """The engine runs sequences of at most max_model_len tokens: the rotary tables cover

@@ -25,6 +25,7 @@ from vacpack.models.parallel import (
     LinearKernelFor,
     TensorParallel,
     prepack_linear_weights,
+    store_weights_as,
 )
 from vacpack.models.registry import DECODER_BODIES, model_class_for
 
@@ -133,11 +134,13 @@ def build_model(
     device: torch.device,
     layer_ops: LayerOps | None = None,
     tp: TensorParallel = SINGLE_RANK,
+    weight_dtype: torch.dtype | None = None,
 ) -> PackedModel:
     """The model for `hf_config` (this rank's shard of it), on the meta device: its shapes, no
-    memory. Raises InvalidConfigError where it cannot be built, ValueError where it cannot be
-    split over tp.size ranks. The layers run `layer_ops` (default: the preferred ops for the
-    device and dtype)."""
+    memory, in `dtype`, but for the weights of its linear layers and vocabulary tables where
+    `weight_dtype` differs (parallel.store_weights_as). Raises InvalidConfigError where it
+    cannot be built, ValueError where it cannot be split over tp.size ranks. The layers run
+    `layer_ops` (default: the preferred ops for the device and dtype)."""
     config_path = str(model_dir / "config.json")
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
@@ -157,7 +160,10 @@ def build_model(
         raise InvalidConfigError(f"{config_path!r}: {error}") from None
     layer_ops = layer_ops or select_layer_ops(device, dtype)
     with torch.device("meta"), use_layer_ops(layer_ops):
-        return model_class(config, tp).to(dtype)
+        model = model_class(config, tp).to(dtype)
+        if weight_dtype is not None and weight_dtype != dtype:
+            store_weights_as(model, weight_dtype)
+        return model
 
 
 def _saved_without_lm_head(model_dir: Path, hf_config: Any) -> bool:
@@ -199,16 +205,18 @@ def load_model_shard(
     layer_ops: LayerOps | None = None,
     tp: TensorParallel = SINGLE_RANK,
     linear_kernel_for: LinearKernelFor | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> tuple[PackedModel, LoadStats]:
     """Builds this rank's part of the model on the meta device, then streams each checkpoint
-    tensor's slice for this rank into place.
+    tensor's slice for this rank into place (`weight_dtype`: see build_model).
 
     Nothing is materialised twice: parameters are allocated once on the target device and each
-    layer reads from the file only the rows or columns it keeps, casts them, and copies them
-    into its (merged, sharded) slot. A tensor whose shape disagrees with config.json is refused
-    before it is read.
+    layer reads from the file only the rows or columns it keeps, casts them to the parameter's
+    dtype, and copies them into its (merged, sharded) slot. A tensor whose shape disagrees with
+    config.json is refused before it is read.
     """
-    model = build_model(model_dir, hf_config, dtype, device, layer_ops, tp).to_empty(device=device)
+    model = build_model(model_dir, hf_config, dtype, device, layer_ops, tp, weight_dtype)
+    model = model.to_empty(device=device)
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     bytes_read = 0
@@ -239,8 +247,9 @@ def load_model_shard(
 def _load_weights_file(
     model: PackedModel, path: Path, dtype: torch.dtype, device: torch.device
 ) -> tuple[set[str], int]:
-    """Copies this rank's part of one file's tensors into the model; returns the parameter
-    names it filled and the bytes it read."""
+    """Copies this rank's part of one file's tensors into the model, each cast to its
+    parameter's dtype (`dtype` where the layer lacks it: its load_shard says so); returns the
+    parameter names it filled and the bytes it read."""
     loaded: set[str] = set()
     bytes_read = 0
     with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
@@ -255,7 +264,9 @@ def _load_weights_file(
             except AttributeError:
                 logger.warning("skipping checkpoint tensor %s: no such layer", hf_name)
                 continue
-            source = _CheckpointTensor(checkpoint, hf_name, dtype, device)
+            parameter = getattr(module, attr, None)
+            read_as = parameter.dtype if isinstance(parameter, torch.Tensor) else dtype
+            source = _CheckpointTensor(checkpoint, hf_name, read_as, device)
             # Checked first: a narrow() into a merged or sharded slot would take a wrong-sized
             # tensor silently, and copy_() would broadcast one.
             if isinstance(module, ShardedParameters):

@@ -295,6 +295,14 @@ class VocabEmbedding(nn.Module):
             torch.empty(self.rows_per_rank, hidden_size), requires_grad=False
         )
         self.packed_weight: PackedWeight | None = None
+        # The dtype of the rows it looks up, where the table is stored in another (see
+        # store_weights_as); None: the table's.
+        self.rows_dtype: torch.dtype | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows `forward` returns: the model's activations'."""
+        return self.rows_dtype or self.weight.dtype
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         return (self.vocab_size, self.weight.shape[1])
@@ -312,10 +320,10 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(token_ids, self.weight)
+            return F.embedding(token_ids, self.weight).to(self.dtype)
         local_ids = token_ids - self.first_row
         outside = (local_ids < 0) | (local_ids >= self.num_real_rows)
-        rows = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        rows = F.embedding(local_ids.masked_fill(outside, 0), self.weight).to(self.dtype)
         return self.tp.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -349,6 +357,21 @@ def _prepack_weight(
     layer.packed_weight = prepack(layer.weight, kernel, gated_by)
     if layer.packed_weight is not None:
         layer.weight = meta_like(layer.weight)
+
+
+def store_weights_as(model: nn.Module, weight_dtype: torch.dtype) -> None:
+    """Gives `model`'s linear layers and vocabulary tables (still on the meta device) weights of
+    `weight_dtype`, the rest of the model keeping its own dtype, that of its activations and
+    arithmetic: a bfloat16 checkpoint run in float32 on a CPU without bfloat16 instructions
+    keeps its matrices at half the memory (the C kernel widens them as it multiplies; the
+    tables' rows are widened as they are looked up), its norms and biases in float32."""
+    for layer in model.modules():
+        if isinstance(layer, ColumnParallelLinear | RowParallelLinear | VocabEmbedding):
+            if isinstance(layer, VocabEmbedding):
+                layer.rows_dtype = layer.weight.dtype
+            layer.weight = nn.Parameter(
+                torch.empty_like(layer.weight, dtype=weight_dtype), requires_grad=False
+            )
 
 
 # Which kernel packs a weight of shape [out_features, in_features]; `vocabulary`: the LM head;

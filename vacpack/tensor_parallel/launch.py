@@ -14,7 +14,7 @@ from vacpack.distributed.group import rank_device, start_group
 from vacpack.models.hub import resolve_model_path
 from vacpack.models.loader import build_model, load_hf_config
 from vacpack.models.parallel import TensorParallel
-from vacpack.runtime import LoadedModel, load, resolve_load_dtype
+from vacpack.runtime import LoadDtypes, LoadedModel, load, resolve_load_dtype
 from vacpack.tensor_parallel.worker import run_worker
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,19 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     _check_devices(config, device, size)
     model_dir = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(model_dir, config.trust_remote_code)
-    dtype, dtype_choice = resolve_load_dtype(config, hf_config, device)
-    build_model(model_dir, hf_config, dtype, device, tp=TensorParallel(0, size))
+    dtypes = resolve_load_dtype(config, hf_config, device)
+    build_model(
+        model_dir,
+        hf_config,
+        dtypes.dtype,
+        device,
+        tp=TensorParallel(0, size),
+        weight_dtype=dtypes.weight_dtype,
+    )
     rank_config = dataclasses.replace(
         config,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtypes.weight_dtype).removeprefix("torch."),
+        cpu_bf16_arithmetic=_arithmetic(dtypes, config.cpu_bf16_arithmetic),
         num_threads=config.num_threads or max(1, torch.get_num_threads() // size),
     )
     member, workers, store = start_group(size, device.type, run_worker, rank_config)
@@ -49,9 +57,18 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
             TensorParallel(0, size, member.collectives),
             driver,
         )
-    # The dtype was chosen here, before the ranks started (each loaded it as given).
-    choices = (dtype_choice,) if dtype_choice is not None else ()
-    return dataclasses.replace(loaded, measured_choices=choices + loaded.measured_choices)
+    # The dtypes were chosen here, before the ranks started (each loaded them as given: its
+    # record of a forced choice gives way to the measurement).
+    chosen_here = {choice.phase for choice in dtypes.choices}
+    rank_choices = tuple(c for c in loaded.measured_choices if c.phase not in chosen_here)
+    return dataclasses.replace(loaded, measured_choices=dtypes.choices + rank_choices)
+
+
+def _arithmetic(dtypes: LoadDtypes, asked: str) -> str:
+    """The bfloat16 arithmetic every rank runs: the one chosen here, where one was."""
+    if dtypes.weight_dtype != torch.bfloat16:
+        return asked
+    return str(dtypes.dtype).removeprefix("torch.")
 
 
 def _check_devices(config: EngineConfig, device: torch.device, size: int) -> None:
