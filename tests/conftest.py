@@ -25,7 +25,7 @@ from cli_zygote import Zygote
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from vacpack.models.cpu_dtype import ARITHMETIC_PHASE
+from vacpack.models.cpu_dtype import ARITHMETIC_PHASE, WEIGHTS_PHASE
 from vacpack.testing.tiny_models import build_tiny_checkpoint, build_tokenizer
 from vacpack.tokenizer import load_tokenizer
 from vacpack.tuning import force_env_var
@@ -38,12 +38,14 @@ def _measured_choices_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """Choices measured while the tests run are cached apart from the user's and benchmarks':
     never read from a machine's earlier runs. Tests of the selection itself set their own.
 
-    A model loaded in bfloat16 computes in bfloat16 here, whatever this CPU would measure
-    faster: the bfloat16 tests test bfloat16 arithmetic on every machine the suite runs on
-    (test_bf16_weights.py tests float32 arithmetic on bfloat16 weights, and its measurement)."""
+    A model loaded in bfloat16 computes in bfloat16 here, and one in float32 keeps float32
+    weights, whatever this CPU would measure faster: the bfloat16 tests test bfloat16
+    arithmetic on every machine the suite runs on (test_bf16_weights.py tests float32
+    arithmetic on bfloat16 weights, and the measurements that choose it)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path_factory.mktemp("measured_choices")))
         patch.setenv(force_env_var(ARITHMETIC_PHASE), "bfloat16")
+        patch.setenv(force_env_var(WEIGHTS_PHASE), "float32")
         yield
 
 

@@ -6,6 +6,7 @@ name, and reported."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,19 @@ from vacpack import LLM, SamplingParams
 from vacpack.config import EngineConfig
 from vacpack.cpu_kernels.gemm import gemm_linear, gemm_supported, pack_weight
 from vacpack.models import cpu_dtype
-from vacpack.models.cpu_dtype import LinearShape, bf16_arithmetic_candidates, choose_bf16_arithmetic
+from vacpack.models.cpu_dtype import (
+    LinearShape,
+    bf16_arithmetic_candidates,
+    choose_bf16_arithmetic,
+    choose_weight_dtype,
+    weight_dtype_candidates,
+)
 from vacpack.models.linear_choice import eligible_linear_kernels
 from vacpack.models.parallel import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
 from vacpack.runtime import load
 from vacpack.testing.packed_forward import packed_forward
 from vacpack.testing.tiny_encoders import build_tiny_bert
-from vacpack.tuning import ChoiceSource, force_env_var
+from vacpack.tuning import ChoiceSource, MeasuredChoice, force_env_var
 
 pytestmark = pytest.mark.skipif(
     not gemm_supported(torch.bfloat16), reason="the C kernels do not build here (no C compiler)"
@@ -33,9 +40,11 @@ FLOAT32_ARITHMETIC = dict(dtype="bfloat16", device="cpu", cpu_bf16_arithmetic="f
 
 
 @pytest.fixture(autouse=True)
-def _arithmetic_not_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite pins bfloat16 arithmetic for the other tests (conftest.py); not here."""
+def _not_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite pins bfloat16 arithmetic and float32 weights for the other tests
+    (conftest.py); not here."""
     monkeypatch.delenv(force_env_var(cpu_dtype.ARITHMETIC_PHASE), raising=False)
+    monkeypatch.delenv(force_env_var(cpu_dtype.WEIGHTS_PHASE), raising=False)
 
 
 # (rows, in, out, activation): a decode's few rows (inputs packed whole), a prefill's many
@@ -85,12 +94,16 @@ def test_only_the_c_kernel_multiplies_bfloat16_weights_in_float32() -> None:
 SHAPE = LinearShape(num_rows=4, in_features=16, out_features=32)
 
 
-def _chosen(tmp_path: Path, bf16_s: float, fp32_s: float, **kwargs: object):
+def _chosen(
+    tmp_path: Path,
+    bf16_s: float,
+    fp32_s: float,
+    choose: Callable[..., MeasuredChoice] = choose_bf16_arithmetic,
+    **kw: object,
+) -> MeasuredChoice:
     clock = FakeClock()
     candidates = {"bfloat16": clock.costing(bf16_s), "float32": clock.costing(fp32_s)}
-    return choose_bf16_arithmetic(
-        SHAPE, candidates=candidates, cache_dir=tmp_path, clock=clock, **kwargs
-    )
+    return choose(SHAPE, candidates=candidates, cache_dir=tmp_path, clock=clock, **kw)
 
 
 def test_float32_arithmetic_where_bfloat16_is_much_slower(tmp_path: Path) -> None:
@@ -113,8 +126,19 @@ def test_a_named_arithmetic_is_honoured(tmp_path: Path) -> None:
         EngineConfig("model", cpu_bf16_arithmetic="int8")
 
 
-def test_both_arithmetics_run_the_same_linear() -> None:
-    outputs = {name: run() for name, run in bf16_arithmetic_candidates(SHAPE).items()}
+@pytest.mark.parametrize(("bf16_s", "chosen"), [(0.00105, "bfloat16"), (0.0012, "float32")])
+def test_a_bfloat16_checkpoint_run_in_float32_keeps_bfloat16_weights_unless_slower(
+    tmp_path: Path, bf16_s: float, chosen: str
+) -> None:
+    choice = _chosen(tmp_path, bf16_s=bf16_s, fp32_s=0.001, choose=choose_weight_dtype)
+    assert choice.phase == cpu_dtype.WEIGHTS_PHASE and choice.chosen == chosen
+
+
+@pytest.mark.parametrize("make", [bf16_arithmetic_candidates, weight_dtype_candidates])
+def test_both_candidates_run_the_same_linear(
+    make: Callable[[LinearShape], dict[str, Callable[[], object]]],
+) -> None:
+    outputs = {name: run() for name, run in make(SHAPE).items()}
     assert outputs["float32"].dtype == torch.float32
     torch.testing.assert_close(
         outputs["bfloat16"].float(), outputs["float32"], atol=2e-2, rtol=2e-2
@@ -208,3 +232,28 @@ def test_bfloat16_loads_follow_the_measured_arithmetic(
     native = load(EngineConfig(model_dir, dtype="bfloat16", device="cpu"))
     assert native.dtype == torch.bfloat16 and native.weight_dtype is None
     assert native.dtype_description == "bfloat16"
+
+
+def test_dtype_auto_keeps_a_bfloat16_checkpoints_weights_in_bfloat16_where_as_fast(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path))
+    # auto takes float32 here (as on a CPU without bfloat16 instructions), then times the
+    # weights' dtype.
+    monkeypatch.setenv(force_env_var(cpu_dtype.PHASE), "float32")
+    bf16_dir = str(tiny_checkpoint("qwen2", dtype=torch.bfloat16))
+    loaded = load(EngineConfig(bf16_dir, device="cpu"))
+    (choice,) = [c for c in loaded.measured_choices if c.phase == cpu_dtype.WEIGHTS_PHASE]
+    assert choice.source is ChoiceSource.MEASURED
+    assert set(choice.best_time_s) == {"bfloat16", "float32"}
+    assert loaded.dtype == torch.float32
+    assert (loaded.weight_dtype or loaded.dtype) == cpu_dtype.DTYPES[choice.chosen]
+    # Forced to bfloat16: the matrices are bfloat16, as in the file.
+    monkeypatch.setenv(force_env_var(cpu_dtype.WEIGHTS_PHASE), "bfloat16")
+    kept = load(EngineConfig(bf16_dir, device="cpu"))
+    assert kept.dtype_description == "bfloat16 weights, float32 arithmetic"
+    # A float32 checkpoint is never rounded.
+    float32_dir = str(tiny_checkpoint("qwen2"))
+    plain = load(EngineConfig(float32_dir, device="cpu"))
+    assert plain.weight_dtype is None
+    assert cpu_dtype.WEIGHTS_PHASE not in {c.phase for c in plain.measured_choices}

@@ -21,7 +21,8 @@ class EngineConfig:
     """Let transformers run code shipped with the checkpoint (its config and tokenizer)."""
     dtype: str = "auto"
     """auto (bfloat16; float16 for a float16 checkpoint on CUDA; on a CPU float32 where
-    bfloat16 matmuls are measured much slower), bfloat16, float16, or float32."""
+    bfloat16 matmuls are measured much slower, a bfloat16 checkpoint's matrices then kept in
+    bfloat16 where that is measured as fast), bfloat16, float16, or float32."""
     cpu_bf16_arithmetic: str = "auto"
     """CPU, bfloat16: the arithmetic of the products on the bfloat16 weights. auto (float32
     where it is measured much faster, as on CPUs without AVX512-BF16 or AMX; else bfloat16),

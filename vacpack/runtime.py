@@ -26,6 +26,7 @@ from vacpack.models.cpu_dtype import (
     DTYPES,
     choose_bf16_arithmetic,
     choose_cpu_dtype,
+    choose_weight_dtype,
     timed_linear_shape,
 )
 from vacpack.models.forward_context import attention_specs
@@ -220,12 +221,10 @@ class LoadDtypes:
     weight_dtype: torch.dtype
     choices: tuple[MeasuredChoice, ...] = ()
 
-    def describe(self) -> str:
-        """ "bfloat16", or "bfloat16 weights, float32 arithmetic"."""
-        return describe_dtypes(self.dtype, self.weight_dtype)
-
 
 def describe_dtypes(dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
+    """The dtype's name, or where the weights are kept in another dtype, both ("bfloat16
+    weights, float32 arithmetic")."""
     name = str(dtype).removeprefix("torch.")
     if weight_dtype == dtype:
         return name
@@ -233,19 +232,29 @@ def describe_dtypes(dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
 
 
 def resolve_load_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> LoadDtypes:
-    """The dtypes to load in (dtype auto on a CPU: measured), and on a CPU, for bfloat16, the
-    arithmetic (config.cpu_bf16_arithmetic; auto: measured)."""
+    """The dtypes to load in. On a CPU, what is measured (models/cpu_dtype.py): for dtype
+    auto, bfloat16 or float32, and for a bfloat16 checkpoint run in float32 the weights' dtype;
+    for bfloat16 by name, the arithmetic (config.cpu_bf16_arithmetic; auto: measured)."""
     dtype_choice = _measured_cpu_dtype(config, hf_config, device)
     dtype = resolve_dtype(config.dtype, checkpoint_dtype(hf_config), device, dtype_choice)
     choices: tuple[MeasuredChoice, ...] = (dtype_choice,) if dtype_choice is not None else ()
     shape = timed_linear_shape(hf_config)
-    if dtype != torch.bfloat16 or device.type != "cpu" or shape is None:
+    if device.type != "cpu" or shape is None:
         return LoadDtypes(dtype, dtype, choices)
-    forced = None if config.cpu_bf16_arithmetic == "auto" else config.cpu_bf16_arithmetic
-    arithmetic = choose_bf16_arithmetic(shape, forced=forced)
-    if arithmetic.source is not ChoiceSource.ONLY_CANDIDATE:
-        choices += (arithmetic,)
-    return LoadDtypes(DTYPES[arithmetic.chosen], dtype, choices)
+    # dtype auto took bfloat16 where its arithmetic is about as fast as float32's: it stays.
+    if dtype == torch.bfloat16 and (config.dtype != "auto" or config.cpu_bf16_arithmetic != "auto"):
+        forced = None if config.cpu_bf16_arithmetic == "auto" else config.cpu_bf16_arithmetic
+        arithmetic = choose_bf16_arithmetic(shape, forced=forced)
+        if arithmetic.source is not ChoiceSource.ONLY_CANDIDATE:
+            choices += (arithmetic,)
+        return LoadDtypes(DTYPES[arithmetic.chosen], dtype, choices)
+    bf16_checkpoint = checkpoint_dtype(hf_config) == torch.bfloat16
+    if config.dtype == "auto" and dtype == torch.float32 and bf16_checkpoint:
+        weights = choose_weight_dtype(shape)
+        if weights.source is not ChoiceSource.ONLY_CANDIDATE:
+            choices += (weights,)
+        return LoadDtypes(dtype, DTYPES[weights.chosen], choices)
+    return LoadDtypes(dtype, dtype, choices)
 
 
 def _measured_cpu_dtype(

@@ -16,6 +16,9 @@ bfloat16 weights it widens as it goes, at its float32 speed. Which arithmetic is
 timed the same way (phase `cpu_bf16_arithmetic`); with float32 arithmetic the activations, norms
 and KV cache are float32 and only the matrices (linear layers, vocabulary tables) stay bfloat16,
 at half the memory, and the results are those of the bfloat16 weights computed in float32.
+Where dtype auto runs a bfloat16 checkpoint in float32, its weights stay bfloat16 the same way
+(the checkpoint's own values) unless float32 products on them are measured slower than on
+float32 weights (phase `cpu_weight_dtype`).
 """
 
 from __future__ import annotations
@@ -39,10 +42,14 @@ logger = logging.getLogger(__name__)
 
 PHASE = "cpu_dtype"
 ARITHMETIC_PHASE = "cpu_bf16_arithmetic"
+WEIGHTS_PHASE = "cpu_weight_dtype"
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # bfloat16 stays the choice while its matmuls take at most this much longer than float32's:
 # it halves the memory of weights and KV cache, which buys longer batches.
 BF16_MAX_SLOWDOWN = 1.25
+# A bfloat16 checkpoint run in float32 keeps its weights in bfloat16 while the products on them
+# take at most this much longer than on float32 weights: the same values at half the memory.
+BF16_WEIGHTS_MAX_SLOWDOWN = 1.1
 # Rows of the timed linear: a slice of a prefill step, where matmuls are compute-bound (at a
 # decode step's few rows both dtypes are bound by memory and run alike).
 TIMED_ROWS = 32
@@ -103,12 +110,58 @@ def bf16_arithmetic_candidates(shape: LinearShape) -> dict[str, Callable[[], obj
     the model runs it) and float32 (the C kernel's; float32_arithmetic_runs must hold)."""
     x, weight = _operands(shape)
     weight = weight.to(torch.bfloat16)
-    packed = prepack(weight, "c_gemm")
-    assert packed is not None, "the C kernel does not run here"
     return {
         "bfloat16": _onednn_call(x.to(torch.bfloat16), weight),
-        "float32": functools.partial(packed_linear, x, packed, None),
+        "float32": _c_kernel_call(x, weight),
     }
+
+
+def weight_dtype_candidates(shape: LinearShape) -> dict[str, Callable[[], object]]:
+    """The float32 linear at `shape` on weights of each dtype: bfloat16 (the C kernel's;
+    float32_arithmetic_runs must hold) and float32 (oneDNN's, as float32 models run it)."""
+    x, weight = _operands(shape)
+    return {
+        "bfloat16": _c_kernel_call(x, weight.to(torch.bfloat16)),
+        "float32": _onednn_call(x, weight),
+    }
+
+
+def _c_kernel_call(x: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
+    packed = prepack(weight, "c_gemm")
+    assert packed is not None, "the C kernel does not run here"
+    return functools.partial(packed_linear, x, packed, None)
+
+
+def _choose_bf16_or_float32(
+    phase: str,
+    shape: LinearShape,
+    make_candidates: Callable[[LinearShape], Mapping[str, Callable[[], object]]],
+    max_slowdown: float,
+    forced: str | None,
+    candidates: Mapping[str, Callable[[], object]] | None,
+    cache_dir: Path | None,
+    clock: Clock,
+) -> MeasuredChoice:
+    """`phase`'s choice between "bfloat16" and "float32", bfloat16 kept unless more than
+    `max_slowdown` times slower; float32 a candidate only where the C kernel runs (both
+    phases' bfloat16-weight float32 products are its own)."""
+    if candidates is not None:
+        names = list(candidates)
+    else:
+        names = ["bfloat16", "float32"] if float32_arithmetic_runs() else ["bfloat16"]
+    with torch.inference_mode():
+        return choose(
+            phase,
+            shape.key(),
+            names,
+            (lambda: candidates) if candidates is not None else (lambda: make_candidates(shape)),
+            forced=forced,
+            preferred="bfloat16",
+            preferred_tolerance=max_slowdown,
+            budget_s=BUDGET_S,
+            cache_dir=cache_dir,
+            clock=clock,
+        )
 
 
 def choose_bf16_arithmetic(
@@ -123,25 +176,16 @@ def choose_bf16_arithmetic(
     weights stay bfloat16 either way): bfloat16 unless float32 is more than BF16_MAX_SLOWDOWN
     times faster, or `forced` (a name; float32 where the C kernel runs). `candidates` and
     `clock`: as for choose_cpu_dtype."""
-    if candidates is not None:
-        names = list(candidates)
-    else:
-        names = ["bfloat16", "float32"] if float32_arithmetic_runs() else ["bfloat16"]
-    with torch.inference_mode():
-        choice = choose(
-            ARITHMETIC_PHASE,
-            shape.key(),
-            names,
-            (lambda: candidates)
-            if candidates is not None
-            else (lambda: bf16_arithmetic_candidates(shape)),
-            forced=forced,
-            preferred="bfloat16",
-            preferred_tolerance=BF16_MAX_SLOWDOWN,
-            budget_s=BUDGET_S,
-            cache_dir=cache_dir,
-            clock=clock,
-        )
+    choice = _choose_bf16_or_float32(
+        ARITHMETIC_PHASE,
+        shape,
+        bf16_arithmetic_candidates,
+        BF16_MAX_SLOWDOWN,
+        forced,
+        candidates,
+        cache_dir,
+        clock,
+    )
     slowdown = choice.speed_ratio("bfloat16", "float32")
     if choice.chosen == "float32" and slowdown is not None:
         logger.info(
@@ -152,6 +196,29 @@ def choose_bf16_arithmetic(
             choice.source.value,
         )
     return choice
+
+
+def choose_weight_dtype(
+    shape: LinearShape,
+    *,
+    candidates: Mapping[str, Callable[[], object]] | None = None,
+    cache_dir: Path | None = None,
+    clock: Clock = time.perf_counter,
+) -> MeasuredChoice:
+    """The weights' dtype for a bfloat16 checkpoint that dtype auto runs in float32 (its
+    largest linear `shape`): bfloat16, the checkpoint's own values at half the memory, unless
+    the float32 products on them are more than BF16_WEIGHTS_MAX_SLOWDOWN times slower than on
+    float32 weights. `candidates` and `clock`: as for choose_cpu_dtype."""
+    return _choose_bf16_or_float32(
+        WEIGHTS_PHASE,
+        shape,
+        weight_dtype_candidates,
+        BF16_WEIGHTS_MAX_SLOWDOWN,
+        None,
+        candidates,
+        cache_dir,
+        clock,
+    )
 
 
 def choose_cpu_dtype(
