@@ -1,8 +1,10 @@
 """The CPU linear kernels side by side: oneDNN on a prepacked weight against vacpack's C kernel
 (cpu_kernels/gemm_f32.c), float32, on the linear layers of Qwen2.5-0.5B (G1) and MiniLM (E1)
 at the row counts their steps run: 1 to 64 rows for decode steps, 512 and 2,048 for prefill
-slices and bins. Each shape's kernels are interleaved, best of --rounds; the table gives ms,
-GFLOPS and the C kernel's speed-up, and a plot the GFLOPS of both.
+slices and bins; and the C kernel on the same weights kept in bfloat16 (float32 arithmetic, as
+a bfloat16 model runs on a CPU without bfloat16 instructions). Each shape's kernels are
+interleaved, best of --rounds; the table gives ms, GFLOPS, the C kernel's speed-up and the
+bfloat16 weights' time against float32's, and a plot the GFLOPS of each.
 
     python bench/linear_kernels.py [--rounds 7] [--output bench/results/linear_kernels_cpu.json]
 """
@@ -18,10 +20,15 @@ from typing import Any
 import harness
 import torch
 
-from vacpack.models.cpu_prepack import packed_linear, prepack
+from vacpack.models.cpu_prepack import LinearKernel, packed_linear, prepack
 
 RESULTS = harness.REPO_ROOT / "bench" / "results" / "linear_kernels_cpu.json"
-KERNELS = ("onednn", "c_gemm")
+# Each kernel and the dtype its weights are kept in (the arithmetic is float32 in all three).
+KERNELS: dict[str, tuple[LinearKernel, torch.dtype]] = {
+    "onednn": ("onednn", torch.float32),
+    "c_gemm": ("c_gemm", torch.float32),
+    "c_gemm_bf16_weights": ("c_gemm", torch.bfloat16),
+}
 # (model, layer, in features, out features, activation): the layers of each model's blocks and
 # Qwen's vocabulary projection (decode rows only: a prefill projects only its last tokens).
 LAYERS: tuple[tuple[str, str, int, int, str | None], ...] = (
@@ -57,7 +64,9 @@ def measure(rounds: int) -> list[dict[str, Any]]:
     for model, layer, in_features, out_features, activation in LAYERS:
         weight = torch.randn(out_features, in_features, generator=generator) * 0.02
         bias = torch.zeros(out_features) if activation else None
-        packed = {kernel: prepack(weight, kernel) for kernel in KERNELS}
+        packed = {
+            name: prepack(weight.to(dtype), kernel) for name, (kernel, dtype) in KERNELS.items()
+        }
         row_counts = ENCODER_ROWS if model == "MiniLM-L6" else DECODER_ROWS
         if layer == "lm_head":
             row_counts = tuple(n for n in row_counts if n <= 64)
@@ -78,10 +87,12 @@ def measure(rounds: int) -> list[dict[str, Any]]:
                 "best_ms": {k: s * 1e3 for k, s in best.items()},
                 "gflops": {k: flops / s / 1e9 for k, s in best.items()},
                 "c_gemm_speedup": best["onednn"] / best["c_gemm"],
+                "bf16_weights_time_ratio": best["c_gemm_bf16_weights"] / best["c_gemm"],
             }
             harness.log(
                 f"{model} {layer} {row['shape']}: onednn {row['best_ms']['onednn']:.2f} ms, "
-                f"c_gemm {row['best_ms']['c_gemm']:.2f} ms ({row['c_gemm_speedup']:.2f}x)"
+                f"c_gemm {row['best_ms']['c_gemm']:.2f} ms ({row['c_gemm_speedup']:.2f}x), "
+                f"on bf16 weights {row['best_ms']['c_gemm_bf16_weights']:.2f} ms"
             )
             rows_out.append(row)
     return rows_out
@@ -89,15 +100,17 @@ def measure(rounds: int) -> list[dict[str, Any]]:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | layer | rows | oneDNN ms | C ms | oneDNN GFLOPS | C GFLOPS | C speed-up |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| model | layer | rows | oneDNN ms | C ms | C on bf16 weights ms | oneDNN GFLOPS | "
+        "C GFLOPS | C speed-up | bf16 weights' time |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ms, gflops = r["best_ms"], r["gflops"]
         lines.append(
             f"| {r['model']} | {r['layer']} | {r['rows']} | {ms['onednn']:.2f} | "
-            f"{ms['c_gemm']:.2f} | {gflops['onednn']:.0f} | {gflops['c_gemm']:.0f} | "
-            f"{r['c_gemm_speedup']:.2f}x |"
+            f"{ms['c_gemm']:.2f} | {ms['c_gemm_bf16_weights']:.2f} | {gflops['onednn']:.0f} | "
+            f"{gflops['c_gemm']:.0f} | {r['c_gemm_speedup']:.2f}x | "
+            f"{r['bf16_weights_time_ratio']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -108,6 +121,7 @@ def save_plot(rows: list[dict[str, Any]], machine: Mapping[str, Any], path: Path
         {
             "oneDNN, prepacked": [r["gflops"]["onednn"] for r in rows],
             "C": [r["gflops"]["c_gemm"] for r in rows],
+            "C, bfloat16 weights": [r["gflops"]["c_gemm_bf16_weights"] for r in rows],
         },
         path,
         ylabel="GFLOPS (float32)",
