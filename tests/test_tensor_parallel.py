@@ -68,17 +68,24 @@ def _wait_until_gone(pids: list[int], timeout_s: float = 10.0) -> None:
         # padded. (Llama is Qwen2 without the biases.)
         ("qwen2", {"vocab_size": 2051}, {}),
         # One KV head, replicated on both ranks; async scheduling shares the sampled tokens.
-        ("qwen3", {"num_key_value_heads": 1}, {"async_scheduling": True}),
+        # bfloat16 matrices with float32 arithmetic: every rank keeps them as rank 0 does.
+        (
+            "qwen3",
+            {"num_key_value_heads": 1},
+            {"async_scheduling": True, "dtype": "bfloat16", "cpu_bf16_arithmetic": "float32"},
+        ),
     ],
 )
 def test_two_ranks_generate_and_score_what_one_does(
     family: str, overrides: dict, engine_args: dict, tiny_checkpoint
 ) -> None:
     model_dir = str(tiny_checkpoint(family, **overrides))
-    single = LLM(model_dir, **ENGINE)
+    engine = {**ENGINE, **engine_args}
+    single = LLM(model_dir, **{**engine, "async_scheduling": None})
     expected = single.generate(PROMPTS, GREEDY, use_tqdm=False)
     expected_scores = single.loglikelihood(TEXTS, return_token_logprobs=True, use_tqdm=False)
-    with LLM(model_dir, **ENGINE, **engine_args, tensor_parallel_size=TP_SIZE) as llm:
+    with LLM(model_dir, **engine, tensor_parallel_size=TP_SIZE) as llm:
+        assert llm.loaded.dtype_description == single.loaded.dtype_description
         assert llm.loaded.driver is not None
         worker_pids = llm.loaded.driver.worker_pids
         assert all(is_running(pid) for pid in worker_pids)
@@ -103,23 +110,12 @@ def test_two_ranks_generate_and_score_what_one_does(
     _wait_until_gone(worker_pids)
 
 
-@pytest.mark.parametrize(
-    "dtypes",
-    [
-        {"dtype": "float32"},
-        # Each rank keeps its matrices in bfloat16 and computes in float32, as rank 0 does.
-        {"dtype": "bfloat16", "cpu_bf16_arithmetic": "float32"},
-    ],
-    ids=["float32", "bfloat16-weights"],
-)
-def test_two_ranks_embed_what_one_does(tmp_path: Path, dtypes: dict[str, str]) -> None:
+def test_two_ranks_embed_what_one_does(tmp_path: Path) -> None:
     model_dir = str(build_tiny_bert(tmp_path / "bert"))
     texts = ["hello world", "a longer text about many things " * 6, "x", *TEXTS]
-    engine = {**dtypes, "max_num_batched_tokens": 64}  # bins of at most 64 tokens
-    single = LLM(model_dir, **engine)
-    expected = single.embed(texts, use_tqdm=False)
+    engine = {"dtype": "float32", "max_num_batched_tokens": 64}  # bins of at most 64 tokens
+    expected = LLM(model_dir, **engine).embed(texts, use_tqdm=False)
     llm = LLM(model_dir, **engine, tensor_parallel_size=TP_SIZE)
-    assert llm.loaded.dtype_description == single.loaded.dtype_description
     assert llm.loaded.driver is not None
     worker_pids = llm.loaded.driver.worker_pids
     for output, reference in zip(llm.embed(texts, use_tqdm=False), expected, strict=True):
