@@ -134,6 +134,16 @@ def test_a_bfloat16_checkpoint_run_in_float32_keeps_bfloat16_weights_unless_slow
     assert choice.phase == cpu_dtype.WEIGHTS_PHASE and choice.chosen == chosen
 
 
+def test_without_the_c_kernel_only_bfloat16_arithmetic_and_float32_weights_remain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_dtype, "float32_arithmetic_runs", lambda: False)
+    arithmetic = choose_bf16_arithmetic(SHAPE, cache_dir=tmp_path)
+    weights = choose_weight_dtype(SHAPE, cache_dir=tmp_path)
+    assert arithmetic.chosen == "bfloat16" and weights.chosen == "float32"
+    assert arithmetic.source is weights.source is ChoiceSource.ONLY_CANDIDATE
+
+
 @pytest.mark.parametrize("make", [bf16_arithmetic_candidates, weight_dtype_candidates])
 def test_both_candidates_run_the_same_linear(
     make: Callable[[LinearShape], dict[str, Callable[[], object]]],

@@ -137,18 +137,21 @@ def _choose_bf16_or_float32(
     shape: LinearShape,
     make_candidates: Callable[[LinearShape], Mapping[str, Callable[[], object]]],
     max_slowdown: float,
+    *,
+    on_c_kernel: str | None,
     forced: str | None,
     candidates: Mapping[str, Callable[[], object]] | None,
     cache_dir: Path | None,
     clock: Clock,
 ) -> MeasuredChoice:
     """`phase`'s choice between "bfloat16" and "float32", bfloat16 kept unless more than
-    `max_slowdown` times slower; float32 a candidate only where the C kernel runs (both
-    phases' bfloat16-weight float32 products are its own)."""
+    `max_slowdown` times slower; the candidate named `on_c_kernel` (its product is the C
+    kernel's, on bfloat16 weights in float32) only where that kernel runs."""
     if candidates is not None:
         names = list(candidates)
     else:
-        names = ["bfloat16", "float32"] if float32_arithmetic_runs() else ["bfloat16"]
+        c_kernel_runs = on_c_kernel is None or float32_arithmetic_runs()
+        names = [name for name in DTYPES if c_kernel_runs or name != on_c_kernel]
     with torch.inference_mode():
         return choose(
             phase,
@@ -156,7 +159,7 @@ def _choose_bf16_or_float32(
             names,
             (lambda: candidates) if candidates is not None else (lambda: make_candidates(shape)),
             forced=forced,
-            preferred="bfloat16",
+            preferred="bfloat16" if "bfloat16" in names else None,
             preferred_tolerance=max_slowdown,
             budget_s=BUDGET_S,
             cache_dir=cache_dir,
@@ -181,10 +184,11 @@ def choose_bf16_arithmetic(
         shape,
         bf16_arithmetic_candidates,
         BF16_MAX_SLOWDOWN,
-        forced,
-        candidates,
-        cache_dir,
-        clock,
+        on_c_kernel="float32",
+        forced=forced,
+        candidates=candidates,
+        cache_dir=cache_dir,
+        clock=clock,
     )
     slowdown = choice.speed_ratio("bfloat16", "float32")
     if choice.chosen == "float32" and slowdown is not None:
@@ -214,10 +218,11 @@ def choose_weight_dtype(
         shape,
         weight_dtype_candidates,
         BF16_WEIGHTS_MAX_SLOWDOWN,
-        None,
-        candidates,
-        cache_dir,
-        clock,
+        on_c_kernel="bfloat16",
+        forced=None,
+        candidates=candidates,
+        cache_dir=cache_dir,
+        clock=clock,
     )
 
 
@@ -230,18 +235,17 @@ def choose_cpu_dtype(
 ) -> MeasuredChoice:
     """bfloat16 or float32 for a model whose largest linear is `shape`; `candidates` replaces
     the real matmuls (tests inject timings through it and `clock`)."""
-    with torch.inference_mode():
-        choice = choose(
-            PHASE,
-            shape.key(),
-            list(DTYPES),
-            (lambda: candidates) if candidates is not None else (lambda: linear_candidates(shape)),
-            preferred="bfloat16",
-            preferred_tolerance=BF16_MAX_SLOWDOWN,
-            budget_s=BUDGET_S,
-            cache_dir=cache_dir,
-            clock=clock,
-        )
+    choice = _choose_bf16_or_float32(
+        PHASE,
+        shape,
+        linear_candidates,
+        BF16_MAX_SLOWDOWN,
+        on_c_kernel=None,
+        forced=None,
+        candidates=candidates,
+        cache_dir=cache_dir,
+        clock=clock,
+    )
     slowdown = choice.speed_ratio("bfloat16", "float32")
     if choice.chosen == "float32" and slowdown is not None:
         logger.warning(
