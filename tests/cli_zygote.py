@@ -9,6 +9,9 @@ work before it forks (OpenMP's thread pool must not exist in a process that fork
 Protocol, JSON lines: the test sends {"argv", "cwd", "env", "stdout", "stderr",
 "fsize_limit_bytes"}; the zygote answers {"pid"} at once, then {"pid", "status"} when the
 child exits (status as subprocess reports it: the exit code, or -N for signal N).
+
+A detached zygote (`DetachedZygote`, for servers) takes the next request while its children
+run: each answer names its child, and `ChildProcess` gives a child subprocess.Popen's methods.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -126,8 +131,93 @@ class Zygote:
         return json.loads(line)
 
 
-def serve() -> None:
-    """The zygote's side: import once, then fork one child per request until stdin closes."""
+class DetachedZygote:
+    """The test's side of a zygote whose children run side by side (servers): start one, go on,
+    and learn its exit status whenever it comes."""
+
+    def __init__(self, work_dir: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), str(_HERE)])}
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", "import cli_zygote; cli_zygote.serve_detached()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=work_dir,
+            text=True,
+        )
+        self._lock = threading.Lock()
+        self._started: queue.Queue[int] = queue.Queue()
+        self._statuses: dict[int, int] = {}
+        threading.Thread(target=self._read_replies, daemon=True).start()
+        assert self._started.get(timeout=COMMAND_TIMEOUT_S) == 0, "the zygote did not start"
+
+    def start(self, argv: list[str], log_path: Path, env: dict[str, str]) -> ChildProcess:
+        """`vacpack ARGV` in a child with `env` (the whole environment it runs in), its
+        stdout and stderr both into `log_path`."""
+        request = {
+            "argv": argv,
+            "cwd": str(log_path.parent),
+            "env": env,
+            "stdout": str(log_path),
+            "stderr": str(log_path),
+            "fsize_limit_bytes": None,
+        }
+        assert self._process.stdin is not None
+        with self._lock:  # one request at a time, so the next pid answered is this one's
+            self._process.stdin.write(json.dumps(request) + "\n")
+            self._process.stdin.flush()
+            pid = self._started.get(timeout=COMMAND_TIMEOUT_S)
+        return ChildProcess(self, pid)
+
+    def status(self, pid: int) -> int | None:
+        return self._statuses.get(pid)
+
+    def close(self) -> None:
+        self._process.kill()
+        self._process.wait()
+
+    def _read_replies(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            reply = json.loads(line)
+            if "status" in reply:
+                self._statuses[reply["pid"]] = reply["status"]
+            else:
+                self._started.put(reply.get("pid", 0))
+
+
+class ChildProcess:
+    """A detached zygote's child, with the subprocess.Popen methods the tests use."""
+
+    def __init__(self, zygote: DetachedZygote, pid: int) -> None:
+        self._zygote = zygote
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._zygote.status(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (status := self.returncode) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return status
+
+    def send_signal(self, signal_number: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal_number)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _import_for_children() -> None:
+    """What every child would import itself, imported once before the forks."""
     # torch imports these (sympy among them, about 1.5 s) on a model's first to_empty().
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
@@ -135,7 +225,45 @@ def serve() -> None:
     import vacpack.batch.runner
     import vacpack.cli
     import vacpack.corpus.runner
-    import vacpack.corpus.tasks  # imported here to be shared with every child
+    import vacpack.corpus.tasks  # noqa: F401
+
+
+def serve_detached() -> None:
+    """The detached zygote's side: a child forked per request, answered with its pid at once,
+    each child's exit status sent when it is reaped; one thread, so that forking is safe."""
+    _import_for_children()
+    import vacpack.cli
+    import vacpack.server.app  # the servers' own imports
+
+    channel = sys.stdout
+    _reply(channel, {"ready": True})
+    stdin_fd, pending, running = sys.stdin.fileno(), b"", set()
+    while True:
+        readable, _, _ = select.select([stdin_fd], [], [], 0.05)
+        if readable:
+            data = os.read(stdin_fd, 1 << 16)
+            if not data:
+                return  # the tests are done
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                channel.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(json.loads(line), vacpack.cli.main)
+                running.add(pid)
+                _reply(channel, {"pid": pid})
+        for pid in list(running):
+            done, wait_status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                _reply(channel, {"pid": pid, "status": os.waitstatus_to_exitcode(wait_status)})
+
+
+def serve() -> None:
+    """The zygote's side: import once, then fork one child per request until stdin closes."""
+    _import_for_children()
+    import vacpack.cli
 
     channel = sys.stdout
     _reply(channel, {"ready": True})
@@ -167,7 +295,10 @@ def _run_child(request: dict[str, Any], main: Any) -> None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         _redirect(0, os.devnull, os.O_RDONLY)
         _redirect(1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        _redirect(2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        if request["stderr"] == request["stdout"]:
+            os.dup2(1, 2)  # one file, one offset: interleaved as written
+        else:
+            _redirect(2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             code = main(request["argv"])
         except SystemExit as exit_request:  # argparse's usage errors
