@@ -41,21 +41,26 @@ class Finished:
     stderr: str
 
 
+def _start_zygote(entry: str, cwd: Path) -> subprocess.Popen[str]:
+    """A zygote process running this module's function `entry`, spoken to over its pipes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), str(_HERE)])}
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import cli_zygote; cli_zygote.{entry}()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        text=True,
+    )
+
+
 class Zygote:
     """The test's side: start, kill and wait for `vacpack` child processes, one at a time."""
 
     def __init__(self, work_dir: Path) -> None:
         self._work_dir = work_dir
         self._num_started = 0
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), str(_HERE)])}
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", "import cli_zygote; cli_zygote.serve()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=_REPO_ROOT,
-            text=True,
-        )
+        self._process = _start_zygote("serve", _REPO_ROOT)
         # Replies are read on a thread so that waiting for one can time out.
         self._replies: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read_replies, daemon=True).start()
@@ -136,15 +141,7 @@ class DetachedZygote:
     and learn its exit status whenever it comes."""
 
     def __init__(self, work_dir: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), str(_HERE)])}
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", "import cli_zygote; cli_zygote.serve_detached()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=work_dir,
-            text=True,
-        )
+        self._process = _start_zygote("serve_detached", work_dir)
         self._lock = threading.Lock()
         self._started: queue.Queue[int] = queue.Queue()
         self._statuses: dict[int, int] = {}
