@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -213,8 +214,9 @@ class ChildProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _import_for_children() -> None:
-    """What every child would import itself, imported once before the forks."""
+def _import_for_children() -> Callable[[list[str]], int]:
+    """What every child would import itself, imported once before the forks; returns the
+    command line's entry point, which the children run."""
     # torch imports these (sympy among them, about 1.5 s) on a model's first to_empty().
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
@@ -222,15 +224,16 @@ def _import_for_children() -> None:
     import vacpack.batch.runner
     import vacpack.cli
     import vacpack.corpus.runner
-    import vacpack.corpus.tasks  # noqa: F401
+    import vacpack.corpus.tasks  # imported here to be shared with every child
+
+    return vacpack.cli.main
 
 
 def serve_detached() -> None:
     """The detached zygote's side: a child forked per request, answered with its pid at once,
     each child's exit status sent when it is reaped; one thread, so that forking is safe."""
-    _import_for_children()
-    import vacpack.cli
-    import vacpack.server.app  # the servers' own imports
+    main = _import_for_children()
+    import vacpack.server.app  # noqa: F401  (the servers' own imports)
 
     channel = sys.stdout
     _reply(channel, {"ready": True})
@@ -247,7 +250,7 @@ def serve_detached() -> None:
                 channel.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _run_child(json.loads(line), vacpack.cli.main)
+                    _run_child(json.loads(line), main)
                 running.add(pid)
                 _reply(channel, {"pid": pid})
         for pid in list(running):
@@ -259,8 +262,7 @@ def serve_detached() -> None:
 
 def serve() -> None:
     """The zygote's side: import once, then fork one child per request until stdin closes."""
-    _import_for_children()
-    import vacpack.cli
+    main = _import_for_children()
 
     channel = sys.stdout
     _reply(channel, {"ready": True})
@@ -269,7 +271,7 @@ def serve() -> None:
         channel.flush()
         pid = os.fork()
         if pid == 0:
-            _run_child(request, vacpack.cli.main)
+            _run_child(request, main)
         _reply(channel, {"pid": pid})
         _, wait_status = os.waitpid(pid, 0)
         _reply(channel, {"pid": pid, "status": os.waitstatus_to_exitcode(wait_status)})
