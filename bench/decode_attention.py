@@ -154,11 +154,11 @@ def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
 def run_workload(
     batch: DecodeBatch, args: argparse.Namespace, generator: torch.Generator
 ) -> dict[str, Any]:
-    step = make_step(batch, args.layers, generator, args.dtype)
+    step = make_step(batch, args.layers, generator, args.dtype, args.kv_cache_dtype)
     runners = step_runners(batch, step)
     outputs = {name: run()[0].float() for name, run in runners.items()}  # also warms up
     reference = outputs["sdpa (before)"]
-    kv_bytes = kv_bytes_per_step(batch, args.layers, args.dtype)
+    kv_bytes = kv_bytes_per_step(batch, args.layers, args.kv_cache_dtype)
     timings = {}
     for setting in SETTINGS:
         torch.set_num_threads(setting.threads)
@@ -202,7 +202,7 @@ def run_sweep(args: argparse.Namespace, generator: torch.Generator) -> list[dict
             prefix_ids = [i // group_seqs for i in range(num_seqs)]
             prompts = torch.randint(32, 129, (num_seqs,), generator=generator).tolist()
             batch = make_batch(prefix_ids, prefix_pages * PAGE_SIZE, prompts, [0] * num_seqs)
-            step = make_step(batch, args.sweep_layers, generator, args.dtype)
+            step = make_step(batch, args.sweep_layers, generator, args.dtype, args.kv_cache_dtype)
             runners = step_runners(batch, step, always)
             # The sweep behind the policy times the portable matmul paths alone.
             runners = {n: r for n, r in runners.items() if n.startswith("paged matmul")}
@@ -235,8 +235,15 @@ def main() -> int:
         "--dtype",
         choices=["auto", "bfloat16", "float32"],
         default="auto",
-        help="the KV cache's dtype; auto: bfloat16 where oneDNN has bf16 kernels for this CPU "
-        "(AVX-512 or AMX), else float32, whose bf16 would be emulated",
+        help="the queries' and KV cache's dtype; auto: bfloat16 where oneDNN has bf16 kernels "
+        "for this CPU (AVX-512 or AMX), else float32, whose bf16 would be emulated",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["same", "bfloat16"],
+        default="same",
+        help="bfloat16: the cache kept in bf16 under float32 queries (float32 arithmetic on a "
+        "bf16 model, the engine's kv_cache_dtype auto there); same: --dtype's",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT_PATH)
     args = parser.parse_args()
@@ -244,10 +251,14 @@ def main() -> int:
         has_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
         args.dtype = "bfloat16" if has_bf16 else "float32"
     args.dtype = getattr(torch, args.dtype)
+    args.kv_cache_dtype = args.dtype if args.kv_cache_dtype == "same" else torch.bfloat16
     generator = torch.Generator().manual_seed(0)
+    dtype = str(args.dtype).removeprefix("torch.")
+    if args.kv_cache_dtype != args.dtype:
+        dtype += ", bfloat16 KV cache"
     results: dict[str, Any] = {
         "machine": harness.machine_description(),
-        "dtype": str(args.dtype).removeprefix("torch."),
+        "dtype": dtype,
         "workloads": {},
     }
     for name, make in (("g1", g1_batch), ("shared_prefix", shared_prefix_batch)):

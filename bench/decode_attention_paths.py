@@ -85,7 +85,8 @@ def legacy_forward(
         num_seqs = group["rows"].shape[0]
         paged = cache.view(-1, PAGE_SIZE, *cache.shape[1:]).index_select(0, group["pages"])
         run = paged.view(num_seqs, -1, *cache.shape[1:])[:, : group["len"]]
-        return run.transpose(1, 2).contiguous()
+        # A cache kept in bf16 under float32 queries is widened as it is gathered.
+        return run.transpose(1, 2).contiguous().to(q.dtype)
 
     out = torch.empty_like(q)
     for group in groups:

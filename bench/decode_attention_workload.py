@@ -93,19 +93,26 @@ class Step:
 
 
 def make_step(
-    batch: DecodeBatch, num_layers: int, generator: torch.Generator, dtype: torch.dtype
+    batch: DecodeBatch,
+    num_layers: int,
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
 ) -> Step:
+    """Queries and new keys and values in `dtype`, each layer's cache in `cache_dtype` (default:
+    the same; bfloat16 under float32 queries is a cache kept in bf16 for float32 arithmetic)."""
     num_seqs = len(batch.context_lens)
     slots = batch.num_pages * PAGE_SIZE
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(dtype)
+    def randn(*shape: int, in_dtype: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(in_dtype)
 
+    cache_dtype = cache_dtype or dtype
     return Step(
         kv_layers=[
             KVLayer(
-                randn(slots, NUM_KV_HEADS, HEAD_DIM),
-                randn(slots, NUM_KV_HEADS, HEAD_DIM),
+                randn(slots, NUM_KV_HEADS, HEAD_DIM, in_dtype=cache_dtype),
+                randn(slots, NUM_KV_HEADS, HEAD_DIM, in_dtype=cache_dtype),
                 PAGE_SIZE,
             )
             for _ in range(num_layers)

@@ -180,7 +180,15 @@ def test_a_decoder_keeps_its_matrices_in_bfloat16_and_matches_transformers(
     tiny_checkpoint, family: str
 ) -> None:
     model_dir = tiny_checkpoint(family)
-    llm = LLM(str(model_dir), block_size=4, max_num_batched_tokens=64, **FLOAT32_ARITHMETIC)
+    # A float32 KV cache, so that transformers in float32 is the exact reference (the bfloat16
+    # cache is tested in test_bf16_kv_cache.py).
+    llm = LLM(
+        str(model_dir),
+        block_size=4,
+        max_num_batched_tokens=64,
+        kv_cache_dtype="float32",
+        **FLOAT32_ARITHMETIC,
+    )
     loaded = llm.loaded
     assert loaded.dtype == torch.float32 and loaded.weight_dtype == torch.bfloat16
     assert loaded.dtype_description == "bfloat16 weights, float32 arithmetic"
@@ -275,7 +283,7 @@ def test_dtype_auto_keeps_a_bfloat16_checkpoints_weights_in_bfloat16_where_as_fa
     # Forced to bfloat16: the matrices are bfloat16, as in the file.
     monkeypatch.setenv(force_env_var(cpu_dtype.WEIGHTS_PHASE), "bfloat16")
     kept = load(EngineConfig(bf16_dir, device="cpu"))
-    assert kept.dtype_description == "bfloat16 weights, float32 arithmetic"
+    assert kept.dtype_description == "bfloat16 weights and KV cache, float32 arithmetic"
     # A float32 checkpoint is never rounded.
     float32_dir = str(tiny_checkpoint("qwen2"))
     plain = load(EngineConfig(float32_dir, device="cpu"))

@@ -123,10 +123,14 @@ def test_split_keys_merge_to_the_same_result(threads: int, heads_in_lanes: bool)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
 
 
-def test_rejects_a_cache_in_another_dtype() -> None:
+def test_rejects_a_cache_it_cannot_read() -> None:
+    """Keys and values in different dtypes, and bfloat16 queries over a float32 cache (a bf16
+    cache under float32 queries is read: test_bf16_kv_cache.py)."""
     q, keys, values, pages, ranges = _case((4, 2, 32), torch.float32, [(0, 5)])
-    with pytest.raises(ValueError, match="cache"):
+    with pytest.raises(ValueError, match="KV cache"):
         paged_decode_attention(q, keys.bfloat16(), values, pages, ranges, PAGE_SIZE, 0.1)
+    with pytest.raises(ValueError, match="bfloat16 under float32"):
+        paged_decode_attention(q.bfloat16(), keys, values, pages, ranges, PAGE_SIZE, 0.1)
 
 
 def test_shapes_past_its_buffers_are_not_supported() -> None:

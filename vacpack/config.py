@@ -44,6 +44,11 @@ class EngineConfig:
     """Reuse the KV pages of repeated prefixes."""
     seed: int = 0
     """Seed of the engine's random generator (requests may carry their own)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's dtype: auto (the weights': a bfloat16 checkpoint computed in float32 on a
+    CPU keeps its cache bfloat16 too), bfloat16, float16 or float32: the model's dtype, or on a
+    CPU bfloat16 under float32 arithmetic (half the cache's memory; each value is rounded to
+    bfloat16 as it is stored and widened as attention reads it)."""
     kv_cache_memory_bytes: int | None = None
     """An explicit KV cache budget in bytes (per tensor-parallel rank); by default it is
     measured."""
@@ -89,6 +94,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
             raise ValueError(
                 f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                "kv_cache_dtype must be auto, bfloat16, float16 or float32, got "
+                f"{self.kv_cache_dtype!r}"
             )
         if self.cpu_bf16_arithmetic not in ("auto", "bfloat16", "float32"):
             raise ValueError(

@@ -21,6 +21,7 @@ from vacpack.distributed.control import Program
 from vacpack.distributed.driver import Driver
 from vacpack.host_memory import keep_freed_host_memory
 from vacpack.huge_pages import check_weights_in_huge_pages
+from vacpack.kvcache.paged_cache import cache_dtype_readable
 from vacpack.models.base import PackedModel
 from vacpack.models.cpu_dtype import (
     DTYPES,
@@ -51,7 +52,8 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     device: torch.device
-    dtype: torch.dtype  # the activations', the arithmetic's and the KV cache's
+    dtype: torch.dtype  # the activations' and the arithmetic's
+    kv_cache_dtype: torch.dtype  # `dtype`, or bfloat16 under float32 arithmetic on a CPU
     max_model_len: int
     # What was chosen by measurement at load (the dtype for dtype="auto" on a CPU, the layers'
     # elementwise ops), with the timings that chose it: for job reports and /metrics.
@@ -73,7 +75,7 @@ class LoadedModel:
     def dtype_description(self) -> str:
         """The dtype, as reports give it ("bfloat16 weights, float32 arithmetic" where the
         weights are kept in another)."""
-        return describe_dtypes(self.dtype, self.weight_dtype or self.dtype)
+        return describe_dtypes(self.dtype, self.weight_dtype or self.dtype, self.kv_cache_dtype)
 
     @property
     def config(self) -> Any:  # the family's own config class: ModelConfig, EncoderConfig, ...
@@ -90,6 +92,7 @@ class LoadedModel:
             num_kv_heads=kv_head_rows(num_kv_heads, 1, self.tp).length,
             head_dim=config.head_dim,
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             specs=attention_specs(self.model),
             max_model_len=self.max_model_len,
         )
@@ -150,6 +153,7 @@ def _load(
     hf_config = load_hf_config(model_dir, config.trust_remote_code)
     dtypes = resolve_load_dtype(config, hf_config, device)
     dtype, weight_dtype = dtypes.dtype, dtypes.weight_dtype
+    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, weight_dtype, device)
     tokenizer = load_tokenizer(
         config.tokenizer or str(model_dir),
         trust_remote_code=config.trust_remote_code,
@@ -196,6 +200,7 @@ def _load(
         eos_token_ids=eos_token_ids(tokenizer, model_dir),
         device=device,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=max_model_len,
         measured_choices=(
             *dtypes.choices,
@@ -215,20 +220,47 @@ def _load(
 class LoadDtypes:
     """What a model is loaded in, and the measurements that chose it."""
 
-    dtype: torch.dtype  # the activations', the arithmetic's and the KV cache's
+    dtype: torch.dtype  # the activations' and the arithmetic's
     # The linear layers' weights and the vocabulary tables': `dtype`, or bfloat16 with float32
     # arithmetic on a CPU without bfloat16 instructions (models/cpu_dtype.py).
     weight_dtype: torch.dtype
     choices: tuple[MeasuredChoice, ...] = ()
 
 
-def describe_dtypes(dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
-    """The dtype's name, or where the weights are kept in another dtype, both ("bfloat16
-    weights, float32 arithmetic")."""
-    name = str(dtype).removeprefix("torch.")
+def describe_dtypes(
+    dtype: torch.dtype, weight_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None
+) -> str:
+    """The dtype's name, or where the weights or the KV cache are kept in another dtype, which
+    ("bfloat16 weights and KV cache, float32 arithmetic"; "float32, bfloat16 KV cache")."""
+    kv_cache_dtype = kv_cache_dtype or dtype
+    name, weights, cache = (
+        str(d).removeprefix("torch.") for d in (dtype, weight_dtype, kv_cache_dtype)
+    )
     if weight_dtype == dtype:
-        return name
-    return f"{str(weight_dtype).removeprefix('torch.')} weights, {name} arithmetic"
+        return name if kv_cache_dtype == dtype else f"{name}, {cache} KV cache"
+    if kv_cache_dtype == weight_dtype:
+        return f"{weights} weights and KV cache, {name} arithmetic"
+    if kv_cache_dtype == dtype:
+        return f"{weights} weights, {name} arithmetic"
+    return f"{weights} weights, {cache} KV cache, {name} arithmetic"
+
+
+def resolve_kv_cache_dtype(
+    name: str, dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype for EngineConfig.kv_cache_dtype `name`. auto: the weights' where
+    attention can read it (a bfloat16 checkpoint computed in float32 on a CPU: its keys and
+    values rounded as a bfloat16 model's are, at half the memory), else the model's."""
+    if name == "auto":
+        return weight_dtype if cache_dtype_readable(dtype, weight_dtype) else dtype
+    chosen = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    if chosen == dtype or (device.type == "cpu" and cache_dtype_readable(dtype, chosen)):
+        return chosen
+    where = "on a CPU under float32 arithmetic" if device.type == "cpu" else "on a CPU"
+    raise ValueError(
+        f"kv_cache_dtype={name} with {str(dtype).removeprefix('torch.')} arithmetic on "
+        f"{device.type}: the KV cache is kept in the model's dtype, or in bfloat16 {where}"
+    )
 
 
 def resolve_load_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> LoadDtypes:

@@ -116,8 +116,8 @@ def prefix_attention(
     group_size = num_heads // num_kv_heads
     num_rows = num_seqs * group_size
     page_size, num_keys = kv_layer.page_size, group.num_prefix_tokens
-    keys = gather_pages(kv_layer.keys, group.prefix_pages, page_size, 1, num_keys)[0]
-    values = gather_pages(kv_layer.values, group.prefix_pages, page_size, 1, num_keys)[0]
+    keys = gather_pages(kv_layer.keys, group.prefix_pages, page_size, 1, num_keys, q.dtype)[0]
+    values = gather_pages(kv_layer.values, group.prefix_pages, page_size, 1, num_keys, q.dtype)[0]
     # Every sequence's query heads of one KV head become rows of that head's one matmul.
     rows = q.view(num_seqs, num_kv_heads, group_size, head_dim).transpose(0, 1)
     rows = rows.reshape(num_kv_heads, num_rows, head_dim)

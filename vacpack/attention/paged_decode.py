@@ -189,16 +189,27 @@ def _padding_masks(
 
 
 def gather_pages(
-    cache: torch.Tensor, pages: torch.Tensor, page_size: int, num_seqs: int, num_keys: int
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    num_seqs: int,
+    num_keys: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """[seqs, kv_heads, num_keys, head_dim], contiguous, from whole pages of a layer's cache.
+    """[seqs, kv_heads, num_keys, head_dim], contiguous, in `dtype` (the attention's, which a
+    cache kept in bf16 under float32 arithmetic is widened to), from whole pages of a layer's
+    cache.
 
     Each head's keys end up contiguous, the layout the score matmul reads fastest; gathering
     whole pages and transposing once measured faster than gathering one head at a time.
     """
     paged = cache.view(-1, page_size, *cache.shape[1:])
     gathered = paged.index_select(0, pages).view(num_seqs, -1, *cache.shape[1:])
-    return gathered[:, :num_keys].transpose(1, 2).contiguous()
+    transposed = gathered[:, :num_keys].transpose(1, 2)
+    if dtype == cache.dtype:
+        return transposed.contiguous()
+    # Transposed and widened in one copy.
+    return torch.empty(transposed.shape, dtype=dtype, device=cache.device).copy_(transposed)
 
 
 def attend(
@@ -287,8 +298,10 @@ def chunk_attention(
             heads_in_lanes=KERNEL_FORMS[form],
         )
     chunk = chunk.with_masks()
-    keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys)
-    values = gather_pages(kv_layer.values, chunk.pages, page_size, num_seqs, chunk.num_keys)
+    keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys, q.dtype)
+    values = gather_pages(
+        kv_layer.values, chunk.pages, page_size, num_seqs, chunk.num_keys, q.dtype
+    )
     if form == "sdpa" and not with_lse and spec.logit_softcap is None:
         # Each KV head's grouped query heads are its query block: [seqs, kv_heads, group, dim].
         out = F.scaled_dot_product_attention(

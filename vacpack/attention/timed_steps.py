@@ -1,7 +1,8 @@
 """One layer's attention at a loaded model's own shapes, as calls to time against each other.
 
 Measured selection (selection.py) runs each candidate backend on the same inputs: random
-queries, keys and values in the model's dtype with its heads and head size, laid out as the
+queries, keys and values in the model's dtype (a KV cache in its own) with its heads and head
+size, laid out as the
 phase runs them. A packed bin is whole sequences in one stream without a KV cache (a corpus bin,
 or an encoder's batch); a decode batch is one query token per sequence over a paged KV cache
 (the engine's decode step), its contexts spread evenly up to the longest, optionally behind a
@@ -36,7 +37,7 @@ from vacpack.kvcache.paged_cache import KVLayer
 
 @dataclass(frozen=True)
 class AttentionShapes:
-    """How the model's layers attend: its heads, head size, dtype, and the layers' specs."""
+    """How the model's layers attend: its heads, head size, dtypes, and the layers' specs."""
 
     num_heads: int
     num_kv_heads: int
@@ -44,6 +45,11 @@ class AttentionShapes:
     dtype: torch.dtype
     specs: tuple[AttentionSpec, ...] = ()  # one per layer; empty: full attention
     max_model_len: int = 2048  # the longest sequence the model runs
+    kv_cache_dtype: torch.dtype | None = None  # None: `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def distinct_specs(self) -> tuple[AttentionSpec, ...]:
@@ -56,6 +62,8 @@ class AttentionShapes:
 
     def key(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.cache_dtype != self.dtype:
+            dtype += f", {str(self.cache_dtype).removeprefix('torch.')} KV cache"
         kinds = "; ".join(describe_spec(spec) for spec in self.distinct_specs)
         return (
             f"{self.num_heads} heads over {self.num_kv_heads} kv heads of {self.head_dim}, "
@@ -166,8 +174,8 @@ def _inputs(shapes: AttentionShapes, workload: Workload, device: torch.device) -
             next_page += num_own
         num_slots = next_page * page_size
         kv_layer = KVLayer(
-            _random((num_slots, kv_heads, dim), dtype, device),
-            _random((num_slots, kv_heads, dim), dtype, device),
+            _random((num_slots, kv_heads, dim), shapes.cache_dtype, device),
+            _random((num_slots, kv_heads, dim), shapes.cache_dtype, device),
             page_size,
         )
         query_lens = (

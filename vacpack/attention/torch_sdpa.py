@@ -352,8 +352,7 @@ class TorchSdpaBackend(AttentionBackend):
                 keys, values = k[rows], v[rows]
             else:
                 assert kv_layer is not None, "cached context is read from the KV cache"
-                keys = kv_layer.keys.index_select(0, seg.context_slots)
-                values = kv_layer.values.index_select(0, seg.context_slots)
+                keys, values = kv_layer.read(seg.context_slots, q.dtype)
             out[rows] = _prefill_attention(
                 q[rows], keys, values, seg.mask, view.causal, spec, self.blocked_prefill
             )

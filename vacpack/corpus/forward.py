@@ -141,7 +141,7 @@ class PackedForward:
         num_pages = -(-num_tokens // CHUNK_PAGE_SIZE)
         cache = PagedKVCache(
             config.num_layers, num_pages, CHUNK_PAGE_SIZE, self.loaded.num_kv_heads,
-            config.head_dim, self.loaded.dtype, self.device,
+            config.head_dim, self.loaded.kv_cache_dtype, self.device,
         )  # fmt: skip
         page_table = list(range(num_pages))
         parts = []

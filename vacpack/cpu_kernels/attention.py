@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.kvcache.paged_cache import check_cache_dtype
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -42,6 +43,7 @@ _ARGTYPES = [
     ctypes.c_void_p,  # log-sum-exp out, or None
     ctypes.c_float,  # scale
     ctypes.c_int,  # causal
+    ctypes.c_int,  # keys and values bf16 (else float32)
     ctypes.c_int,  # threads
 ]
 
@@ -149,7 +151,8 @@ def attend(
     """Attention of the packed queries q [q_tokens, heads, dim] over k and v: [k_tokens,
     kv_heads, dim] token streams, or [slots, kv_heads, dim] caches when `sequences` has page
     tables. When causal, each sequence's queries are its last tokens: query i of n_q sees keys
-    0..n_k-n_q+i. Returns q's shape."""
+    0..n_k-n_q+i. Keys and values are in q's dtype, or bf16 under float32 queries (a cache
+    kept in bf16). Returns q's shape."""
     out, _ = _attention(q, k, v, sequences, scale, with_lse=False)
     return out
 
@@ -237,8 +240,7 @@ def _attention(
     num_kv_heads = k.shape[1]
     if k.shape[2] != head_dim or v.shape[1:] != k.shape[1:] or num_heads % num_kv_heads:
         raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"queries are {q.dtype}, keys and values {k.dtype} / {v.dtype}")
+    check_cache_dtype(q.dtype, k.dtype, v.dtype)
     page_tables = sequences.page_tables
     q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -266,6 +268,7 @@ def _attention(
             None if lse is None else lse.data_ptr(),
             head_dim**-0.5 if scale is None else scale,
             int(sequences.causal),
+            int(k.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
     if status != 0:

@@ -19,8 +19,9 @@
 //
 // Written with eight-lane vectors (GCC's vector extension) and for the compiler's vectoriser,
 // built with -O3 -march=native for the machine at hand (see build.py): AVX-512, AVX2 or NEON,
-// whatever the CPU has. float32 and bf16 caches; the queries and the output share the cache's
-// dtype.
+// whatever the CPU has. float32 and bf16 caches; the queries and the output are float32 or bf16,
+// the cache's dtype or float32 over a bf16 cache (float32 arithmetic on a model whose cache is
+// kept in bf16).
 
 #include <math.h>
 #include <stdint.h>
@@ -56,6 +57,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq;
     float scale;
     int heads_in_lanes;  // the form: grouped query heads in vector lanes, else apart
+    int q_bf16;          // the queries and the output are bf16, else float32
 } Problem;
 
 // A group's heads in lanes of eight: how many groups of eight.
@@ -347,15 +349,15 @@ static inline int64_t block_keys(int64_t start, int64_t end) {
 // One task: keys key_start..key_end of sequence `seq`, every KV head, into `part` (per query
 // head its max in log2 units, its sum of weights, its weighted values). queries_t: the
 // sequence's queries transposed per (KV head, group of eight heads), for the heads-in-lanes
-// form; NULL for heads apart. Inlined into copies with `chunks` (head_dim / 8) and the dtype
-// constant, so that the products keep their operands in registers.
+// form; NULL for heads apart. Inlined into copies with `chunks` (head_dim / 8) and the cache's
+// dtype constant, so that the products keep their operands in registers.
 static inline __attribute__((always_inline)) void attend_task(
     const Problem* pr, const v8f* queries_t, int64_t seq, int64_t key_start, int64_t key_end,
-    float* part, int is_bf16, int64_t chunks) {
+    float* part, int kv_bf16, int64_t chunks) {
     const int64_t group = pr->num_heads / pr->num_kv_heads, dim = 8 * chunks;
     const int64_t groups = lane_groups(pr);
     const int64_t slot_stride = pr->num_kv_heads * dim;
-    const int64_t slot_bytes = slot_stride * (is_bf16 ? sizeof(bf16) : sizeof(float));
+    const int64_t slot_bytes = slot_stride * (kv_bf16 ? sizeof(bf16) : sizeof(float));
     const int64_t* pages = pr->pages + seq * pr->pages_per_seq;
     float* running_max = part;
     float* running_sum = part + pr->num_heads;
@@ -384,9 +386,9 @@ static inline __attribute__((always_inline)) void attend_task(
         ahead_init(&ahead, pr, next_slots, next_count, slot_bytes);
         for (int64_t kv_head = 0; kv_head < pr->num_kv_heads; ++kv_head) {
             const int64_t first_head = kv_head * group;
-            block_rows(pr->keys, slots, count, slot_stride, kv_head, chunks, is_bf16,
+            block_rows(pr->keys, slots, count, slot_stride, kv_head, chunks, kv_bf16,
                        key_buffer, key_rows);
-            block_rows(pr->values, slots, count, slot_stride, kv_head, chunks, is_bf16,
+            block_rows(pr->values, slots, count, slot_stride, kv_head, chunks, kv_bf16,
                        value_buffer, value_rows);
             if (queries_t) {
                 for (int64_t g = 0; g < groups; ++g) {
@@ -401,10 +403,10 @@ static inline __attribute__((always_inline)) void attend_task(
             }
             const void* q = (const char*)pr->q +
                             (seq * pr->num_heads + first_head) * dim *
-                                (is_bf16 ? sizeof(bf16) : sizeof(float));
+                                (pr->q_bf16 ? sizeof(bf16) : sizeof(float));
             for (int64_t i = 0; i < group * chunks; ++i)
-                queries[i] = (is_bf16 ? load8_bf16((const bf16*)q + 8 * i)
-                                      : load8((const float*)q + 8 * i)) *
+                queries[i] = (pr->q_bf16 ? load8_bf16((const bf16*)q + 8 * i)
+                                         : load8((const float*)q + 8 * i)) *
                              scale;
             block_heads_apart(queries, key_rows, value_rows, count, group, chunks,
                               running_max + first_head, running_sum + first_head,
@@ -415,10 +417,10 @@ static inline __attribute__((always_inline)) void attend_task(
     }
 }
 
-#define DEFINE_ATTEND(NAME, IS_BF16, CHUNKS)                                                  \
+#define DEFINE_ATTEND(NAME, KV_BF16, CHUNKS)                                                  \
     static void NAME(const Problem* pr, const v8f* queries_t, int64_t seq, int64_t key_start, \
                      int64_t key_end, float* part) {                                          \
-        attend_task(pr, queries_t, seq, key_start, key_end, part, IS_BF16, CHUNKS);          \
+        attend_task(pr, queries_t, seq, key_start, key_end, part, KV_BF16, CHUNKS);          \
     }
 
 DEFINE_ATTEND(attend_f32, 0, pr->head_dim / 8)
@@ -430,16 +432,16 @@ DEFINE_ATTEND(attend_bf16_d128, 1, 16)
 
 typedef void (*AttendFunction)(const Problem*, const v8f*, int64_t, int64_t, int64_t, float*);
 
-static AttendFunction attend_for(int64_t head_dim, int is_bf16) {
-    if (head_dim == 64) return is_bf16 ? attend_bf16_d64 : attend_f32_d64;
-    if (head_dim == 128) return is_bf16 ? attend_bf16_d128 : attend_f32_d128;
-    return is_bf16 ? attend_bf16 : attend_f32;
+static AttendFunction attend_for(int64_t head_dim, int kv_bf16) {
+    if (head_dim == 64) return kv_bf16 ? attend_bf16_d64 : attend_f32_d64;
+    if (head_dim == 128) return kv_bf16 ? attend_bf16_d128 : attend_f32_d128;
+    return kv_bf16 ? attend_bf16 : attend_f32;
 }
 
 // Every sequence's queries, scaled into log2 units and transposed for the heads-in-lanes
 // form: [seqs, kv_heads, groups of eight heads, head_dim] vectors, lane h holding head h of
 // its group (idle lanes 0).
-static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int is_bf16, int threads) {
+static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int threads) {
     const int64_t group = pr->num_heads / pr->num_kv_heads, dim = pr->head_dim;
     const int64_t per_seq = pr->num_kv_heads * lane_groups(pr) * dim;
     v8f* queries_t = aligned_alloc(sizeof(v8f), num_seqs * per_seq * sizeof(v8f));
@@ -454,8 +456,8 @@ static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int is_bf16,
             const int64_t at = (s * pr->num_heads + h) * dim;
             for (int64_t d = 0; d < dim; ++d)
                 column[d][lane] =
-                    (is_bf16 ? bf16_to_float(((const bf16*)pr->q)[at + d])
-                             : ((const float*)pr->q)[at + d]) *
+                    (pr->q_bf16 ? bf16_to_float(((const bf16*)pr->q)[at + d])
+                                : ((const float*)pr->q)[at + d]) *
                     scale;
         }
     }
@@ -465,7 +467,7 @@ static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int is_bf16,
 // Writes sequence `seq`'s result, merged from its `num_parts` consecutive partials, to out,
 // and where lse is given each head's log-sum-exp of its scaled scores (natural log).
 static void merge_and_store(const Problem* pr, const float* parts, int64_t num_parts,
-                            int64_t seq, void* out, float* lse, int is_bf16) {
+                            int64_t seq, void* out, float* lse) {
     const int64_t dim = pr->head_dim, stride = partial_floats(pr);
     for (int64_t h = 0; h < pr->num_heads; ++h) {
         float top = -INFINITY;
@@ -490,7 +492,7 @@ static void merge_and_store(const Problem* pr, const float* parts, int64_t num_p
             for (int64_t p = 0; p < num_parts; ++p)
                 value += weights[p] * values[p * stride + d * step];
             value /= total;
-            if (is_bf16)
+            if (pr->q_bf16)
                 ((bf16*)out)[first + d] = float_to_bf16(value);
             else
                 ((float*)out)[first + d] = value;
@@ -511,10 +513,10 @@ static int64_t splits_for(int64_t num_keys, int64_t num_seqs, int threads) {
 // Returns 0, or -1 where a shape is past the kernel's fixed buffers (the caller checks first)
 // or memory runs out.
 static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_seqs,
-                        int is_bf16, int threads) {
+                        int kv_bf16, int threads) {
     const int64_t group = pr->num_heads / pr->num_kv_heads;
     if (group > MAX_GROUP || pr->head_dim > MAX_HEAD_DIM || pr->head_dim % 8) return -1;
-    const AttendFunction attend = attend_for(pr->head_dim, is_bf16);
+    const AttendFunction attend = attend_for(pr->head_dim, kv_bf16);
     // Sequence s's splits are tasks first_task[s] ..< first_task[s + 1].
     int64_t* first_task = malloc((num_seqs + 1) * sizeof(int64_t));
     if (!first_task) return -1;
@@ -526,7 +528,7 @@ static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_se
     const int64_t num_tasks = first_task[num_seqs];
     float* parts = malloc(num_tasks * partial_floats(pr) * sizeof(float));
     v8f* queries_t =
-        pr->heads_in_lanes ? transposed_queries(pr, num_seqs, is_bf16, threads) : NULL;
+        pr->heads_in_lanes ? transposed_queries(pr, num_seqs, threads) : NULL;
     if (!parts || (pr->heads_in_lanes && !queries_t)) {
         free(queries_t);
         free(parts);
@@ -549,7 +551,7 @@ static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_se
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t seq = 0; seq < num_seqs; ++seq)
         merge_and_store(pr, parts + first_task[seq] * partial_floats(pr),
-                        first_task[seq + 1] - first_task[seq], seq, out, lse, is_bf16);
+                        first_task[seq + 1] - first_task[seq], seq, out, lse);
     free(queries_t);
     free(parts);
     free(first_task);
@@ -560,8 +562,10 @@ int paged_decode_attention(const void* q, const void* keys, const void* values,
                            const int64_t* pages, const int64_t* key_range, void* out,
                            float* lse, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t page_size, int64_t pages_per_seq,
-                           float scale, int is_bf16, int heads_in_lanes, int threads) {
+                           float scale, int q_bf16, int kv_bf16, int heads_in_lanes,
+                           int threads) {
     const Problem problem = {q, keys, values, pages, key_range, num_heads, num_kv_heads,
-                             head_dim, page_size, pages_per_seq, scale, heads_in_lanes};
-    return paged_decode(&problem, out, lse, num_seqs, is_bf16, threads);
+                             head_dim, page_size, pages_per_seq, scale, heads_in_lanes,
+                             q_bf16};
+    return paged_decode(&problem, out, lse, num_seqs, kv_bf16, threads);
 }

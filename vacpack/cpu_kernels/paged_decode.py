@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.kvcache.paged_cache import check_cache_dtype
 
 _LIBRARY_NAME = "paged_decode"
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
@@ -21,7 +22,8 @@ _ARGTYPES = [
     *[_POINTER] * 7,  # q, keys, values, pages, key ranges, out, lse (or NULL)
     *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
     ctypes.c_float,  # scale
-    ctypes.c_int,  # bf16 (else float32)
+    ctypes.c_int,  # queries and output bf16 (else float32)
+    ctypes.c_int,  # the cache bf16 (else float32)
     ctypes.c_int,  # heads in lanes (else apart)
     ctypes.c_int,  # threads
 ]
@@ -64,7 +66,8 @@ def paged_decode_attention(
     with_lse: also each head's float32 log-sum-exp of its scaled scores, [seqs, heads] (what a
     cascade merges by).
 
-    keys and values: one layer's cache, [slots, kv_heads, head_dim], in q's dtype. pages:
+    keys and values: one layer's cache, [slots, kv_heads, head_dim], in q's dtype, or bf16
+    under float32 queries (a cache kept in bf16 for float32 arithmetic). pages:
     [seqs, pages per seq] int64 page ids (padding past a sequence's keys is never read).
     key_ranges: [seqs, 2] int64, each sequence's first visible key (past a sliding window's
     start, else 0) and its number of keys; at least one key is visible. Query head h reads KV
@@ -82,8 +85,7 @@ def paged_decode_attention(
         q.device, q.dtype, num_heads, num_kv_heads, head_dim
     ):
         raise RuntimeError("the paged decode kernel cannot run these decodes here")
-    if keys.dtype != q.dtype or values.dtype != q.dtype:
-        raise ValueError(f"queries are {q.dtype}, the cache {keys.dtype} / {values.dtype}")
+    check_cache_dtype(q.dtype, keys.dtype, values.dtype)
     for name, tensor in (("keys", keys), ("values", values), ("pages", pages)):
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -107,6 +109,7 @@ def paged_decode_attention(
         pages.shape[1],
         scale,
         int(q.dtype == torch.bfloat16),
+        int(keys.dtype == torch.bfloat16),
         int(heads_in_lanes),
         torch.get_num_threads(),
     )

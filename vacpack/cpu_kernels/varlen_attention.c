@@ -314,7 +314,8 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                           int64_t q_stride, int64_t k_stride, int64_t v_stride,
                           int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
                           int64_t page_size, float* lse, float scale, int causal,
-                          int num_threads) {
+                          int kv_bf16, int num_threads) {
+    if (!kv_bf16) return -1;  // the float32 kernel's argument: here k and v are bf16 like q
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_pairs = head_dim / 2;
     int64_t num_tasks, max_keys;

@@ -50,25 +50,37 @@ static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * 
 
 static const v8i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
 
-// Where row j of one KV head is: a row of the stream, or a slot of a paged cache.
+// Where row j of one KV head is: a row of the stream, or a slot of a paged cache. Rows are
+// float32, or bfloat16 where a cache is kept in bfloat16 under float32 arithmetic: those are
+// widened (a shift per value) as they are packed, so the products never see them.
 typedef struct {
-    const float* base;     // the KV head's first element of row 0 (or of slot 0)
-    int64_t stride;        // elements from one row (slot) to the next
+    const char* base;      // the KV head's first element of row 0 (or of slot 0)
+    int64_t stride;        // bytes from one row (slot) to the next
     const int64_t* pages;  // NULL for stream rows; else this sequence's page table
     int64_t page_size;
+    int is_bf16;           // bfloat16 elements, else float32
 } KeyRows;
 
-static inline const float* key_row(const KeyRows* rows, int64_t j) {
+static inline const char* key_row(const KeyRows* rows, int64_t j) {
     if (!rows->pages) return rows->base + j * rows->stride;
     const int64_t page = rows->pages[j / rows->page_size];
     return rows->base + (page * rows->page_size + j % rows->page_size) * rows->stride;
 }
 
-// Asks for `floats` floats from `row` on into cache. Rows of a token stream or of a cache's
+// Elements d..d+7 of a row, as float32.
+static inline v8f row_load8(const KeyRows* rows, const char* row, int64_t d) {
+    return rows->is_bf16 ? load8_bf16((const bf16*)row + d) : load8((const float*)row + d);
+}
+
+static inline float row_element(const KeyRows* rows, const char* row, int64_t d) {
+    return rows->is_bf16 ? bf16_to_float(((const bf16*)row)[d]) : ((const float*)row)[d];
+}
+
+// Asks for `bytes` bytes from `row` on into cache. Rows of a token stream or of a cache's
 // pages lie a stride apart that the hardware prefetchers follow poorly (and stop at every
 // page's end); a prefetch never faults, so one past the data is harmless.
-static inline void prefetch_row(const float* row, int64_t floats) {
-    for (int64_t at = 0; at < floats; at += 16) __builtin_prefetch(row + at);
+static inline void prefetch_row(const void* row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char*)row + at);
 }
 
 // How many rows ahead of use rows read from memory are prefetched.
@@ -79,16 +91,17 @@ static inline void prefetch_row(const float* row, int64_t floats) {
 // key.
 static void pack_keys(const KeyRows* keys, int64_t n, int64_t n_padded, int64_t head_dim,
                       float* packed) {
+    const int64_t element_bytes = keys->is_bf16 ? sizeof(bf16) : sizeof(float);
     for (int64_t first = 0; first < n_padded; first += 8) {
         float* dst = packed + (first / KEY_BLOCK) * head_dim * KEY_BLOCK + first % KEY_BLOCK;
         for (int64_t i = first + PREFETCH_ROWS; i < first + PREFETCH_ROWS + 8 && i < n; ++i)
-            prefetch_row(key_row(keys, i), head_dim);
+            prefetch_row(key_row(keys, i), head_dim * element_bytes);
         if (first + 8 <= n) {
-            const float* rows[8];
+            const char* rows[8];
             for (int i = 0; i < 8; ++i) rows[i] = key_row(keys, first + i);
             for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
                 v8f in[8], out[8];
-                for (int i = 0; i < 8; ++i) in[i] = load8(rows[i] + d0);
+                for (int i = 0; i < 8; ++i) in[i] = row_load8(keys, rows[i], d0);
                 transpose8x8(in, out);
                 for (int d = 0; d < 8; ++d) store8(dst + (d0 + d) * KEY_BLOCK, out[d]);
             }
@@ -96,8 +109,9 @@ static void pack_keys(const KeyRows* keys, int64_t n, int64_t n_padded, int64_t 
         }
         for (int64_t lane = 0; lane < 8; ++lane) {
             const int64_t key = first + lane;
-            const float* src = key < n ? key_row(keys, key) : NULL;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d * KEY_BLOCK + lane] = src ? src[d] : 0.0f;
+            const char* src = key < n ? key_row(keys, key) : NULL;
+            for (int64_t d = 0; d < head_dim; ++d)
+                dst[d * KEY_BLOCK + lane] = src ? row_element(keys, src, d) : 0.0f;
         }
     }
 }
@@ -178,14 +192,15 @@ static float row_softmax(float* scores, int64_t visible, int64_t n_padded, float
 // stream's stride apart (1.5 KiB for MiniLM's 12 heads) fall into a few L1 sets and evict each
 // other between the product's passes.
 static void pack_values(const KeyRows* values, int64_t n, int64_t head_dim, float* packed) {
+    const int64_t row_bytes = head_dim * (values->is_bf16 ? sizeof(bf16) : sizeof(float));
     for (int64_t j = 0; j < n; ++j) {
-        if (j + PREFETCH_ROWS < n) prefetch_row(key_row(values, j + PREFETCH_ROWS), head_dim);
-        const float* row = key_row(values, j);
+        if (j + PREFETCH_ROWS < n) prefetch_row(key_row(values, j + PREFETCH_ROWS), row_bytes);
+        const char* row = key_row(values, j);
         for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
             const int64_t width = head_dim - d0 >= 16 ? 16 : 8;
             float* dst = packed + d0 * n + j * width;
-            store8(dst, load8(row + d0));
-            if (width == 16) store8(dst + 8, load8(row + d0 + 8));
+            store8(dst, row_load8(values, row, d0));
+            if (width == 16) store8(dst + 8, row_load8(values, row, d0 + 8));
         }
     }
 }
@@ -234,14 +249,15 @@ static void block_values(const float* weights, int64_t stride, const float* sums
 // With page_tables NULL, keys and values of sequence b are rows cu_k[b].. of k and v; else k
 // and v are the cache's slots and page_tables[b * pages_stride ..] is b's page table (cu_k still
 // gives the key counts). With lse not NULL, each row's log-sum-exp of its scaled scores goes to
-// lse[token * num_heads + head], for merging with attention over other keys.
-int varlen_attention_f32(const float* q, const float* k, const float* v, float* out,
+// lse[token * num_heads + head], for merging with attention over other keys. kv_bf16: k and v
+// hold bfloat16 (strides still in elements), else float32 like q and out.
+int varlen_attention_f32(const float* q, const void* k, const void* v, float* out,
                          const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t q_stride, int64_t k_stride, int64_t v_stride,
                          int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
                          int64_t page_size, float* lse, float scale, int causal,
-                         int num_threads) {
+                         int kv_bf16, int num_threads) {
     if (head_dim % 8) return -1;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t query_chunk = causal ? CAUSAL_QUERY_CHUNK : BIDIRECTIONAL_QUERY_CHUNK;
@@ -251,6 +267,7 @@ int varlen_attention_f32(const float* q, const float* k, const float* v, float* 
     if (!tasks) return -1;
     const int64_t max_padded = round_up(max_keys > 0 ? max_keys : 1, KEY_BLOCK);
     const float log2_scale = scale * LOG2E;
+    const int64_t kv_bytes = kv_bf16 ? sizeof(bf16) : sizeof(float);
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
@@ -273,10 +290,12 @@ int varlen_attention_f32(const float* q, const float* k, const float* v, float* 
             const int64_t first_position = seen.first_position;  // of query 0, when causal
             const int64_t* pages = seen.pages;
             const int64_t first_row = seen.first_row;
-            const KeyRows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
-                                      k_stride, pages, page_size};
-            const KeyRows value_source = {v + first_row * v_stride + task.kv_head * head_dim,
-                                          v_stride, pages, page_size};
+            const KeyRows key_rows = {
+                (const char*)k + (first_row * k_stride + task.kv_head * head_dim) * kv_bytes,
+                k_stride * kv_bytes, pages, page_size, kv_bf16};
+            const KeyRows value_source = {
+                (const char*)v + (first_row * v_stride + task.kv_head * head_dim) * kv_bytes,
+                v_stride * kv_bytes, pages, page_size, kv_bf16};
             pack_keys(&key_rows, n_seen, round_up(n_seen, KEY_BLOCK), head_dim, keys);
             pack_values(&value_source, n_seen, head_dim, values);
             // Rows: (query, head of the group), query-major.
@@ -302,7 +321,7 @@ int varlen_attention_f32(const float* q, const float* k, const float* v, float* 
                         const int64_t ahead_token = cu_q[task.seq] + task.query_start + ahead / group;
                         prefetch_row(q + ahead_token * q_stride +
                                          (task.kv_head * group + ahead % group) * head_dim,
-                                     head_dim);
+                                     head_dim * sizeof(float));
                     }
                     out_rows[r] = out + token * out_stride + head * head_dim;
                     lse_index[r] = token * num_heads + head;

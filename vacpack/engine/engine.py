@@ -138,7 +138,7 @@ class LLMEngine:
             "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s)",
             model_config.architecture,
             device,
-            loaded.dtype,
+            loaded.dtype_description,
             self.kv_sizing.num_pages,
             config.block_size,
             self.kv_sizing.source,

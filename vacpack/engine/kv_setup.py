@@ -34,7 +34,10 @@ def allocate_kv_cache(
     sizing = size_kv_cache(
         device=loaded.device,
         bytes_per_token=kv_bytes_per_token(
-            model_config.num_layers, loaded.num_kv_heads, model_config.head_dim, loaded.dtype
+            model_config.num_layers,
+            loaded.num_kv_heads,
+            model_config.head_dim,
+            loaded.kv_cache_dtype,
         ),
         page_size=config.block_size,
         max_model_len=loaded.max_model_len,
@@ -59,7 +62,7 @@ def allocate_kv_cache(
         config.block_size,
         loaded.num_kv_heads,
         model_config.head_dim,
-        loaded.dtype,
+        loaded.kv_cache_dtype,
         loaded.device,
     )
     return sizing, kv_cache
