@@ -30,6 +30,11 @@ bandwidth, the same tensor summed: what a kernel that only reads memory can reac
 `--sweep` also times a cascade for every group against the plain paged path, for 64 sequences
 in groups of 2..64 sharing 8..64 pages: the measurement behind DEFAULT_CASCADE_POLICY.
 
+`--bf16-kv-cache` (float32) also times the C kernels' paths over the same step with its cache
+in bfloat16 (paths named "..., bf16 KV cache"), interleaved with the rest: float32 arithmetic
+on a bfloat16 model, whose cache the engine keeps in bfloat16 (kv_cache_dtype auto). Their
+bandwidth counts the bfloat16 cache's bytes.
+
     python bench/decode_attention.py --sweep    # about 10 minutes on a 2-core CPU
     python bench/decode_attention.py --rounds 2 --layers 4 --output bench/results/tmp/da.json
 """
@@ -49,6 +54,7 @@ import process_timing
 import torch
 from decode_attention_paths import (
     C_KERNEL,
+    PORTABLE_KERNEL,
     legacy_metadata,
     legacy_slot_mapping,
     step_runners,
@@ -79,6 +85,7 @@ DEFAULT_OUTPUT_PATH = REPO_ROOT / "bench" / "results" / "decode_attention_cpu.js
 
 # The copy that measures the machine's memory bandwidth: far larger than any CPU's caches.
 COPY_BYTES = 512 * 2**20
+BF16_KV = "bf16 KV cache"  # the suffix of --bf16-kv-cache's paths
 # wall: elapsed time, what a step costs. cpu: this process's CPU time, which other processes
 # on a shared machine inflate far less; meaningful with one thread (torch's threads spin while
 # they wait for each other, which counts as CPU time).
@@ -154,11 +161,18 @@ def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
 def run_workload(
     batch: DecodeBatch, args: argparse.Namespace, generator: torch.Generator
 ) -> dict[str, Any]:
-    step = make_step(batch, args.layers, generator, args.dtype, args.kv_cache_dtype)
+    step = make_step(batch, args.layers, generator, args.dtype)
     runners = step_runners(batch, step)
+    kv_bytes = dict.fromkeys(runners, kv_bytes_per_step(batch, args.layers, args.dtype))
+    if args.bf16_kv_cache:
+        narrow = make_step(batch, args.layers, generator, args.dtype, torch.bfloat16)
+        narrow_bytes = kv_bytes_per_step(batch, args.layers, torch.bfloat16)
+        for name, run in step_runners(batch, narrow).items():
+            if name.startswith((PORTABLE_KERNEL, C_KERNEL)):
+                runners[f"{name}, {BF16_KV}"] = run
+                kv_bytes[f"{name}, {BF16_KV}"] = narrow_bytes
     outputs = {name: run()[0].float() for name, run in runners.items()}  # also warms up
     reference = outputs["sdpa (before)"]
-    kv_bytes = kv_bytes_per_step(batch, args.layers, args.kv_cache_dtype)
     timings = {}
     for setting in SETTINGS:
         torch.set_num_threads(setting.threads)
@@ -202,7 +216,7 @@ def run_sweep(args: argparse.Namespace, generator: torch.Generator) -> list[dict
             prefix_ids = [i // group_seqs for i in range(num_seqs)]
             prompts = torch.randint(32, 129, (num_seqs,), generator=generator).tolist()
             batch = make_batch(prefix_ids, prefix_pages * PAGE_SIZE, prompts, [0] * num_seqs)
-            step = make_step(batch, args.sweep_layers, generator, args.dtype, args.kv_cache_dtype)
+            step = make_step(batch, args.sweep_layers, generator, args.dtype)
             runners = step_runners(batch, step, always)
             # The sweep behind the policy times the portable matmul paths alone.
             runners = {n: r for n, r in runners.items() if n.startswith("paged matmul")}
@@ -235,15 +249,13 @@ def main() -> int:
         "--dtype",
         choices=["auto", "bfloat16", "float32"],
         default="auto",
-        help="the queries' and KV cache's dtype; auto: bfloat16 where oneDNN has bf16 kernels "
-        "for this CPU (AVX-512 or AMX), else float32, whose bf16 would be emulated",
+        help="the KV cache's dtype; auto: bfloat16 where oneDNN has bf16 kernels for this CPU "
+        "(AVX-512 or AMX), else float32, whose bf16 would be emulated",
     )
     parser.add_argument(
-        "--kv-cache-dtype",
-        choices=["same", "bfloat16"],
-        default="same",
-        help="bfloat16: the cache kept in bf16 under float32 queries (float32 arithmetic on a "
-        "bf16 model, the engine's kv_cache_dtype auto there); same: --dtype's",
+        "--bf16-kv-cache",
+        action="store_true",
+        help="float32: also time the C kernels over a bf16 copy of the cache (see above)",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT_PATH)
     args = parser.parse_args()
@@ -251,14 +263,12 @@ def main() -> int:
         has_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
         args.dtype = "bfloat16" if has_bf16 else "float32"
     args.dtype = getattr(torch, args.dtype)
-    args.kv_cache_dtype = args.dtype if args.kv_cache_dtype == "same" else torch.bfloat16
+    if args.bf16_kv_cache and args.dtype != torch.float32:
+        parser.error("--bf16-kv-cache goes with float32 queries (--dtype float32)")
     generator = torch.Generator().manual_seed(0)
-    dtype = str(args.dtype).removeprefix("torch.")
-    if args.kv_cache_dtype != args.dtype:
-        dtype += ", bfloat16 KV cache"
     results: dict[str, Any] = {
         "machine": harness.machine_description(),
-        "dtype": dtype,
+        "dtype": str(args.dtype).removeprefix("torch."),
         "workloads": {},
     }
     for name, make in (("g1", g1_batch), ("shared_prefix", shared_prefix_batch)):

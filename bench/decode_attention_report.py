@@ -27,11 +27,13 @@ def kv_bytes_per_step(batch: DecodeBatch, num_layers: int, dtype: torch.dtype) -
 
 
 def bandwidth(
-    kv_bytes: int, ms_per_step: dict[str, dict[str, float]], copy: float, read: float
+    kv_bytes: dict[str, int], ms_per_step: dict[str, dict[str, float]], copy: float, read: float
 ) -> dict:
-    """Each path's achieved KV read bandwidth, and its shares of the copy and read-only
-    bandwidths."""
-    achieved = {name: kv_bytes / (t["best_ms"] / 1e3) / 1e9 for name, t in ms_per_step.items()}
+    """Each path's achieved KV read bandwidth (its step's KV bytes over its best time), and its
+    shares of the copy and read-only bandwidths."""
+    achieved = {
+        name: kv_bytes[name] / (t["best_ms"] / 1e3) / 1e9 for name, t in ms_per_step.items()
+    }
     return {
         name: {
             "kv_read_gb_per_s": gb_per_s,

@@ -211,7 +211,9 @@ def test_an_engine_keeps_a_bfloat16_models_cache_in_bfloat16_under_float32_arith
                 ours.prompt_logprobs[position][token].logprob
                 - theirs.prompt_logprobs[position][token].logprob
             )
-    # Keys and values rounded to bfloat16 (8 bits) move a tiny model's log-probabilities by
-    # about 1e-3: close to the float32 cache's, and not equal to them (the cache is rounded).
-    largest = max(abs(d) for d in differences)
-    assert 0 < largest < 2e-2
+    # Keys and values rounded to bfloat16 (8 bits) move this tiny model's log-probabilities by
+    # 0.006 on average, 0.015 at most: close to the float32 cache's, and not equal to them (the
+    # cache is rounded).
+    magnitudes = [abs(d) for d in differences]
+    assert 0 < max(magnitudes) < 0.05
+    assert sum(magnitudes) / len(magnitudes) < 0.02
