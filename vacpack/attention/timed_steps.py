@@ -2,13 +2,12 @@
 
 Measured selection (selection.py) runs each candidate backend on the same inputs: random
 queries, keys and values in the model's dtype (a KV cache in its own) with its heads and head
-size, laid out as the
-phase runs them. A packed bin is whole sequences in one stream without a KV cache (a corpus bin,
-or an encoder's batch); a decode batch is one query token per sequence over a paged KV cache
-(the engine's decode step), its contexts spread evenly up to the longest, optionally behind a
-prefix all of them share (the pages prefix caching leaves for a shared system prompt); a paged
-prefill is chunks of several query tokens per sequence over cached pages (an engine step of
-chunked prefill).
+size, laid out as the phase runs them. A packed bin is whole sequences in one stream without a
+KV cache (a corpus bin, or an encoder's batch); a decode batch is one query token per sequence
+over a paged KV cache (the engine's decode step), its contexts spread evenly up to the longest,
+optionally behind a prefix all of them share (the pages prefix caching leaves for a shared
+system prompt); a paged prefill is chunks of several query tokens per sequence over cached pages
+(an engine step of chunked prefill).
 
 A call runs every distinct kind of layer once (a model whose layers alternate sliding windows
 runs one of each). Each candidate's backend and step metadata are built, and its layers run

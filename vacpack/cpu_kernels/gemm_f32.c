@@ -420,10 +420,11 @@ static void gemm_panels_outer(const Gemm* g, int64_t panel_begin, int64_t panel_
 }
 
 // y[m, n] = activation(x[m, k] @ W^T + bias) with W packed by pack_weight_f32, or with
-// `bf16_weights` by pack_weight_bf16; bias may be NULL, activation one of ACT_*. With `paired`, W is a gated MLP's [gate; up] projection packed
-// with its halves paired (gemm.py: panels of 8 gate then the same 8 up features, a bias alike)
-// and y[m, n] = activation(x @ gate^T) * (x @ up^T). Strides are in floats; y must not overlap
-// x. Returns 0, or -1 where a buffer could not be allocated.
+// `bf16_weights` by pack_weight_bf16; bias may be NULL, activation one of ACT_*. With `paired`,
+// W is a gated MLP's [gate; up] projection packed with its halves paired (gemm.py: panels of 8
+// gate then the same 8 up features, a bias alike) and y[m, n] = activation(x @ gate^T) *
+// (x @ up^T). Strides are in floats; y must not overlap x. Returns 0, or -1 where a buffer
+// could not be allocated.
 int gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const void* packed_w,
              int bf16_weights, int64_t n, const float* bias, int activation, int paired,
              float* y, int64_t y_stride, int num_threads) {
