@@ -16,12 +16,12 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from vacpack.attention import AttentionShapes
 from vacpack.config import EngineConfig
+from vacpack.cpu_kernels.cache_dtype import cache_dtype_readable
 from vacpack.device import configure_threads, resolve_device, resolve_dtype
 from vacpack.distributed.control import Program
 from vacpack.distributed.driver import Driver
 from vacpack.host_memory import keep_freed_host_memory
 from vacpack.huge_pages import check_weights_in_huge_pages
-from vacpack.kvcache.paged_cache import cache_dtype_readable
 from vacpack.models.base import PackedModel
 from vacpack.models.cpu_dtype import (
     DTYPES,

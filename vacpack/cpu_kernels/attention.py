@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
-from vacpack.kvcache.paged_cache import check_cache_dtype
+from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32

@@ -8,7 +8,7 @@ import ctypes
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
-from vacpack.kvcache.paged_cache import check_cache_dtype
+from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
 
 _LIBRARY_NAME = "paged_decode"
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
