@@ -31,9 +31,10 @@ bandwidth, the same tensor summed: what a kernel that only reads memory can reac
 in groups of 2..64 sharing 8..64 pages: the measurement behind DEFAULT_CASCADE_POLICY.
 
 `--bf16-kv-cache` (float32) also times the C kernels' paths over the same step with its cache
-in bfloat16 (paths named "..., bf16 KV cache"), interleaved with the rest: float32 arithmetic
-on a bfloat16 model, whose cache the engine keeps in bfloat16 (kv_cache_dtype auto). Their
-bandwidth counts the bfloat16 cache's bytes.
+rounded to bfloat16 (paths named "..., bf16 KV cache"), interleaved with the rest: float32
+arithmetic on a bfloat16 model, whose cache the engine keeps in bfloat16 (kv_cache_dtype auto).
+Their bandwidth counts the bfloat16 cache's bytes; their difference from the reference is the
+rounding's.
 
     python bench/decode_attention.py --sweep    # about 10 minutes on a 2-core CPU
     python bench/decode_attention.py --rounds 2 --layers 4 --output bench/results/tmp/da.json
@@ -165,7 +166,7 @@ def run_workload(
     runners = step_runners(batch, step)
     kv_bytes = dict.fromkeys(runners, kv_bytes_per_step(batch, args.layers, args.dtype))
     if args.bf16_kv_cache:
-        narrow = make_step(batch, args.layers, generator, args.dtype, torch.bfloat16)
+        narrow = step.with_cache_in(torch.bfloat16)
         narrow_bytes = kv_bytes_per_step(batch, args.layers, torch.bfloat16)
         for name, run in step_runners(batch, narrow).items():
             if name.startswith((PORTABLE_KERNEL, C_KERNEL)):

@@ -4,6 +4,7 @@ layer's own KV cache, queries and new keys and values."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,28 +92,30 @@ class Step:
     new_keys: list[torch.Tensor]  # [seqs, kv_heads, head_dim] per layer
     new_values: list[torch.Tensor]
 
+    def with_cache_in(self, dtype: torch.dtype) -> Step:
+        """The same step with each layer's cache converted to `dtype` (bfloat16 under float32
+        queries: a cache kept in bf16 for float32 arithmetic)."""
+        layers = [
+            KVLayer(layer.keys.to(dtype), layer.values.to(dtype), layer.page_size)
+            for layer in self.kv_layers
+        ]
+        return dataclasses.replace(self, kv_layers=layers)
+
 
 def make_step(
-    batch: DecodeBatch,
-    num_layers: int,
-    generator: torch.Generator,
-    dtype: torch.dtype,
-    cache_dtype: torch.dtype | None = None,
+    batch: DecodeBatch, num_layers: int, generator: torch.Generator, dtype: torch.dtype
 ) -> Step:
-    """Queries and new keys and values in `dtype`, each layer's cache in `cache_dtype` (default:
-    the same; bfloat16 under float32 queries is a cache kept in bf16 for float32 arithmetic)."""
     num_seqs = len(batch.context_lens)
     slots = batch.num_pages * PAGE_SIZE
 
-    def randn(*shape: int, in_dtype: torch.dtype = dtype) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(in_dtype)
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
 
-    cache_dtype = cache_dtype or dtype
     return Step(
         kv_layers=[
             KVLayer(
-                randn(slots, NUM_KV_HEADS, HEAD_DIM, in_dtype=cache_dtype),
-                randn(slots, NUM_KV_HEADS, HEAD_DIM, in_dtype=cache_dtype),
+                randn(slots, NUM_KV_HEADS, HEAD_DIM),
+                randn(slots, NUM_KV_HEADS, HEAD_DIM),
                 PAGE_SIZE,
             )
             for _ in range(num_layers)

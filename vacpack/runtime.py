@@ -73,8 +73,8 @@ class LoadedModel:
 
     @property
     def dtype_description(self) -> str:
-        """The dtype, as reports give it ("bfloat16 weights, float32 arithmetic" where the
-        weights are kept in another)."""
+        """The dtypes, as reports give them ("bfloat16 weights and KV cache, float32
+        arithmetic" where the weights or the cache are kept in another than the arithmetic's)."""
         return describe_dtypes(self.dtype, self.weight_dtype or self.dtype, self.kv_cache_dtype)
 
     @property
