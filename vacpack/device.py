@@ -15,6 +15,12 @@ _DTYPES = {
 }
 
 
+def named_dtype(name: str) -> torch.dtype:
+    """The dtype a configuration names (its dtype or kv_cache_dtype): bfloat16, float16 (half)
+    or float32 (float)."""
+    return _DTYPES[name]
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

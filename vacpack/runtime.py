@@ -17,7 +17,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from vacpack.attention import AttentionShapes
 from vacpack.config import EngineConfig
 from vacpack.cpu_kernels.cache_dtype import cache_dtype_readable
-from vacpack.device import configure_threads, resolve_device, resolve_dtype
+from vacpack.device import configure_threads, named_dtype, resolve_device, resolve_dtype
 from vacpack.distributed.control import Program
 from vacpack.distributed.driver import Driver
 from vacpack.host_memory import keep_freed_host_memory
@@ -253,7 +253,7 @@ def resolve_kv_cache_dtype(
     values rounded as a bfloat16 model's are, at half the memory), else the model's."""
     if name == "auto":
         return weight_dtype if cache_dtype_readable(dtype, weight_dtype) else dtype
-    chosen = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    chosen = named_dtype(name)
     if chosen == dtype or (device.type == "cpu" and cache_dtype_readable(dtype, chosen)):
         return chosen
     where = "on a CPU under float32 arithmetic" if device.type == "cpu" else "on a CPU"
