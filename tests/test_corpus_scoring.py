@@ -1,22 +1,19 @@
-"""Scoring by the C kernel or in cache-sized slices, the bin budget's memory bound, and the
+"""Scoring by the C kernel or in cache-sized slices, long documents whole or chunked, and the
 runner's progress."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 
 from vacpack import LLM
 from vacpack.corpus import token_logprobs as token_logprobs_module
-from vacpack.corpus.budget import BinBudget, measure_bin_budget
+from vacpack.corpus.budget import BinBudget
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.runner import CorpusRunner
 from vacpack.corpus.tasks import EmbedTask, LoglikelihoodTask, resolve_pooling
 from vacpack.corpus.token_logprobs import LM_HEAD_ROWS, score_tokens
 from vacpack.cpu_kernels.token_logprobs import token_logprobs_supported
-from vacpack.host_memory import PeakAllocation, can_measure
 
 VOCAB_SIZE = 1000
 HIDDEN_SIZE = 16
@@ -66,45 +63,6 @@ def test_a_long_document_runs_whole_or_in_chunks_alike(llm: LLM) -> None:
     whole = forward.long_document(token_ids, max_forward_tokens=150)
     chunked = forward.long_document(token_ids, max_forward_tokens=64)
     assert torch.allclose(whole, chunked, atol=1e-4)
-
-
-def test_a_given_budget_bounds_every_forward() -> None:
-    budget = BinBudget.given(512)
-    assert budget.tokens == budget.max_forward_tokens == 512
-    with pytest.raises(ValueError, match="max_forward_tokens"):
-        BinBudget(512, "measured", 256)
-
-
-@pytest.mark.skipif(not can_measure(), reason="needs glibc's mallinfo2")
-def test_the_probe_measures_memory_per_token_and_bounds_long_forwards() -> None:
-    bytes_per_token = 64 * 1024
-
-    def forward(num_tokens: int) -> None:
-        # Live long enough for the sampler to see it, as a model's activations are.
-        activations = torch.ones(num_tokens * bytes_per_token // 4, dtype=torch.float32)
-        for _ in range(20):
-            activations.mul_(1.0)
-
-    with PeakAllocation() as peak:
-        forward(512)
-    assert peak.bytes >= 512 * bytes_per_token * 0.9
-
-    budget = measure_bin_budget(forward, torch.device("cpu"), max_tokens=1024)
-    assert "KiB/token" in budget.source
-    assert budget.max_forward_tokens > budget.tokens
-
-
-def test_a_fast_short_probe_does_not_stop_the_search() -> None:
-    """256 tokens timed as fastest (as a noisy short probe can be) and 512 slower: the search
-    goes on past forwards shorter than MIN_FORWARD_S and settles on the fastest long-enough
-    bin."""
-    seconds = {256: 0.002, 512: 0.02, 1024: 0.04, 2048: 0.11, 4096: 0.25, 8192: 0.5}
-
-    def forward(num_tokens: int) -> None:
-        time.sleep(seconds[num_tokens])
-
-    budget = measure_bin_budget(forward, torch.device("cpu"), max_tokens=8192)
-    assert budget.tokens == 2048
 
 
 def test_progress_counts_documents_as_their_bins_finish(llm: LLM) -> None:

@@ -2,16 +2,16 @@
 
 Probe forwards at doubling sizes are timed (and, on CUDA, run until memory runs out). The
 budget is the largest probed size that fits in memory with a margin and is not slower than
-the best, and the search stops once doubling the bin no longer raises throughput, unless a
-forward is still short: every bin also pays fixed host costs that a probe of long sequences
-hardly shows (attention metadata, a few hundred kernel calls from Python, pooling or the LM
-head's passes), and a corpus of short documents pays them per bin of several documents. On
-E1's texts (2-core CPU), where a 256-token forward takes under 20 ms, 2,048-token bins ran
-up to 10% faster than the 256 tokens the probe alone had found as fast.
-
-A size whose forward is that short is never the budget while a larger one fits: on E1 a noisy
-256-token probe once outran the 512-token one and stopped the search there, and the job then
-ran about 1.2x slower in 256-token bins.
+the best. The search goes on while doubling the bin raises throughput, and, gain or not, while
+a forward is short: every bin also pays fixed host costs that a probe of long sequences hardly
+shows (attention metadata, a few hundred kernel calls from Python, pooling or the LM head's
+passes), and on a CPU each doubling of a GEMM's rows gains a few percent, under the tolerance
+each time but not in sum (E1's texts, 2-core AMD EPYC, best of 5 interleaved jobs: 512-token
+bins 8.2 s, 1,024 8.0 s, 4,096 7.7 s, 16,384 7.6 s). A search that stopped at the first
+doubling under the tolerance once ended at 1,024 tokens on E1, and one noisy reading of a
+256-token probe once ended it at 256 (the job then ran about 1.2x slower): a size whose
+forward is too short to time well is never the budget while a larger one fits, and a size
+measured slower is timed once more before it ends the search.
 
 The probes also measure the memory a forward needs per token, which bounds a different number:
 how many tokens of one document longer than a bin may run in a single forward. Such a
@@ -34,12 +34,15 @@ from vacpack.host_memory import PeakAllocation, available_host_memory_bytes, can
 logger = logging.getLogger(__name__)
 
 FIRST_PROBE_TOKENS = 256
-# Doubling the bin must raise tokens/s by at least this much to be worth its memory, unless a
-# forward takes less than MIN_FORWARD_S; a size slower than the best by more than this share is
-# not taken.
-MIN_THROUGHPUT_GAIN = 0.05
-# A forward this long spreads the per-bin host costs (milliseconds) thin enough.
-MIN_FORWARD_S = 0.1
+# A size slower than the best by more than this share ends the search; once forwards are
+# long, a doubling must gain this much to be worth its memory.
+THROUGHPUT_TOLERANCE = 0.05
+# Timings of a forward shorter than this are too noisy to stop on: a best size this short is
+# replaced by the next one whatever their rates.
+NOISY_FORWARD_S = 0.1
+# The search doubles on while a forward is shorter than this, unless a size is slower: per-bin
+# host costs (milliseconds) and the GEMMs' small gains per doubling add up below it.
+SHORT_FORWARD_S = 0.5
 # Share of the memory left after loading that bins may use (the rest: logits slices, the
 # packer's queue, the allocator's fragmentation).
 MEMORY_MARGIN = 0.5
@@ -80,21 +83,23 @@ def measure_bin_budget(
     bytes_per_token = 0.0
     while True:
         try:
-            rate, used_bytes = _probe(forward, device, num_tokens)
+            used_bytes = _warm_up(forward, device, num_tokens)
+            rate = _rate(forward, device, num_tokens)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             break
         bytes_per_token = max(bytes_per_token, used_bytes / num_tokens)
-        # A best size whose forward is short pays per-bin costs the probe hardly shows, and a
-        # short forward's timing is the noisiest: a larger bin replaces it whatever the rates.
-        best_is_short = best_tokens > 0 and best_tokens / best_rate < MIN_FORWARD_S
-        if not best_is_short and rate < best_rate * (1 - MIN_THROUGHPUT_GAIN):
-            break  # slower: bins past the fastest size only cost memory
-        gained = best_is_short or rate > best_rate * (1 + MIN_THROUGHPUT_GAIN)
-        best_tokens, best_rate = num_tokens, rate if best_is_short else max(rate, best_rate)
+        best_is_noisy = best_tokens > 0 and best_tokens / best_rate < NOISY_FORWARD_S
+        if not best_is_noisy and _slower(rate, best_rate):
+            # Once more before it ends the search: a shared host's noise only ever slows.
+            rate = max(rate, _rate(forward, device, num_tokens))
+            if _slower(rate, best_rate):
+                break  # bins past the fastest size only cost memory
+        gained = best_is_noisy or rate > best_rate * (1 + THROUGHPUT_TOLERANCE)
+        best_tokens, best_rate = num_tokens, rate if best_is_noisy else max(rate, best_rate)
         next_tokens = min(num_tokens * 2, max_tokens)
         fits = bytes_per_token * next_tokens <= memory_bytes
-        short_forward = num_tokens / rate < MIN_FORWARD_S
+        short_forward = num_tokens / rate < SHORT_FORWARD_S
         if not (gained or short_forward) or not fits or next_tokens == num_tokens:
             break
         num_tokens = next_tokens
@@ -111,24 +116,29 @@ def measure_bin_budget(
     )
 
 
-def _probe(
-    forward: Callable[[int], None], device: torch.device, num_tokens: int
-) -> tuple[float, float]:
-    """(tokens/s of a warm forward, bytes of peak memory a forward of this size needs)."""
-    # The first forward is also the warm-up (first-call allocations, kernel selection), and
-    # the only one whose memory is measured: sampling it on the host costs a little time.
+def _slower(rate: float, best_rate: float) -> bool:
+    return rate < best_rate * (1 - THROUGHPUT_TOLERANCE)
+
+
+def _warm_up(forward: Callable[[int], None], device: torch.device, num_tokens: int) -> float:
+    """Bytes of peak memory a forward of this size needs, measured on its first run (also the
+    warm-up: first-call allocations, kernel selection). Sampling memory on the host costs a
+    little time, so this run is not timed."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         baseline_bytes = torch.cuda.memory_allocated(device)
         forward(num_tokens)
         torch.cuda.synchronize(device)
-        used_bytes = torch.cuda.max_memory_allocated(device) - baseline_bytes
-    else:
-        with PeakAllocation() as peak:
-            forward(num_tokens)
-        used_bytes = peak.bytes
-    # The best of two timed runs: one run on a shared machine is easily slowed by others.
+        return float(torch.cuda.max_memory_allocated(device) - baseline_bytes)
+    with PeakAllocation() as peak:
+        forward(num_tokens)
+    return float(peak.bytes)
+
+
+def _rate(forward: Callable[[int], None], device: torch.device, num_tokens: int) -> float:
+    """Tokens/s of a warm forward, the best of two runs: one run on a shared machine is easily
+    slowed by others."""
     best_s = float("inf")
     for _ in range(2):
         start_s = time.perf_counter()
@@ -136,4 +146,4 @@ def _probe(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best_s = min(best_s, time.perf_counter() - start_s)
-    return num_tokens / best_s, float(used_bytes)
+    return num_tokens / best_s
