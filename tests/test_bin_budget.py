@@ -105,8 +105,8 @@ def test_a_large_gain_goes_on_past_short_forwards(clock: FakeClock) -> None:
 
 def test_one_slow_reading_is_timed_again_before_it_ends_the_search(clock: FakeClock) -> None:
     """2,048 tokens' first three forwards (warm-up and both timed runs) are slowed, as another
-    process on the host can slow them; the second look reads its true rate and the search
-    goes on."""
+    process on the host can slow them; the second look, right after one more of the best size
+    (1,024), reads its true rate and the search goes on."""
     rate = 10_000.0  # tokens/s at every size: the search ends where forwards grow long
 
     def seconds(num_tokens: int, runs_before: int) -> float:
@@ -115,11 +115,15 @@ def test_one_slow_reading_is_timed_again_before_it_ends_the_search(clock: FakeCl
 
     budget = measure_bin_budget(timed_forward(clock, seconds), CPU, max_tokens=1 << 20)
     assert clock.forwards.count(2048) == 5  # warm-up, two timed, two timed again
+    # The second look: the best size's two timed runs, then 2,048's.
+    assert clock.forwards[12:16] == [1024, 1024, 2048, 2048]
     assert budget.tokens == 8192  # the first forward of SHORT_FORWARD_S or more
     assert 8192 / rate >= SHORT_FORWARD_S > 4096 / rate
 
 
 def test_a_size_slower_on_both_looks_ends_the_search(clock: FakeClock) -> None:
+    """4,096 tokens 20% slower than 2,048 each time: timed again after 2,048 was, still
+    slower, it ends the search and 2,048 is the budget."""
     rate = 10_000.0
 
     def seconds(num_tokens: int, _: int) -> float:
@@ -128,6 +132,7 @@ def test_a_size_slower_on_both_looks_ends_the_search(clock: FakeClock) -> None:
     budget = measure_bin_budget(timed_forward(clock, seconds), CPU, max_tokens=1 << 20)
     assert budget.tokens == 2048
     assert max(probed_sizes(clock)) == 4096
+    assert clock.forwards[-4:] == [2048, 2048, 4096, 4096]
 
 
 @pytest.mark.skipif(not can_measure(), reason="needs glibc's mallinfo2")

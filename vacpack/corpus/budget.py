@@ -11,7 +11,7 @@ bins 8.2 s, 1,024 8.0 s, 4,096 7.7 s, 16,384 7.6 s). A search that stopped at th
 doubling under the tolerance once ended at 1,024 tokens on E1, and one noisy reading of a
 256-token probe once ended it at 256 (the job then ran about 1.2x slower): a size whose
 forward is too short to time well is never the budget while a larger one fits, and a size
-measured slower is timed once more before it ends the search.
+measured slower is timed again, right after the best size is, before it ends the search.
 
 The probes also measure the memory a forward needs per token, which bounds a different number:
 how many tokens of one document longer than a bin may run in a single forward. Such a
@@ -91,7 +91,10 @@ def measure_bin_budget(
         bytes_per_token = max(bytes_per_token, used_bytes / num_tokens)
         best_is_noisy = best_tokens > 0 and best_tokens / best_rate < NOISY_FORWARD_S
         if not best_is_noisy and _slower(rate, best_rate):
-            # Once more before it ends the search: a shared host's noise only ever slows.
+            # Both sizes once more, one right after the other, before this ends the search: a
+            # shared host's noise only ever slows, and a slow spell of a few seconds slows
+            # every reading of the size probed in it.
+            best_rate = max(best_rate, _rate(forward, device, best_tokens))
             rate = max(rate, _rate(forward, device, num_tokens))
             if _slower(rate, best_rate):
                 break  # bins past the fastest size only cost memory
