@@ -7,11 +7,13 @@
 #   bash bench/gpu_session.sh --stages setup,tests,o1  # some stages, in the order given
 #   bash bench/gpu_session.sh --budget-s 540 --archive /tmp/results.tar.gz
 #
-# Stages: setup, tests, o1, g1-0.5b, g1-1.5b, and two on the GPU machine's host CPU (often an
+# Stages: setup, tests, o1, g1-0.5b, g1-1.5b, and three on the GPU machine's host CPU (often an
 # Intel Xeon with AMX, where the CPU issue's targets are also checked), pinned to two of its
 # cores as on the project's 2-core machines, the GPU hidden: cpu-decode
-# (bench/decode_attention.py, bf16) and cpu-g1 (G1 against transformers' generate, bf16; the
-# measured kernel choices are in its JSON). They are not in the default list: name them.
+# (bench/decode_attention.py, bf16), cpu-g1 (G1 against transformers' generate, bf16; the
+# measured kernel choices are in its JSON) and cpu-amx (the AMX attention kernel's tests, on
+# the CPU's tiles where it has them, and bench/prefill_attention.py: the AMX kernel against the
+# AVX-512 one and SDPA). They are not in the default list: name them.
 # Each runs under a time limit: its own nominal one,
 # cut to what is left of --budget-s, so the whole run ends within the budget; a stage that runs
 # past its limit is stopped and the next one starts. Within o1 and g1 every system runs in its
@@ -98,6 +100,7 @@ declare -A NOMINAL_LIMIT_S=(
     [g1-1.5b]=600
     [cpu-decode]=300
     [cpu-g1]=560
+    [cpu-amx]=240
 )
 MIN_STAGE_S=60      # a stage with less time than this left is skipped, not started
 ARCHIVE_RESERVE_S=15
@@ -180,6 +183,13 @@ stage_cpu_g1() {
         --worker-timeout-s "$(( STAGE_LIMIT_S / 2 ))" $(benchmark_budget_args) $G1_ARGS
 }
 
+stage_cpu_amx() {
+    # -rs: the skip reasons say whether the CPU had the tiles.
+    on_two_host_cores "$PYTHON" -m pytest tests/test_amx_attention.py -q -rs || return 1
+    on_two_host_cores "$PYTHON" bench/prefill_attention.py --rounds 7 \
+        --output "$RESULTS_DIR/prefill_attention_cpu_gpu_host.json"
+}
+
 stage_call() {
     case "$1" in
         setup) stage_setup ;;
@@ -189,6 +199,7 @@ stage_call() {
         g1-1.5b) stage_g1 qwen2.5-1.5b ;;
         cpu-decode) stage_cpu_decode ;;
         cpu-g1) stage_cpu_g1 ;;
+        cpu-amx) stage_cpu_amx ;;
     esac
 }
 

@@ -82,7 +82,13 @@ class InjectedTimings:
 
 @pytest.fixture(autouse=True)
 def kernels_eligible(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
+    # The default bf16 implementation only: the choice between it and the AMX kernel is
+    # tested apart (test_amx_attention.py).
+    monkeypatch.setattr(
+        cpu_kernels,
+        "varlen_attention_supported",
+        lambda *args: len(args) < 4 or args[3] == cpu_kernels.DEFAULT_BF16_KERNEL,
+    )
     monkeypatch.setenv("VACPACK_CHOICE_CACHE", str(tmp_path))
 
 

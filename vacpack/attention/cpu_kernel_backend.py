@@ -11,6 +11,9 @@ Decodes whose page tables start with the same pages (a cached prefix, as prefix 
 a shared system prompt) run as a cascade: the step's call covers only their own pages, a second
 call attends every group's query rows to its prefix at once (the prefix's keys packed once per
 group and KV head instead of once per sequence), and the two parts merge by log-sum-exp.
+
+A bf16 model's calls run on one of the bf16 kernel's implementations (`bf16_kernel`: AVX-512
+registers or AMX tiles, measured in selection.py where a CPU has both).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from vacpack.attention.page_tables import padded_page_table
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.attention.torch_sdpa import build_slot_mapping
 from vacpack.cpu_kernels import (
+    DEFAULT_BF16_KERNEL,
     KernelSequences,
     attend,
     attend_with_lse,
@@ -87,8 +91,13 @@ def _paged_sequences(
 class CpuKernelBackend(AttentionBackend):
     name = "cpu_kernels"
 
-    def __init__(self, cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY) -> None:
+    def __init__(
+        self,
+        cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY,
+        bf16_kernel: str = DEFAULT_BF16_KERNEL,
+    ) -> None:
         self.cascade = cascade  # None: every decode reads its whole context itself
+        self.bf16_kernel = bf16_kernel  # which implementation runs bf16 (BF16_KERNELS)
 
     def build_metadata(
         self, layout: BatchLayout, device: torch.device
@@ -148,16 +157,18 @@ class CpuKernelBackend(AttentionBackend):
         if reason is not None:
             raise ValueError(reason)
         if isinstance(metadata, PackedPrefill):
-            return attend(q, k, v, metadata.sequences)
+            return attend(q, k, v, metadata.sequences, bf16_kernel=self.bf16_kernel)
         if kv_layer is None:
             raise ValueError("an engine step needs its layer's KV cache")
         kv_layer.write(metadata.slot_mapping, k, v)
         cache = (kv_layer.keys, kv_layer.values)
         if metadata.cascade is None:
-            return attend(q, *cache, metadata.sequences)
-        out, lse = attend_with_lse(q, *cache, metadata.sequences)
+            return attend(q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel)
+        out, lse = attend_with_lse(q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel)
         rows, prefixes = metadata.cascade.rows, metadata.cascade.prefixes
-        prefix_out, prefix_lse = attend_with_lse(q.index_select(0, rows), *cache, prefixes)
+        prefix_out, prefix_lse = attend_with_lse(
+            q.index_select(0, rows), *cache, prefixes, bf16_kernel=self.bf16_kernel
+        )
         merged = merge_by_lse(
             prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)
         )

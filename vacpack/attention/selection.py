@@ -19,6 +19,10 @@ Options of a backend are measured the same way, each a phase of its own:
   C varlen kernel (cascade.py), on a CPU where that kernel runs for the model's dtype and head
   size. Timed on the engine's decode batch behind the longest prefix the cascade is timed at,
   after sdpa_decode (the cascade's own pages run in that form).
+- cpu_bf16_kernel: which implementation runs the cpu_kernels backend's bf16 calls: the
+  AVX-512 kernel or the AMX one (its products on tiles), on a CPU where both run. Timed on the
+  phase's own workload (a corpus bin; the engine's decode batch, whose choice its prefill steps
+  share).
 - attention_cascade: from which shared prefix length decodes sharing a prefix run as a cascade
   (cascade.py), for the chosen backend where it takes one. Timed on the engine's decode batch
   behind prefixes of a few lengths (PREFIX_BANDS), from the shortest the policy cascades: where
@@ -70,11 +74,13 @@ BACKEND_BUDGET_S = 0.3
 PREFILL_BUDGET_S = 0.25
 DECODE_BUDGET_S = 0.25
 PREFIX_FORM_BUDGET_S = 0.12
+BF16_KERNEL_BUDGET_S = 0.2
 CASCADE_BUDGET_S = 0.12  # per prefix length timed
 
 SDPA_PREFILL_PHASE = "sdpa_prefill"
 SDPA_DECODE_PHASE = "sdpa_decode"
 CASCADE_PREFIX_PHASE = "cascade_prefix"
+BF16_KERNEL_PHASE = "cpu_bf16_kernel"
 CASCADE_PHASE = "attention_cascade"
 # The prefill timed for sdpa_prefill: long enough to be past MIN_KEYS, where the choice applies,
 # short enough that a slow candidate's one call stays within the budget.
@@ -162,6 +168,11 @@ def select_backend(
             if decode is not None:
                 tuned.append(decode)
                 options.append(("decode_form", decode.chosen))
+        if "bf16_kernel" in declared:
+            bf16_kernel = _choose_bf16_kernel(device, shapes, workload, measure)
+            if bf16_kernel is not None:
+                tuned.append(bf16_kernel)
+                options.append(("bf16_kernel", bf16_kernel.chosen))
         if "prefix_form" in declared and isinstance(workload, DecodeBatchShape):
             prefix_form = _choose_prefix_form(device, shapes, workload, dict(options), measure)
             if prefix_form is not None:
@@ -282,6 +293,47 @@ def _choose_decode_form(
             device,
         ),
         budget_s=DECODE_BUDGET_S,
+    )
+
+
+def bf16_kernels_here(device: torch.device, shapes: AttentionShapes) -> list[str]:
+    """The implementations of the C kernel's bf16 attention that run this model here."""
+    if device.type != "cpu" or shapes.dtype != torch.bfloat16:
+        return []
+    return [
+        name
+        for name in cpu_kernels.BF16_KERNELS
+        if cpu_kernels.varlen_attention_supported(device, shapes.dtype, shapes.head_dim, name)
+    ]
+
+
+def _choose_bf16_kernel(
+    device: torch.device,
+    shapes: AttentionShapes,
+    workload: Workload,
+    measure: Measure,
+) -> MeasuredChoice | None:
+    """AVX-512 registers or AMX tiles for the cpu_kernels backend's bf16 calls; None where
+    fewer than two implementations run here (the default one then runs, where it does)."""
+    candidates = bf16_kernels_here(device, shapes)
+    if len(candidates) < 2:
+        return None
+    return measure(
+        BF16_KERNEL_PHASE,
+        f"{shapes.key()}; {workload.key()}",
+        candidates,
+        lambda: timed_calls(
+            {
+                name: functools.partial(
+                    create_backend, "cpu_kernels", cascade=None, bf16_kernel=name
+                )
+                for name in candidates
+            },
+            shapes,
+            workload,
+            device,
+        ),
+        budget_s=BF16_KERNEL_BUDGET_S,
     )
 
 

@@ -1,6 +1,9 @@
-"""Hand-written CPU kernels (C, AVX-512 BF16) for what PyTorch's CPU kernels do slowly."""
+"""Hand-written CPU kernels (C: portable, AVX-512 BF16, AMX) for what PyTorch's CPU kernels do
+slowly."""
 
 from vacpack.cpu_kernels.attention import (
+    BF16_KERNELS,
+    DEFAULT_BF16_KERNEL,
     KernelSequences,
     attend,
     attend_with_lse,
@@ -8,11 +11,14 @@ from vacpack.cpu_kernels.attention import (
     paged_attention,
     paged_attention_with_lse,
     paged_sequences,
+    tile_kernel_ready,
     varlen_attention,
     varlen_attention_supported,
 )
 
 __all__ = [
+    "BF16_KERNELS",
+    "DEFAULT_BF16_KERNEL",
     "KernelSequences",
     "attend",
     "attend_with_lse",
@@ -20,6 +26,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_with_lse",
     "paged_sequences",
+    "tile_kernel_ready",
     "varlen_attention",
     "varlen_attention_supported",
 ]

@@ -1,7 +1,7 @@
 """Attention on CPUs in one C call per batch: packed variable-length sequences, and queries
 over a paged KV cache (with log-sum-exp, for cascades). bf16 from varlen_attention.c (x86 with
-AVX512-BF16), float32 from varlen_attention_f32.c (plain C vectorised for the CPU at hand: any
-CPU with a C compiler).
+AVX512-BF16) or varlen_attention_amx.c (its products on AMX tiles, x86 with AMX), float32 from
+varlen_attention_f32.c (plain C vectorised for the CPU at hand: any CPU with a C compiler).
 
 PyTorch's CPU attention kernel runs at a fraction of the CPU's matmul speed on small heads:
 with 32-dim heads (all-MiniLM-L6-v2) it is bound by its float32 exponentials and the
@@ -16,13 +16,17 @@ gathers. Which of them runs a model's attention is measured against PyTorch's pa
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.build import AMX, EMULATED_TILES, KernelFunction, kernel_function
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
+
+logger = logging.getLogger(__name__)
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -31,6 +35,13 @@ _LIBRARIES: dict[torch.dtype, tuple[str, bool, str, int]] = {
     torch.bfloat16: ("varlen_attention", False, "varlen_attention_bf16", 32),
     torch.float32: ("varlen_attention_f32", True, "varlen_attention_f32", 8),
 }
+# The bf16 kernel's two implementations, either of which may be the faster on a CPU that has
+# both (selection.py measures which): its products as AVX-512 VDPBF16PS on registers, or on AMX
+# tiles. "emulated_tiles" is the AMX kernel with its tile instructions run in plain C, on any
+# CPU: slow, for tests of the AMX kernel on machines without AMX.
+BF16_KERNELS = ("avx512_bf16", "amx")
+DEFAULT_BF16_KERNEL = "avx512_bf16"
+_TILE_KERNELS = {"amx": AMX, "emulated_tiles": EMULATED_TILES}
 MAX_HEAD_DIM = 256
 PROFILER_NAME = "vacpack::varlen_attention"
 
@@ -48,11 +59,89 @@ _ARGTYPES = [
 ]
 
 
-def _kernel(dtype: torch.dtype) -> KernelFunction | None:
+def _kernel(dtype: torch.dtype, bf16_kernel: str = DEFAULT_BF16_KERNEL) -> KernelFunction | None:
     if dtype not in _LIBRARIES:
         return None
+    if dtype == torch.bfloat16 and bf16_kernel in _TILE_KERNELS:
+        return _tile_kernel(bf16_kernel)
+    if bf16_kernel != DEFAULT_BF16_KERNEL and dtype == torch.bfloat16:
+        raise ValueError(f"bf16_kernel must be one of {BF16_KERNELS}, got {bf16_kernel!r}")
     library, portable, function, _ = _LIBRARIES[dtype]
     return kernel_function(library, function, _ARGTYPES, ctypes.c_int, portable=portable)
+
+
+@functools.cache
+def _tile_kernel(name: str) -> KernelFunction | None:
+    """The AMX kernel (or its emulation), once the process may use the tiles and the kernel
+    has computed a small attention like the float32 reference: written where no AMX CPU was at
+    hand to test on, it proves itself on the CPU that runs it before any model does."""
+    emulated = name == "emulated_tiles"
+    library = "varlen_attention_amx"
+    variant = _TILE_KERNELS[name]
+    ready = kernel_function(
+        library, "varlen_attention_amx_ready", [], ctypes.c_int, portable=emulated, variant=variant
+    )
+    if ready is None:
+        return None
+    error = ready()
+    if error != 0:
+        logger.info("AMX attention off: the kernel refused the tiles' state (%d)", error)
+        return None
+    kernel = kernel_function(
+        library, "varlen_attention_amx", _ARGTYPES, ctypes.c_int, portable=emulated, variant=variant
+    )
+    if kernel is None:
+        return None
+    difference = _self_check(kernel)
+    if difference > SELF_CHECK_TOLERANCE:
+        logger.warning(
+            "AMX attention off: its self-check differs from the float32 reference by %.3g",
+            difference,
+        )
+        return None
+    return kernel
+
+
+# The self-check's largest difference from the float32 reference that bf16 rounding explains
+# (the AVX-512 kernel's is about 0.004 on its inputs).
+SELF_CHECK_TOLERANCE = 0.03
+
+
+def _self_check(kernel: KernelFunction) -> float:
+    """The largest difference between `kernel` and float32 attention on two causal sequences
+    of 19 and 45 tokens, 4 query heads on 2 KV heads of 64 dims, in bf16."""
+    generator = torch.Generator().manual_seed(0)
+    seq_lens, num_heads, num_kv_heads, head_dim = (19, 45), 4, 2, 64
+    num_tokens = sum(seq_lens)
+    q, k, v = (
+        torch.randn(num_tokens, heads, head_dim, generator=generator).to(torch.bfloat16)
+        for heads in (num_heads, num_kv_heads, num_kv_heads)
+    )
+    cu_seqlens = torch.tensor([0, seq_lens[0], num_tokens], dtype=torch.int64)
+    out = torch.empty_like(q)
+    status = kernel(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        cu_seqlens.data_ptr(), cu_seqlens.data_ptr(), len(seq_lens),
+        num_heads, num_kv_heads, head_dim,
+        q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+        None, 0, 0, None, head_dim**-0.5, 1, 1, 1,
+    )  # fmt: skip
+    if status != 0:
+        return float("inf")
+    expected = []
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+        heads_first = [x[start:end].float().transpose(0, 1) for x in (q, k, v)]
+        group = num_heads // num_kv_heads
+        keys, values = (x.repeat_interleave(group, dim=0) for x in heads_first[1:])
+        attended = F.scaled_dot_product_attention(heads_first[0], keys, values, is_causal=True)
+        expected.append(attended.transpose(0, 1))
+    return float((out.float() - torch.cat(expected)).abs().max())
+
+
+def tile_kernel_ready(bf16_kernel: str = "amx") -> bool:
+    """Whether the AMX attention kernel ("amx") or its emulation ("emulated_tiles") runs here:
+    it builds, the CPU has the tiles, and it passed its self-check."""
+    return _tile_kernel(bf16_kernel) is not None
 
 
 def head_dim_multiple(dtype: torch.dtype) -> int:
@@ -60,15 +149,21 @@ def head_dim_multiple(dtype: torch.dtype) -> int:
     return _LIBRARIES[dtype][3] if dtype in _LIBRARIES else 0
 
 
-def varlen_attention_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether varlen_attention runs here for tensors of this device, dtype and head size."""
+def varlen_attention_supported(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    bf16_kernel: str = DEFAULT_BF16_KERNEL,
+) -> bool:
+    """Whether varlen_attention runs here for tensors of this device, dtype and head size (in
+    bf16, on the implementation `bf16_kernel`)."""
     multiple = head_dim_multiple(dtype)
     return (
         device.type == "cpu"
         and multiple > 0
         and head_dim % multiple == 0
         and head_dim <= MAX_HEAD_DIM
-        and _kernel(dtype) is not None
+        and _kernel(dtype, bf16_kernel) is not None
     )
 
 
@@ -147,13 +242,15 @@ def attend(
     sequences: KernelSequences,
     *,
     scale: float | None = None,
+    bf16_kernel: str = DEFAULT_BF16_KERNEL,
 ) -> torch.Tensor:
     """Attention of the packed queries q [q_tokens, heads, dim] over k and v: [k_tokens,
     kv_heads, dim] token streams, or [slots, kv_heads, dim] caches when `sequences` has page
     tables. When causal, each sequence's queries are its last tokens: query i of n_q sees keys
     0..n_k-n_q+i. Keys and values are in q's dtype, or bf16 under float32 queries (a cache
-    kept in bf16). Returns q's shape."""
-    out, _ = _attention(q, k, v, sequences, scale, with_lse=False)
+    kept in bf16). bf16_kernel: which implementation runs bf16 (BF16_KERNELS). Returns q's
+    shape."""
+    out, _ = _attention(q, k, v, sequences, scale, bf16_kernel, with_lse=False)
     return out
 
 
@@ -164,10 +261,11 @@ def attend_with_lse(
     sequences: KernelSequences,
     *,
     scale: float | None = None,
+    bf16_kernel: str = DEFAULT_BF16_KERNEL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attend, and each row's float32 log-sum-exp of its scaled scores ([q_tokens, heads]),
     to merge with attention over other keys (cascade.merge_by_lse)."""
-    out, lse = _attention(q, k, v, sequences, scale, with_lse=True)
+    out, lse = _attention(q, k, v, sequences, scale, bf16_kernel, with_lse=True)
     assert lse is not None
     return out, lse
 
@@ -198,11 +296,12 @@ def paged_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    bf16_kernel: str = DEFAULT_BF16_KERNEL,
 ) -> torch.Tensor:
     """attend over a paged KV cache, in one call (see paged_sequences). One call covers
     decodes, fresh prefills and prefill chunks over cached pages alike."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
-    return attend(q, key_cache, value_cache, sequences, scale=scale)
+    return attend(q, key_cache, value_cache, sequences, scale=scale, bf16_kernel=bf16_kernel)
 
 
 def paged_attention_with_lse(
@@ -216,10 +315,13 @@ def paged_attention_with_lse(
     *,
     causal: bool = True,
     scale: float | None = None,
+    bf16_kernel: str = DEFAULT_BF16_KERNEL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention and each row's log-sum-exp (see attend_with_lse)."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
-    return attend_with_lse(q, key_cache, value_cache, sequences, scale=scale)
+    return attend_with_lse(
+        q, key_cache, value_cache, sequences, scale=scale, bf16_kernel=bf16_kernel
+    )
 
 
 def _attention(
@@ -228,10 +330,12 @@ def _attention(
     v: torch.Tensor,
     sequences: KernelSequences,
     scale: float | None,
+    bf16_kernel: str,
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    kernel = _kernel(q.dtype)
-    if kernel is None or not varlen_attention_supported(q.device, q.dtype, q.shape[-1]):
+    kernel = _kernel(q.dtype, bf16_kernel)
+    supported = varlen_attention_supported(q.device, q.dtype, q.shape[-1], bf16_kernel)
+    if kernel is None or not supported:
         raise RuntimeError(
             "the CPU attention kernel needs bf16 or float32 CPU tensors, a head size it takes "
             "and its library"

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,23 @@ COMPILE_FLAGS = (
     "-mavx512bf16",
     "-mfma",
 )
+
+
+@dataclass(frozen=True)
+class BuildVariant:
+    """Another build of a kernel source: its name (part of the library's file name), the
+    compiler flags it adds to its build's, and the CPU flags it needs besides theirs."""
+
+    name: str
+    extra_flags: tuple[str, ...]
+    required_cpu_flags: tuple[str, ...] = ()
+
+
+# AMX tiles for bf16 products (tiles.h): Intel Sapphire Rapids on.
+AMX = BuildVariant("amx", ("-mamx-tile", "-mamx-bf16"), ("amx_tile", "amx_bf16"))
+# tiles.h's operations in plain C, on any CPU: tests of a kernel's tile code without AMX.
+EMULATED_TILES = BuildVariant("emulated_tiles", ("-DVACPACK_EMULATE_TILES",))
+
 # A C function of a loaded library, its argtypes set: called with ints, floats and pointers.
 KernelFunction = Callable[..., Any]
 
@@ -108,16 +126,23 @@ def _compile(compiler: str, source: Path, target: Path, flags: tuple[str, ...]) 
 
 
 @functools.cache
-def load_kernel_library(name: str, portable: bool = False) -> ctypes.CDLL | None:
+def load_kernel_library(
+    name: str, portable: bool = False, variant: BuildVariant | None = None
+) -> ctypes.CDLL | None:
     """The compiled library of `name`.c in this folder, or None where it cannot run here.
 
-    portable: plain C that any x86 or ARM CPU runs, vectorised for this one (no CPU check)."""
+    portable: plain C that any x86 or ARM CPU runs, vectorised for this one (no CPU check).
+    variant: built with its flags too, where the CPU has the flags it needs."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     flags = PORTABLE_COMPILE_FLAGS if portable else COMPILE_FLAGS
-    missing = [] if portable else [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
+    required = () if portable else REQUIRED_CPU_FLAGS
+    if variant is not None:
+        flags = (*flags, *variant.extra_flags)
+        required = (*required, *variant.required_cpu_flags)
+    missing = [flag for flag in required if flag not in cpu_flags()]
     if missing:
-        logger.info("CPU kernels off: this CPU lacks %s", ", ".join(missing))
+        logger.info("CPU kernel %s off: this CPU lacks %s", name, ", ".join(missing))
         return None
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
@@ -136,7 +161,8 @@ def load_kernel_library(name: str, portable: bool = False) -> ctypes.CDLL | None
         + version.encode()
         + cpu.encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{digest}.so"
+    label = name if variant is None else f"{name}-{variant.name}"
+    target = cache_dir() / f"{label}-{digest}.so"
     if not target.exists():
         try:
             _compile(compiler, source, target, flags)
@@ -156,10 +182,11 @@ def kernel_function(
     restype: Any = None,
     *,
     portable: bool = False,
+    variant: BuildVariant | None = None,
 ) -> KernelFunction | None:
     """The C function `function_name` of library `library_name`, its argument and result types
     set on first use; None where the library cannot run here (see load_kernel_library)."""
-    library = load_kernel_library(library_name, portable)
+    library = load_kernel_library(library_name, portable, variant)
     if library is None:
         return None
     function = getattr(library, function_name)
