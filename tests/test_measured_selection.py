@@ -38,6 +38,12 @@ from vacpack.tuning import cache as cache_module
 
 CPU = torch.device("cpu")
 KERNELS_RUN_HERE = cpu_kernels.varlen_attention_supported(CPU, torch.bfloat16, 32)
+# Candidates whose real call runs here (the others only cost what they are given).
+REAL_CALLS_RUN = {
+    "cpu_kernels": KERNELS_RUN_HERE,
+    "avx512_bf16": KERNELS_RUN_HERE,
+    "amx": cpu_kernels.tile_kernel_ready("amx"),
+}
 # Too short for the blocked prefill (sdpa_prefill is not measured): only the backends are.
 SHORT = AttentionShapes(4, 2, 32, torch.bfloat16, max_model_len=128)
 LONG = AttentionShapes(4, 2, 32, torch.bfloat16, max_model_len=1024)
@@ -73,7 +79,7 @@ class InjectedTimings:
             if isinstance(cost, Exception):
                 raise cost
             first = log.count(name) == 1
-            if first and (name != "cpu_kernels" or KERNELS_RUN_HERE):
+            if first and REAL_CALLS_RUN.get(name, True):
                 real()
             self.clock.now_s += cost
 
@@ -439,6 +445,32 @@ def test_prefill_steps_run_on_the_backend_that_wins_them(
         assert isinstance(selected.backend, StepRoutedBackend)
         assert selected.backend.decode.name == "cpu_kernels"
         assert selected.backend.prefill.name == "torch_sdpa"
+
+
+def test_the_bf16_kernel_is_chosen_apart_for_prefill_steps(
+    inject, prefill_forced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where both bf16 implementations run (an AMX Xeon), the C kernel backend's decodes and
+    prefill steps each take the one that wins them: the engine's backend routes prefill steps
+    to the cpu_kernels backend on AMX tiles, decodes to the one on AVX-512 registers."""
+    monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
+    shared = {"cascade": 0.1, "no_cascade": 0.1, "cpu_kernels": 0.001, "torch_sdpa": 0.002}
+    timings = inject(
+        shared | {"avx512_bf16": 0.001, "amx": 0.002},
+        prefill_costs=shared | {"avx512_bf16": 0.003, "amx": 0.001},
+    )
+    selected = select_backend(
+        "auto", CPU, SHORT, DECODES, prefill_step=PREFILL_STEP, clock=timings.clock
+    )
+    bf16_choices = [c for c in selected.choices if c.phase == selection.BF16_KERNEL_PHASE]
+    assert [c.chosen for c in bf16_choices] == ["avx512_bf16", "amx"]
+    assert DECODES.key() in bf16_choices[0].shape_key
+    assert PREFILL_STEP.key() in bf16_choices[1].shape_key
+    backend = selected.backend
+    assert isinstance(backend, StepRoutedBackend)
+    assert backend.decode.name == backend.prefill.name == "cpu_kernels"
+    assert backend.decode.bf16_kernel == "avx512_bf16"
+    assert backend.prefill.bf16_kernel == "amx"
 
 
 def test_a_forced_backend_runs_every_step(inject, prefill_forced) -> None:

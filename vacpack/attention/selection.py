@@ -21,8 +21,9 @@ Options of a backend are measured the same way, each a phase of its own:
   after sdpa_decode (the cascade's own pages run in that form).
 - cpu_bf16_kernel: which implementation runs the cpu_kernels backend's bf16 calls: the
   AVX-512 kernel or the AMX one (its products on tiles), on a CPU where both run. Timed on the
-  phase's own workload (a corpus bin; the engine's decode batch, whose choice its prefill steps
-  share).
+  phase's own workload (a corpus bin; the engine's decode batch), and for the engine on its
+  prefill step too: where the two differ, steps with prefill run on the cpu_kernels backend with
+  the implementation that won them (step_routed.py).
 - attention_cascade: from which shared prefix length decodes sharing a prefix run as a cascade
   (cascade.py), for the chosen backend where it takes one. Timed on the engine's decode batch
   behind prefixes of a few lengths (PREFIX_BANDS), from the shortest the policy cascades: where
@@ -153,41 +154,54 @@ def select_backend(
     tuned: list[MeasuredChoice] = []
     measure: Measure = functools.partial(choose, cache_dir=cache_dir, clock=clock)
 
+    def options_of(backend_name: str, timed: Workload | None = None) -> tuple[tuple[str, Any], ...]:
+        """The measured options of a backend, measured when first asked for: on the phase's
+        workload, but for the bf16 kernel, which is chosen on `timed` where given (an AMX
+        kernel may win the engine's prefill steps and lose its decodes)."""
+        return measured_options(backend_name, workload if timed is None else timed)
+
     @functools.cache
-    def options_of(backend_name: str) -> tuple[tuple[str, Any], ...]:
-        """The measured options of a backend, measured when first asked for."""
+    def measured_options(backend_name: str, timed: Workload) -> tuple[tuple[str, Any], ...]:
         declared = SPECS_BY_NAME[backend_name].options
-        options: list[tuple[str, Any]] = []
+        if timed != workload:
+            options = dict(options_of(backend_name))
+            if "bf16_kernel" in declared:
+                bf16_kernel = _choose_bf16_kernel(device, shapes, timed, measure)
+                if bf16_kernel is not None:
+                    tuned.append(bf16_kernel)
+                    options["bf16_kernel"] = bf16_kernel.chosen
+            return tuple(options.items())
+        options_list: list[tuple[str, Any]] = []
         if "blocked_prefill" in declared:
             prefill = _choose_sdpa_prefill(device, shapes, workload, measure)
             if prefill is not None:
                 tuned.append(prefill)
-                options.append(("blocked_prefill", prefill.chosen == "blocked"))
+                options_list.append(("blocked_prefill", prefill.chosen == "blocked"))
         if "decode_form" in declared and isinstance(workload, DecodeBatchShape):
             decode = _choose_decode_form(device, shapes, workload, measure)
             if decode is not None:
                 tuned.append(decode)
-                options.append(("decode_form", decode.chosen))
+                options_list.append(("decode_form", decode.chosen))
         if "bf16_kernel" in declared:
             bf16_kernel = _choose_bf16_kernel(device, shapes, workload, measure)
             if bf16_kernel is not None:
                 tuned.append(bf16_kernel)
-                options.append(("bf16_kernel", bf16_kernel.chosen))
+                options_list.append(("bf16_kernel", bf16_kernel.chosen))
         if "prefix_form" in declared and isinstance(workload, DecodeBatchShape):
-            prefix_form = _choose_prefix_form(device, shapes, workload, dict(options), measure)
+            prefix_form = _choose_prefix_form(device, shapes, workload, dict(options_list), measure)
             if prefix_form is not None:
                 tuned.append(prefix_form)
-                options.append(("prefix_form", prefix_form.chosen))
-        return tuple(options)
+                options_list.append(("prefix_form", prefix_form.chosen))
+        return tuple(options_list)
 
-    def build(backend_name: str, **options: Any) -> AttentionBackend:
-        return create_backend(backend_name, **dict(options_of(backend_name)), **options)
+    def build(backend_name: str, timed: Workload | None = None, **options: Any) -> AttentionBackend:
+        return create_backend(backend_name, **dict(options_of(backend_name, timed)), **options)
 
     def choose_backend(timed: Workload) -> MeasuredChoice:
         def backend_calls() -> dict[str, TimedCall]:
             for backend_name in runnable:
-                options_of(backend_name)  # measured first: its timing is not the backends'
-            factories = {n: functools.partial(build, n) for n in runnable}
+                options_of(backend_name, timed)  # measured first: not the backends' timing
+            factories = {n: functools.partial(build, n, timed) for n in runnable}
             return timed_calls(factories, shapes, timed, device)
 
         return measure(
@@ -211,12 +225,18 @@ def select_backend(
             tuned.extend(choice for _, choice in cascade_timed)
             options["cascade"] = cascade_policy(cascade_timed)
     backend = build(chosen, **options)
-    choices = [backend_choice, *tuned]
+    routing: list[MeasuredChoice] = []
     if prefill_step is not None:
         prefill_choice = choose_backend(prefill_step)
-        choices.append(prefill_choice)
-        if prefill_choice.chosen != chosen:
-            backend = StepRoutedBackend(decode=backend, prefill=build(prefill_choice.chosen))
+        routing.append(prefill_choice)
+        prefill_backend = prefill_choice.chosen
+        prefill_options = options_of(prefill_backend, prefill_step)
+        if prefill_backend != chosen or prefill_options != options_of(chosen):
+            backend = StepRoutedBackend(
+                decode=backend, prefill=build(prefill_backend, prefill_step)
+            )
+    # After the prefill step's: its bf16 kernel choice joins `tuned`.
+    choices = [backend_choice, *tuned, *routing]
     sole = ChoiceSource.ONLY_CANDIDATE
     return SelectedBackend(backend, tuple(c for c in choices if c.source is not sole))
 
