@@ -51,6 +51,22 @@ def test_the_bf16_kernels_build_where_the_cpu_has_the_instructions(kernel_cache:
     assert library is not None and hasattr(library, "varlen_attention_bf16")
 
 
+def test_a_variant_builds_apart_where_the_cpu_has_its_flags(kernel_cache: Path) -> None:
+    """The AMX kernel's emulated build (any CPU) is a library of its own beside the plain
+    build's; a variant needing a CPU flag this CPU lacks is not built at all."""
+    emulated = build.load_kernel_library.__wrapped__(
+        "varlen_attention_amx", portable=True, variant=build.EMULATED_TILES
+    )
+    assert emulated is not None and hasattr(emulated, "varlen_attention_amx")
+    assert len(list(kernel_cache.glob("varlen_attention_amx-emulated_tiles-*.so"))) == 1
+    unknown = build.BuildVariant("future", ("-DFUTURE",), ("no_such_cpu_flag",))
+    assert build.load_kernel_library.__wrapped__(PORTABLE, portable=True, variant=unknown) is None
+    assert not list(kernel_cache.glob(f"{PORTABLE}-future-*.so"))
+    has_amx = {"amx_tile", "amx_bf16", *build.REQUIRED_CPU_FLAGS} <= build.cpu_flags()
+    amx = build.load_kernel_library.__wrapped__("varlen_attention_amx", variant=build.AMX)
+    assert (amx is not None) == has_amx
+
+
 def test_a_failing_build_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
