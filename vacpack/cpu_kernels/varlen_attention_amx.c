@@ -1,7 +1,8 @@
 // Packed (variable-length) attention on bf16 with AMX tiles, for x86 CPUs that have them
 // (Intel Sapphire Rapids on). The same call, tasks and layouts as varlen_attention.c, whose
 // header describes them; here both products run on the tiles (tiles.h), the rest (packing,
-// softmax, normalising) in plain C vectorised by the compiler (vec8.h).
+// softmax, normalising) in plain C over GCC's vector types (16 float32 lanes for the softmax,
+// vec8.h's 8-lane transposes for packing keys).
 //
 // A task packs the keys it can see into the tiles' B layout, which is also
 // varlen_attention.c's ([key block of 16][dim pair][16 keys][2 dims]), and its values into
@@ -49,19 +50,27 @@ static inline const bf16* key_row(const KeyRows* rows, int64_t j) {
     return rows->base + (page * rows->page_size + j % rows->page_size) * rows->stride;
 }
 
-// float32 to bf16, rounding to nearest even (as the CPU's conversion instructions do; no NaN
-// reaches here: scores of finite keys and queries are finite).
-static inline bf16 to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof(bits));
-    return (bf16)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+// Sixteen float32 lanes: one AVX-512 register where the tiles exist, two AVX registers in the
+// emulated build. The softmax is most of this kernel's work once both products run on the
+// tiles, so it takes the widest registers there are (vec8.h's 8 lanes would halve its speed).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f load16(const float* p) {
+    v16f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
 }
 
-static inline void store8_bf16(bf16* p, v8f x) {
-    v8u bits;
+// float32 to bf16, rounding to nearest even (as the CPU's conversion instructions do; no NaN
+// reaches here: scores of finite keys and queries are finite).
+static inline void store16_bf16(bf16* p, v16f x) {
+    v16u bits;
     memcpy(&bits, &x, sizeof(bits));
-    const v8u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const v8h half = __builtin_convertvector(rounded, v8h);
+    const v16u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const v16h half = __builtin_convertvector(rounded, v16h);
     memcpy(p, &half, sizeof(half));
 }
 
@@ -149,32 +158,32 @@ static void block_scores(const bf16* queries, const uint32_t* packed_keys, int64
 }
 
 // Softmax of one row over its first `visible` scores, written as bf16 probabilities up to
-// n_padded (zeros past `visible`); returns the float32 sum of the probabilities and sets
-// max_log2 to the largest scaled score, in log2 units.
+// n_padded (a multiple of 16; zeros past `visible`); returns the float32 sum of the
+// probabilities and sets max_log2 to the largest scaled score, in log2 units.
 static float row_softmax(const float* scores, int64_t visible, int64_t n_padded,
                          float log2_scale, bf16* probs, float* max_log2) {
-    const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    v8f most = splat8(-INFINITY);
-    for (int64_t j = 0; j < visible; j += 8) {
-        const v8f s = load8(scores + j);
-        const v8i take = (lanes + (int32_t)j < (int32_t)visible) & (s > most);
-        most = select8(take, s, most);
+    const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16f most = (v16f){0} - INFINITY;
+    for (int64_t j = 0; j < visible; j += 16) {
+        const v16f s = load16(scores + j);
+        const v16i take = (lanes + (int32_t)j < (int32_t)visible) & (s > most);
+        most = (v16f)(((v16i)s & take) | ((v16i)most & ~take));
     }
     float largest = most[0];
-    for (int i = 1; i < 8; ++i) largest = most[i] > largest ? most[i] : largest;
+    for (int i = 1; i < 16; ++i) largest = most[i] > largest ? most[i] : largest;
     *max_log2 = largest * log2_scale;
-    v8f sum = splat8(0.0f);
+    v16f sum = {0};
     int64_t j = 0;
-    for (; j < visible; j += 8) {
-        const v8f x = load8(scores + j) * log2_scale - *max_log2;
-        const v8i seen = lanes + (int32_t)j < (int32_t)visible;
-        const v8f p = select8(seen, exp2_nonpositive8(x), splat8(0.0f));
+    for (; j < visible; j += 16) {
+        const v16f x = load16(scores + j) * log2_scale - *max_log2;
+        const v16i seen = lanes + (int32_t)j < (int32_t)visible;
+        const v16f p = (v16f)((v16i)EXP2_NONPOSITIVE(v16f, v16i, x) & seen);
         sum += p;
-        store8_bf16(probs + j, p);
+        store16_bf16(probs + j, p);
     }
-    for (; j < n_padded; j += 8) memset(probs + j, 0, 8 * sizeof(bf16));
+    for (; j < n_padded; j += 16) memset(probs + j, 0, 16 * sizeof(bf16));
     float total = 0.0f;
-    for (int i = 0; i < 8; ++i) total += sum[i];
+    for (int i = 0; i < 16; ++i) total += sum[i];
     return total;
 }
 
@@ -291,8 +300,8 @@ int varlen_attention_amx(const bf16* q, const bf16* k, const bf16* v, bf16* out,
                 for (int r = 0; r < num_rows; ++r) {
                     const float inverse = 1.0f / sums[r];
                     bf16* dst = out + tokens[r] * out_stride + heads[r] * head_dim;
-                    for (int64_t d = 0; d < head_dim; ++d)
-                        dst[d] = to_bf16(block_out[r * head_dim + d] * inverse);
+                    for (int64_t d = 0; d < head_dim; d += 16)
+                        store16_bf16(dst + d, load16(block_out + r * head_dim + d) * inverse);
                     if (lse)
                         lse[tokens[r] * num_heads + heads[r]] = (maxima[r] + log2f(sums[r])) * LN2;
                 }

@@ -79,26 +79,30 @@ static inline v8f select8(v8i mask, v8f a, v8f b) {
     return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
 }
 
-// 2^x for x <= 0 on eight lanes, to float32 accuracy (relative error below 2e-7): x = n + f
-// with n the nearest integer (adding and subtracting 1.5 * 2^23 rounds, exactly for |x| <
-// 2^22) and f in [-0.5, 0.5]; 2^f = e^(f ln 2) by its Taylor terms (ln 2)^k / k! to degree 6,
-// 2^n built in the exponent bits. x below -126 gives 2^-126 (a visible key's weight is never
-// that small against the largest, whose weight is 1).
-static inline v8f exp2_nonpositive8(v8f x) {
-    const v8f lowest = splat8(-126.0f);
-    x = select8(x < lowest, lowest, x);
-    const v8f n = (x + 12582912.0f) - 12582912.0f;
-    const v8f f = x - n;
-    v8f p = splat8(1.5403530e-4f);
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const v8i exponent_bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)exponent_bits;
-}
+// 2^x for x <= 0 on every lane of a float vector of type V (VI: its int32 twin), to float32
+// accuracy (relative error below 2e-7): x = n + f with n the nearest integer (adding and
+// subtracting 1.5 * 2^23 rounds, exactly for |x| < 2^22) and f in [-0.5, 0.5]; 2^f = e^(f ln 2)
+// by its Taylor terms (ln 2)^k / k! to degree 6, 2^n built in the exponent bits. x below -126
+// gives 2^-126 (a visible key's weight is never that small against the largest, whose weight is
+// 1). A macro over the vector type, so that kernels of 8 lanes and of 16 share the polynomial.
+#define EXP2_NONPOSITIVE(V, VI, x_value)                                               \
+    __extension__({                                                                    \
+        V x_ = (x_value);                                                              \
+        const VI clamped_ = x_ < -126.0f;                                              \
+        x_ = (V)(((VI)((V){0} - 126.0f) & clamped_) | ((VI)x_ & ~clamped_));           \
+        const V n_ = (x_ + 12582912.0f) - 12582912.0f;                                 \
+        const V f_ = x_ - n_;                                                          \
+        V p_ = (V){0} + 1.5403530e-4f;                                                 \
+        p_ = p_ * f_ + 1.3333558e-3f;                                                  \
+        p_ = p_ * f_ + 9.6181291e-3f;                                                  \
+        p_ = p_ * f_ + 5.5504109e-2f;                                                  \
+        p_ = p_ * f_ + 2.4022651e-1f;                                                  \
+        p_ = p_ * f_ + 6.9314718e-1f;                                                  \
+        p_ = p_ * f_ + 1.0f;                                                           \
+        p_ * (V)((__builtin_convertvector(n_, VI) + 127) << 23);                       \
+    })
+
+static inline v8f exp2_nonpositive8(v8f x) { return EXP2_NONPOSITIVE(v8f, v8i, x); }
 
 #define LOG2E 1.4426950408889634f  // 1 / ln 2
 #define LN2_HI 0.693145751953125f  // ln 2 split in two, so n * LN2_HI is exact for |n| < 2^9
