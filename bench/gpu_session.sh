@@ -12,8 +12,9 @@
 # cores as on the project's 2-core machines, the GPU hidden: cpu-decode
 # (bench/decode_attention.py, bf16), cpu-g1 (G1 against transformers' generate, bf16; the
 # measured kernel choices are in its JSON) and cpu-amx (the AMX attention kernel's tests, on
-# the CPU's tiles where it has them, and bench/prefill_attention.py: the AMX kernel against the
-# AVX-512 one and SDPA). They are not in the default list: name them.
+# the CPU's tiles where it has them, bench/prefill_attention.py: the AMX kernel against the
+# AVX-512 one and SDPA, and an audit of G1's measured choices in bf16). They are not in the
+# default list: name them.
 # Each runs under a time limit: its own nominal one,
 # cut to what is left of --budget-s, so the whole run ends within the budget; a stage that runs
 # past its limit is stopped and the next one starts. Within o1 and g1 every system runs in its
@@ -100,7 +101,7 @@ declare -A NOMINAL_LIMIT_S=(
     [g1-1.5b]=600
     [cpu-decode]=300
     [cpu-g1]=560
-    [cpu-amx]=240
+    [cpu-amx]=480
 )
 MIN_STAGE_S=60      # a stage with less time than this left is skipped, not started
 ARCHIVE_RESERVE_S=15
@@ -187,7 +188,10 @@ stage_cpu_amx() {
     # -rs: the skip reasons say whether the CPU had the tiles.
     on_two_host_cores "$PYTHON" -m pytest tests/test_amx_attention.py -q -rs || return 1
     on_two_host_cores "$PYTHON" bench/prefill_attention.py --rounds 7 \
-        --output "$RESULTS_DIR/prefill_attention_cpu_gpu_host.json"
+        --output "$RESULTS_DIR/prefill_attention_cpu_gpu_host.json" || return 1
+    # Whether the measured choices (the bf16 kernel's among them) hold there: G1's model in bf16.
+    on_two_host_cores "$PYTHON" bench/choice_audit.py --dtype bfloat16 \
+        --output "$RESULTS_DIR/choice_audit_cpu_gpu_host_bf16.json"
 }
 
 stage_call() {

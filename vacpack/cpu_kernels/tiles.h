@@ -4,7 +4,10 @@
 // instruction. Built with -DVACPACK_EMULATE_TILES (the "emulated_tiles" variant), each runs
 // as C following the instruction's definition in Intel's manual, on eight tiles of 16 rows of
 // 64 bytes kept per thread: slow, but on any CPU, so that a kernel's use of the tiles (its
-// layouts, strides, edges and masks) is tested on machines without AMX.
+// layouts, strides, edges and masks) is tested on machines without AMX. The emulated dot
+// product adds the same float32 products in the same order; it may fuse a multiply and its add
+// where the instruction rounds twice, and keeps the denormals the instruction flushes, which
+// moves results by float32 rounding only.
 //
 // Every tile here is configured the same: 16 rows of 64 bytes (16 float32, or 32 bf16 as 16
 // pairs). TILE_DOT(c, a, b) adds to float32 tile c, for each of its rows m and columns n, the
