@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mixed_step import PREFILL_LEN, mixed_step
-from test_cpu_kernels import _cu, _random, _reference
+from test_cpu_kernels import _cu, _random, _reference, check_cascade
 
 from vacpack.attention import create_backend, selection
 from vacpack.attention.timed_steps import AttentionShapes, PackedBinShape
@@ -139,6 +139,19 @@ def test_the_backend_runs_an_engine_step_on_the_tiles(bf16_kernel) -> None:
         step.q, step.k, step.v, step.layer, portable.build_metadata(step.layout, CPU)
     )[:1]
     torch.testing.assert_close(out[:1].float(), decode.float(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("bf16_kernel", TILE_KERNELS)
+def test_a_cascade_runs_on_the_tiles(bf16_kernel) -> None:
+    """Decodes sharing a prefix: their own pages and the prefix call on the tiles."""
+    check_cascade(torch.bfloat16, bf16_kernel=bf16_kernel)
+
+
+@pytest.mark.skipif(
+    not tile_kernel_ready("amx"), reason="needs an x86 CPU with AMX (Sapphire Rapids on)"
+)
+def test_a_cascade_runs_its_prefixes_on_the_tiles_and_its_own_pages_apart() -> None:
+    check_cascade(torch.bfloat16, bf16_kernel="avx512_bf16", prefix_bf16_kernel="amx")
 
 
 def test_a_kernel_that_fails_its_self_check_is_not_used(monkeypatch, caplog) -> None:

@@ -18,7 +18,7 @@ from vacpack.attention import (
     resolve_backend_name,
 )
 from vacpack.attention.cascade import CascadePolicy
-from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
+from vacpack.attention.cpu_kernel_backend import CpuKernelBackend, PagedStep
 from vacpack.cpu_kernels import (
     attend,
     paged_attention,
@@ -310,9 +310,14 @@ def test_log_sum_exp_is_each_rows_over_its_keys(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decodes_sharing_a_prefix_run_as_a_cascade(dtype) -> None:
+    check_cascade(dtype)
+
+
+def check_cascade(dtype: torch.dtype, **options: str) -> None:
     """Six decodes whose page tables start with the same 20 pages (and two that share nothing):
     the cascade (prefix once per group, own pages apart, merged by log-sum-exp) equals every
-    decode reading its whole context, and float32 attention."""
+    decode reading its whole context, and float32 attention; through the backend built with
+    `options` (which kernels run the own pages and the prefixes)."""
     page_size, num_heads, num_kv_heads, head_dim = 16, 14, 2, 64
     generator = torch.Generator().manual_seed(4)
     prefix = list(range(20))
@@ -336,12 +341,13 @@ def test_decodes_sharing_a_prefix_run_as_a_cascade(dtype) -> None:
     k = _random(len(tables), num_kv_heads, head_dim, generator, dtype)
     v = _random(len(tables), num_kv_heads, head_dim, generator, dtype)
 
-    cascading = CpuKernelBackend(CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1))
+    policy = CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1)
+    cascading = CpuKernelBackend(policy, **options)
     metadata = cascading.build_metadata(layout, CPU)
-    assert metadata.cascade is not None
+    assert isinstance(metadata, PagedStep) and metadata.cascade is not None
     assert sorted(metadata.cascade.rows.tolist()) == list(range(len(own_lens)))
     out = cascading.forward(q, k, v, layer, metadata)
-    plain = CpuKernelBackend(cascade=None)
+    plain = CpuKernelBackend(cascade=None, bf16_kernel=options.get("bf16_kernel", "avx512_bf16"))
     whole = plain.forward(q, k, v, layer, plain.build_metadata(layout, CPU))
 
     torch.testing.assert_close(out.float(), whole.float(), atol=ATOL[dtype], rtol=0)

@@ -473,6 +473,35 @@ def test_the_bf16_kernel_is_chosen_apart_for_prefill_steps(
     assert backend.prefill.bf16_kernel == "amx"
 
 
+def test_the_cascade_prefixes_bf16_kernel_is_chosen_behind_a_shared_prefix(
+    inject, prefill_forced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where both bf16 implementations run, the cpu_kernels backend's cascade prefixes get a
+    choice of their own, timed behind the longest prefix the cascade is timed at, with the
+    cascade on; the backend runs its prefixes on the winner."""
+    monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
+    # Not timed: its candidates' real calls would need the bf16 kernels on this CPU.
+    monkeypatch.setenv(force_env_var(selection.CASCADE_PHASE), "cascade")
+    timings = inject(
+        {
+            "cpu_kernels": 0.001,
+            "torch_sdpa": 0.002,
+            "cascade": 0.1,
+            "no_cascade": 0.1,
+            "avx512_bf16": 0.002,
+            "amx": 0.001,
+        }
+    )
+    selected = select(timings, shapes=LONG, workload=DECODES)
+    phases = {c.phase: c for c in selected.choices}
+    prefix_choice = phases[selection.BF16_PREFIX_KERNEL_PHASE]
+    assert prefix_choice.chosen == "amx"
+    longest_band = cascade_shapes(DECODES, LONG.max_model_len)[-1]
+    assert prefix_choice.shape_key.endswith(longest_band.key())
+    assert selected.backend.name == "cpu_kernels"
+    assert selected.backend.prefix_bf16_kernel == "amx"  # type: ignore[attr-defined]
+
+
 def test_a_forced_backend_runs_every_step(inject, prefill_forced) -> None:
     timings = inject({"cpu_kernels": 0.001, "torch_sdpa": 0.003, "cascade": 0.1, "no_cascade": 0.1})
     selected = select_backend(

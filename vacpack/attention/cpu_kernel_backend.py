@@ -13,7 +13,8 @@ call attends every group's query rows to its prefix at once (the prefix's keys p
 group and KV head instead of once per sequence), and the two parts merge by log-sum-exp.
 
 A bf16 model's calls run on one of the bf16 kernel's implementations (`bf16_kernel`: AVX-512
-registers or AMX tiles, measured in selection.py where a CPU has both).
+registers or AMX tiles, measured in selection.py where a CPU has both), a cascade's prefix call
+on its own choice of them (`prefix_bf16_kernel`).
 """
 
 from __future__ import annotations
@@ -95,9 +96,12 @@ class CpuKernelBackend(AttentionBackend):
         self,
         cascade: CascadePolicy | None = DEFAULT_CASCADE_POLICY,
         bf16_kernel: str = DEFAULT_BF16_KERNEL,
+        prefix_bf16_kernel: str | None = None,
     ) -> None:
         self.cascade = cascade  # None: every decode reads its whole context itself
         self.bf16_kernel = bf16_kernel  # which implementation runs bf16 (BF16_KERNELS)
+        # The one that runs a cascade's prefixes (None: bf16_kernel).
+        self.prefix_bf16_kernel = prefix_bf16_kernel or bf16_kernel
 
     def build_metadata(
         self, layout: BatchLayout, device: torch.device
@@ -167,7 +171,7 @@ class CpuKernelBackend(AttentionBackend):
         out, lse = attend_with_lse(q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel)
         rows, prefixes = metadata.cascade.rows, metadata.cascade.prefixes
         prefix_out, prefix_lse = attend_with_lse(
-            q.index_select(0, rows), *cache, prefixes, bf16_kernel=self.bf16_kernel
+            q.index_select(0, rows), *cache, prefixes, bf16_kernel=self.prefix_bf16_kernel
         )
         merged = merge_by_lse(
             prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)

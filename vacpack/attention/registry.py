@@ -45,8 +45,9 @@ class BackendSpec:
     # Constructor options that measured selection may set (cascade: a CascadePolicy or None;
     # blocked_prefill: long causal prefills as blocked matmuls or not; decode_form: decodes as
     # plain matmuls, through SDPA's kernel or through the C paged-decode kernel; prefix_form: a
-    # cascade's shared prefixes as matmuls or through the C varlen kernel; bf16_kernel: the C
-    # kernel's bf16 products on AVX-512 registers or AMX tiles).
+    # cascade's shared prefixes as matmuls or through the C varlen kernel; bf16_kernel and
+    # prefix_bf16_kernel: the C kernel's bf16 products, and those of a cascade's prefixes, on
+    # AVX-512 registers or AMX tiles).
     options: frozenset[str] = frozenset()
 
     def supports(
@@ -103,7 +104,7 @@ BACKEND_SPECS: tuple[BackendSpec, ...] = (
         head_dim_multiple=8,
         max_head_dim=256,
         available=_cpu_kernels_build,
-        options=frozenset({"cascade", "bf16_kernel"}),
+        options=frozenset({"cascade", "bf16_kernel", "prefix_bf16_kernel"}),
     ),
     BackendSpec(
         name="torch_sdpa",

@@ -24,6 +24,9 @@ Options of a backend are measured the same way, each a phase of its own:
   phase's own workload (a corpus bin; the engine's decode batch), and for the engine on its
   prefill step too: where the two differ, steps with prefill run on the cpu_kernels backend with
   the implementation that won them (step_routed.py).
+- cpu_bf16_prefix_kernel: the same choice for the cpu_kernels backend's cascade prefixes (all
+  the decodes sharing a prefix over its keys in one call), timed behind the longest prefix the
+  cascade is timed at.
 - attention_cascade: from which shared prefix length decodes sharing a prefix run as a cascade
   (cascade.py), for the chosen backend where it takes one. Timed on the engine's decode batch
   behind prefixes of a few lengths (PREFIX_BANDS), from the shortest the policy cascades: where
@@ -82,6 +85,7 @@ SDPA_PREFILL_PHASE = "sdpa_prefill"
 SDPA_DECODE_PHASE = "sdpa_decode"
 CASCADE_PREFIX_PHASE = "cascade_prefix"
 BF16_KERNEL_PHASE = "cpu_bf16_kernel"
+BF16_PREFIX_KERNEL_PHASE = "cpu_bf16_prefix_kernel"
 CASCADE_PHASE = "attention_cascade"
 # The prefill timed for sdpa_prefill: long enough to be past MIN_KEYS, where the choice applies,
 # short enough that a slow candidate's one call stays within the budget.
@@ -187,6 +191,13 @@ def select_backend(
             if bf16_kernel is not None:
                 tuned.append(bf16_kernel)
                 options_list.append(("bf16_kernel", bf16_kernel.chosen))
+        if "prefix_bf16_kernel" in declared and isinstance(workload, DecodeBatchShape):
+            prefix_kernel = _choose_prefix_bf16_kernel(
+                device, shapes, workload, dict(options_list), measure
+            )
+            if prefix_kernel is not None:
+                tuned.append(prefix_kernel)
+                options_list.append(("prefix_bf16_kernel", prefix_kernel.chosen))
         if "prefix_form" in declared and isinstance(workload, DecodeBatchShape):
             prefix_form = _choose_prefix_form(device, shapes, workload, dict(options_list), measure)
             if prefix_form is not None:
@@ -368,21 +379,14 @@ def _choose_prefix_form(
     backend's `options` measured so far), timed behind the longest prefix the cascade is timed
     at; None where the kernel cannot run them (a GPU, the model's dtype or head size, no
     full-attention layer without a soft cap) or no cascade is timed."""
-    full_layers = tuple(
-        spec
-        for spec in shapes.distinct_specs
-        if spec.sliding_window is None and spec.logit_softcap is None
-    )
-    bands = cascade_shapes(decodes, shapes.max_model_len)
+    timing = _prefix_timing(shapes, decodes)
     if (
         device.type != "cpu"
-        or not full_layers
-        or not bands
+        or timing is None
         or not cpu_kernels.varlen_attention_supported(device, shapes.dtype, shapes.head_dim)
     ):
         return None
-    timed_shapes = replace(shapes, specs=full_layers)
-    shared = bands[-1]
+    timed_shapes, shared = timing
     return measure(
         CASCADE_PREFIX_PHASE,
         f"{timed_shapes.key()}; {shared.key()}",
@@ -397,6 +401,62 @@ def _choose_prefix_form(
                     prefix_form=form,
                 )
                 for form in PREFIX_FORMS
+            },
+            timed_shapes,
+            shared,
+            device,
+        ),
+        budget_s=PREFIX_FORM_BUDGET_S,
+    )
+
+
+def _prefix_timing(
+    shapes: AttentionShapes, decodes: DecodeBatchShape
+) -> tuple[AttentionShapes, DecodeBatchShape] | None:
+    """What a cascade's prefix form is timed on: the model's full-attention layers without a
+    soft cap (those a cascade runs), behind the longest prefix the cascade is timed at; None
+    where there is no such layer or no prefix fits the context."""
+    full_layers = tuple(
+        spec
+        for spec in shapes.distinct_specs
+        if spec.sliding_window is None and spec.logit_softcap is None
+    )
+    bands = cascade_shapes(decodes, shapes.max_model_len)
+    if not full_layers or not bands:
+        return None
+    return replace(shapes, specs=full_layers), bands[-1]
+
+
+def _choose_prefix_bf16_kernel(
+    device: torch.device,
+    shapes: AttentionShapes,
+    decodes: DecodeBatchShape,
+    options: dict[str, Any],
+    measure: Measure,
+) -> MeasuredChoice | None:
+    """AVX-512 registers or AMX tiles for the cpu_kernels backend's cascade prefixes (every
+    decode sharing a prefix attends to it in one call: many rows over the same keys, where
+    tiles may win though they lose the decodes' own pages), built with the backend's `options`
+    measured so far; None where fewer than two implementations run or no cascade is timed."""
+    candidates = bf16_kernels_here(device, shapes)
+    timing = _prefix_timing(shapes, decodes)
+    if len(candidates) < 2 or timing is None:
+        return None
+    timed_shapes, shared = timing
+    return measure(
+        BF16_PREFIX_KERNEL_PHASE,
+        f"{timed_shapes.key()}; {shared.key()}",
+        candidates,
+        lambda: timed_calls(
+            {
+                name: functools.partial(
+                    create_backend,
+                    "cpu_kernels",
+                    **options,
+                    cascade=DEFAULT_CASCADE_POLICY,
+                    prefix_bf16_kernel=name,
+                )
+                for name in candidates
             },
             timed_shapes,
             shared,
