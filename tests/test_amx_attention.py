@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from mixed_step import PREFILL_LEN, mixed_step
-from test_cpu_kernels import _cu, _random, _reference, check_cascade
+from test_cpu_kernels import (
+    CASE_FIELDS,
+    KERNEL_CASES,
+    _cu,
+    _random,
+    _reference,
+    check_cascade,
+)
 
 from vacpack.attention import create_backend, selection
 from vacpack.attention.timed_steps import AttentionShapes, PackedBinShape
@@ -48,21 +55,12 @@ def _attend(q, k, v, lens_q, lens_k, causal, bf16_kernel):  # type: ignore[no-un
 
 @pytest.mark.parametrize("bf16_kernel", TILE_KERNELS)
 @pytest.mark.parametrize(
-    ("heads", "head_dim", "causal", "lens_q", "lens_k"),
+    CASE_FIELDS,
     [
-        # An embedding bin: one-token texts, query chunks of 64 crossed, a 256-token passage.
-        ((12, 12), 32, False, [1, 5, 17, 256, 100], [1, 5, 17, 256, 100]),
-        # Fresh causal prefills with grouped heads (Qwen2.5-0.5B's 7 per KV head): row blocks
-        # of 16 rows cut across a query's heads.
-        ((14, 2), 64, True, [300, 33, 1], [300, 33, 1]),
-        # Prefill chunks over cached keys: query i sits at n_k - n_q + i.
-        ((6, 2), 64, True, [40, 7, 1], [300, 7, 129]),
+        *KERNEL_CASES,
         # 96 dims: a value pass of four tiles, then one of two.
-        ((4, 4), 96, False, [50, 3], [50, 3]),
-        ((8, 8), 128, False, [70], [70]),
-        ((4, 1), 64, True, [129], [1000]),
+        pytest.param((4, 4), 96, False, [50, 3], [50, 3], id="dim96"),
     ],
-    ids=["embedding-bin", "gqa-causal", "cached-keys", "dim96", "dim128", "mqa-long-context"],
 )
 def test_tile_kernel_equals_float32_attention(
     bf16_kernel, heads, head_dim, causal, lens_q, lens_k

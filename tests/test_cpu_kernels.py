@@ -90,30 +90,30 @@ def _random(
     return torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
 
 
+# (heads, head_dim, causal, lens_q, lens_k): shapes every kernel takes, bf16 ones included.
+KERNEL_CASES = [
+    # An embedding bin: one-token texts, query chunks of 64 crossed, a 256-token passage.
+    pytest.param(
+        (12, 12), 32, False, [1, 5, 17, 256, 100], [1, 5, 17, 256, 100], id="embedding-bin"
+    ),
+    # Fresh causal prefills with grouped heads (Qwen2.5-0.5B's 7 per KV head).
+    pytest.param((14, 2), 64, True, [300, 33, 1], [300, 33, 1], id="gqa-causal"),
+    # Prefill chunks over cached keys: query i sits at n_k - n_q + i.
+    pytest.param((6, 2), 64, True, [40, 7, 1], [300, 7, 129], id="cached-keys"),
+    pytest.param((8, 8), 128, False, [70], [70], id="dim128"),
+    pytest.param((4, 1), 64, True, [129], [1000], id="mqa-long-context"),
+]
+CASE_FIELDS = ("heads", "head_dim", "causal", "lens_q", "lens_k")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("heads", "head_dim", "causal", "lens_q", "lens_k"),
+    CASE_FIELDS,
     [
-        # An embedding bin: one-token texts, query chunks of 64 crossed, a 256-token passage.
-        ((12, 12), 32, False, [1, 5, 17, 256, 100], [1, 5, 17, 256, 100]),
-        # Fresh causal prefills with grouped heads (Qwen2.5-0.5B's 7 per KV head).
-        ((14, 2), 64, True, [300, 33, 1], [300, 33, 1]),
-        # Prefill chunks over cached keys: query i sits at n_k - n_q + i.
-        ((6, 2), 64, True, [40, 7, 1], [300, 7, 129]),
-        ((8, 8), 128, False, [70], [70]),
-        ((4, 1), 64, True, [129], [1000]),
+        *KERNEL_CASES,
         # Head sizes only the float32 kernel takes (a multiple of 8, its last 8 dims alone).
-        ((4, 2), 40, True, [70, 1], [70, 9]),
-        ((2, 2), 8, False, [3, 20], [3, 20]),
-    ],
-    ids=[
-        "embedding-bin",
-        "gqa-causal",
-        "cached-keys",
-        "dim128",
-        "mqa-long-context",
-        "dim40",
-        "dim8",
+        pytest.param((4, 2), 40, True, [70, 1], [70, 9], id="dim40"),
+        pytest.param((2, 2), 8, False, [3, 20], [3, 20], id="dim8"),
     ],
 )
 def test_kernel_equals_float32_attention(dtype, heads, head_dim, causal, lens_q, lens_k) -> None:

@@ -252,6 +252,37 @@ def select_backend(
     return SelectedBackend(backend, tuple(c for c in choices if c.source is not sole))
 
 
+def _measure_option(
+    measure: Measure,
+    phase: str,
+    backend_name: str,
+    option: str,
+    values: dict[str, Any],
+    timed: tuple[AttentionShapes, Workload, torch.device],
+    budget_s: float,
+    **fixed: Any,
+) -> MeasuredChoice:
+    """One option of a backend, measured: the backend built with each candidate's value of
+    `option` (and the `fixed` options), timed on one layer of each kind of `timed`'s shapes
+    over its workload."""
+    shapes, workload, device = timed
+    return measure(
+        phase,
+        f"{shapes.key()}; {workload.key()}",
+        list(values),
+        lambda: timed_calls(
+            {
+                name: functools.partial(create_backend, backend_name, **fixed, **{option: value})
+                for name, value in values.items()
+            },
+            shapes,
+            workload,
+            device,
+        ),
+        budget_s=budget_s,
+    )
+
+
 def _choose_sdpa_prefill(
     device: torch.device,
     shapes: AttentionShapes,
@@ -268,22 +299,14 @@ def _choose_sdpa_prefill(
         return None
     prefill = PackedBinShape(1, num_tokens, causal=True)
     spec = replace(applicable[0], sliding_window=None)  # a window past it runs blocked anyway
-    return measure(
+    return _measure_option(
+        measure,
         SDPA_PREFILL_PHASE,
-        f"{replace(shapes, specs=(spec,)).key()}; {prefill.key()}",
-        ["sdpa", "blocked"],
-        lambda: timed_calls(
-            {
-                option: functools.partial(
-                    create_backend, "torch_sdpa", blocked_prefill=option == "blocked"
-                )
-                for option in ("sdpa", "blocked")
-            },
-            replace(shapes, specs=(spec,)),
-            prefill,
-            device,
-        ),
-        budget_s=PREFILL_BUDGET_S,
+        "torch_sdpa",
+        "blocked_prefill",
+        {"sdpa": False, "blocked": True},
+        (replace(shapes, specs=(spec,)), prefill, device),
+        PREFILL_BUDGET_S,
     )
 
 
@@ -308,22 +331,15 @@ def _choose_decode_form(
         # Heads in lanes: a lone query head per KV head would leave seven of eight lanes idle.
         if shapes.num_heads > shapes.num_kv_heads:
             forms.append("kernel_lanes")
-    return measure(
+    return _measure_option(
+        measure,
         SDPA_DECODE_PHASE,
-        f"{timed_shapes.key()}; {decodes.key()}",
-        forms,
-        lambda: timed_calls(
-            {
-                form: functools.partial(
-                    create_backend, "torch_sdpa", cascade=None, decode_form=form
-                )
-                for form in forms
-            },
-            timed_shapes,
-            decodes,
-            device,
-        ),
-        budget_s=DECODE_BUDGET_S,
+        "torch_sdpa",
+        "decode_form",
+        {form: form for form in forms},
+        (timed_shapes, decodes, device),
+        DECODE_BUDGET_S,
+        cascade=None,
     )
 
 
@@ -349,22 +365,15 @@ def _choose_bf16_kernel(
     candidates = bf16_kernels_here(device, shapes)
     if len(candidates) < 2:
         return None
-    return measure(
+    return _measure_option(
+        measure,
         BF16_KERNEL_PHASE,
-        f"{shapes.key()}; {workload.key()}",
-        candidates,
-        lambda: timed_calls(
-            {
-                name: functools.partial(
-                    create_backend, "cpu_kernels", cascade=None, bf16_kernel=name
-                )
-                for name in candidates
-            },
-            shapes,
-            workload,
-            device,
-        ),
-        budget_s=BF16_KERNEL_BUDGET_S,
+        "cpu_kernels",
+        "bf16_kernel",
+        {name: name for name in candidates},
+        (shapes, workload, device),
+        BF16_KERNEL_BUDGET_S,
+        cascade=None,
     )
 
 
@@ -387,26 +396,16 @@ def _choose_prefix_form(
     ):
         return None
     timed_shapes, shared = timing
-    return measure(
+    return _measure_option(
+        measure,
         CASCADE_PREFIX_PHASE,
-        f"{timed_shapes.key()}; {shared.key()}",
-        list(PREFIX_FORMS),
-        lambda: timed_calls(
-            {
-                form: functools.partial(
-                    create_backend,
-                    "torch_sdpa",
-                    **options,
-                    cascade=DEFAULT_CASCADE_POLICY,
-                    prefix_form=form,
-                )
-                for form in PREFIX_FORMS
-            },
-            timed_shapes,
-            shared,
-            device,
-        ),
-        budget_s=PREFIX_FORM_BUDGET_S,
+        "torch_sdpa",
+        "prefix_form",
+        {form: form for form in PREFIX_FORMS},
+        (timed_shapes, shared, device),
+        PREFIX_FORM_BUDGET_S,
+        **options,
+        cascade=DEFAULT_CASCADE_POLICY,
     )
 
 
@@ -443,26 +442,16 @@ def _choose_prefix_bf16_kernel(
     if len(candidates) < 2 or timing is None:
         return None
     timed_shapes, shared = timing
-    return measure(
+    return _measure_option(
+        measure,
         BF16_PREFIX_KERNEL_PHASE,
-        f"{timed_shapes.key()}; {shared.key()}",
-        candidates,
-        lambda: timed_calls(
-            {
-                name: functools.partial(
-                    create_backend,
-                    "cpu_kernels",
-                    **options,
-                    cascade=DEFAULT_CASCADE_POLICY,
-                    prefix_bf16_kernel=name,
-                )
-                for name in candidates
-            },
-            timed_shapes,
-            shared,
-            device,
-        ),
-        budget_s=PREFIX_FORM_BUDGET_S,
+        "cpu_kernels",
+        "prefix_bf16_kernel",
+        {name: name for name in candidates},
+        (timed_shapes, shared, device),
+        PREFIX_FORM_BUDGET_S,
+        **options,
+        cascade=DEFAULT_CASCADE_POLICY,
     )
 
 

@@ -70,20 +70,6 @@ static inline __m512bh broadcast_pair(const bf16* pair) {
 
 static inline __m512bh load_bh(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-// Where key j of one KV head is: a row of the stream, or a slot of a paged cache.
-typedef struct {
-    const bf16* base;     // the KV head's first element of row 0 (or of slot 0)
-    int64_t stride;       // elements from one row (slot) to the next
-    const int64_t* pages; // NULL for stream rows; else this sequence's page table
-    int64_t page_size;
-} KeyRows;
-
-static inline const bf16* key_row(const KeyRows* rows, int64_t j) {
-    if (!rows->pages) return rows->base + j * rows->stride;
-    const int64_t page = rows->pages[j / rows->page_size];
-    return rows->base + (page * rows->page_size + j % rows->page_size) * rows->stride;
-}
-
 // Transposes a 16x16 matrix of 32-bit elements (rows in r, columns out), in four rounds of
 // shuffles: 32-bit and 64-bit unpacks within 128-bit lanes, then two rounds across lanes.
 static inline void transpose_16x16(const __m512i r[16], __m512i out[16]) {
@@ -123,7 +109,7 @@ static inline void prefetch_rows(const bf16* first, int64_t stride, int64_t coun
 // keys[0..n) -> packed[key_block][dim_pair][16 keys][2 dims], zero past n. A block of 16 keys
 // in one run of rows (stream rows, or one page) is transposed in registers, 16 pairs of dims
 // at a time; the others (the last, partial block; blocks across pages) go a pair at a time.
-static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t n_padded,
+static void pack_keys(const Bf16Rows* keys, int64_t n, int64_t num_pairs, int64_t n_padded,
                       bf16* packed) {
     for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
         uint32_t* dst = (uint32_t*)(packed + block * num_pairs * 2 * KEY_BLOCK);
@@ -131,9 +117,9 @@ static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t
         const int one_run =
             !keys->pages || first % keys->page_size + KEY_BLOCK <= keys->page_size;
         if (first + KEY_BLOCK <= n && one_run) {
-            const bf16* src = key_row(keys, first);
+            const bf16* src = bf16_row(keys, first);
             if (first + PREFETCH_KEYS + KEY_BLOCK <= n)
-                prefetch_rows(key_row(keys, first + PREFETCH_KEYS), keys->stride, KEY_BLOCK,
+                prefetch_rows(bf16_row(keys, first + PREFETCH_KEYS), keys->stride, KEY_BLOCK,
                               num_pairs * 4);
             for (int64_t tile = 0; tile < num_pairs / 16; ++tile) {
                 __m512i rows[16], columns[16];
@@ -148,7 +134,7 @@ static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t
         for (int64_t lane = 0; lane < KEY_BLOCK; ++lane) {
             const int64_t key = first + lane;
             if (key < n) {
-                const bf16* src = key_row(keys, key);
+                const bf16* src = bf16_row(keys, key);
                 for (int64_t pair = 0; pair < num_pairs; ++pair) {
                     uint32_t bits;
                     memcpy(&bits, src + 2 * pair, sizeof(bits));
@@ -248,18 +234,18 @@ static inline __m512i natural_dim_order(void) {
 // VDPBF16PS multiplies. Always inlined with a constant `prefetch`, so that the loop without
 // prefetches carries no test for them (a branch in this loop slowed prefill attention 1.5x).
 static inline __attribute__((always_inline)) void accumulate_values(
-    const bf16* probs, int64_t probs_stride, const KeyRows* values, int64_t n_seen, int64_t d0,
+    const bf16* probs, int64_t probs_stride, const Bf16Rows* values, int64_t n_seen, int64_t d0,
     int64_t head_dim, int64_t begin, int64_t end, __m512 acc_lo[ROW_BLOCK],
     __m512 acc_hi[ROW_BLOCK], const int prefetch) {
     for (int64_t pair = begin; pair < end; ++pair) {
         if (prefetch) {
-            prefetch_rows(key_row(values, 2 * pair + PREFETCH_KEYS), 0, 1, head_dim * 2);
-            prefetch_rows(key_row(values, 2 * pair + PREFETCH_KEYS + 1), 0, 1, head_dim * 2);
+            prefetch_rows(bf16_row(values, 2 * pair + PREFETCH_KEYS), 0, 1, head_dim * 2);
+            prefetch_rows(bf16_row(values, 2 * pair + PREFETCH_KEYS + 1), 0, 1, head_dim * 2);
         }
-        const __m512i first = _mm512_loadu_si512(key_row(values, 2 * pair) + d0);
+        const __m512i first = _mm512_loadu_si512(bf16_row(values, 2 * pair) + d0);
         // An odd last key pairs with zeros (its probability is zero anyway).
         const __m512i second = 2 * pair + 1 < n_seen
-                                   ? _mm512_loadu_si512(key_row(values, 2 * pair + 1) + d0)
+                                   ? _mm512_loadu_si512(bf16_row(values, 2 * pair + 1) + d0)
                                    : _mm512_setzero_si512();
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(first, second);
         const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(first, second);
@@ -276,7 +262,7 @@ static inline __attribute__((always_inline)) void accumulate_values(
 // `prefetch` (a task's first block, which reads the values from memory), the first pass over
 // the keys prefetches the rows PREFETCH_KEYS ahead; later passes and blocks find them cached.
 static void block_values(const bf16* probs, int64_t probs_stride, const float* sums,
-                         const KeyRows* values, int64_t n_seen, int64_t head_dim,
+                         const Bf16Rows* values, int64_t n_seen, int64_t head_dim,
                          bf16* const out_rows[ROW_BLOCK], int num_rows, int prefetch) {
     const __m512i order = natural_dim_order();
     const int64_t num_key_pairs = (n_seen + 1) / 2;  // past that the probabilities are zero
@@ -345,9 +331,9 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
             const int64_t first_position = seen.first_position;  // of query 0, when causal
             const int64_t* pages = seen.pages;
             const int64_t first_row = seen.first_row;
-            const KeyRows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
+            const Bf16Rows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
                                       k_stride, pages, page_size};
-            const KeyRows value_rows = {v + first_row * v_stride + task.kv_head * head_dim,
+            const Bf16Rows value_rows = {v + first_row * v_stride + task.kv_head * head_dim,
                                         v_stride, pages, page_size};
             pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys);
             // Rows: (query, head of the group), query-major.

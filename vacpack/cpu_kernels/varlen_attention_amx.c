@@ -36,20 +36,6 @@
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Where key j of one KV head is: a row of the stream, or a slot of a paged cache.
-typedef struct {
-    const bf16* base;      // the KV head's first element of row 0 (or of slot 0)
-    int64_t stride;        // elements from one row (slot) to the next
-    const int64_t* pages;  // NULL for stream rows; else this sequence's page table
-    int64_t page_size;
-} KeyRows;
-
-static inline const bf16* key_row(const KeyRows* rows, int64_t j) {
-    if (!rows->pages) return rows->base + j * rows->stride;
-    const int64_t page = rows->pages[j / rows->page_size];
-    return rows->base + (page * rows->page_size + j % rows->page_size) * rows->stride;
-}
-
 // Sixteen float32 lanes: one AVX-512 register where the tiles exist, two AVX registers in the
 // emulated build. The softmax is most of this kernel's work once both products run on the
 // tiles, so it takes the widest registers there are (vec8.h's 8 lanes would halve its speed).
@@ -78,7 +64,7 @@ static inline void store16_bf16(bf16* p, v16f x) {
 // 16 keys in one run of rows (stream rows, or one page) is transposed in registers, 8 keys by 8
 // pairs at a time (a pair's bits moved as a float32 lane, never computed on); the others (the
 // last, partial block; blocks across pages) go a key at a time.
-static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t n_padded,
+static void pack_keys(const Bf16Rows* keys, int64_t n, int64_t num_pairs, int64_t n_padded,
                       uint32_t* packed) {
     for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
         uint32_t* dst = packed + block * num_pairs * KEY_BLOCK;
@@ -86,7 +72,7 @@ static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t
         const int one_run =
             !keys->pages || first % keys->page_size + KEY_BLOCK <= keys->page_size;
         if (first + KEY_BLOCK <= n && one_run) {
-            const bf16* src = key_row(keys, first);
+            const bf16* src = bf16_row(keys, first);
             for (int64_t half = 0; half < KEY_BLOCK; half += 8)
                 for (int64_t pair0 = 0; pair0 < num_pairs; pair0 += 8) {
                     v8f rows[8], columns[8];
@@ -100,7 +86,7 @@ static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t
         }
         for (int64_t lane = 0; lane < KEY_BLOCK; ++lane) {
             const int64_t key = first + lane;
-            const bf16* src = key < n ? key_row(keys, key) : NULL;
+            const bf16* src = key < n ? bf16_row(keys, key) : NULL;
             for (int64_t pair = 0; pair < num_pairs; ++pair) {
                 uint32_t bits = 0;
                 if (src) memcpy(&bits, src + 2 * pair, sizeof(bits));
@@ -111,20 +97,20 @@ static void pack_keys(const KeyRows* keys, int64_t n, int64_t num_pairs, int64_t
 }
 
 // values[0..n) -> packed[key pair][dim][2 keys], zero up to n_padded.
-static void pack_values(const KeyRows* values, int64_t n, int64_t head_dim, int64_t n_padded,
+static void pack_values(const Bf16Rows* values, int64_t n, int64_t head_dim, int64_t n_padded,
                         bf16* packed) {
     for (int64_t pair = 0; pair < n_padded / 2; ++pair) {
         bf16* dst = packed + pair * head_dim * 2;
         const int64_t first = 2 * pair;
         if (first + 1 < n) {
-            const bf16* even = key_row(values, first);
-            const bf16* odd = key_row(values, first + 1);
+            const bf16* even = bf16_row(values, first);
+            const bf16* odd = bf16_row(values, first + 1);
             for (int64_t d = 0; d < head_dim; ++d) {
                 dst[2 * d] = even[d];
                 dst[2 * d + 1] = odd[d];
             }
         } else if (first < n) {
-            const bf16* even = key_row(values, first);
+            const bf16* even = bf16_row(values, first);
             for (int64_t d = 0; d < head_dim; ++d) {
                 dst[2 * d] = even[d];
                 dst[2 * d + 1] = 0;
@@ -267,9 +253,9 @@ int varlen_attention_amx(const bf16* q, const bf16* k, const bf16* v, bf16* out,
             if (!allocated) continue;  // reported through `failed`
             const Task task = tasks[i];
             const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
-            const KeyRows key_rows = {k + seen.first_row * k_stride + task.kv_head * head_dim,
+            const Bf16Rows key_rows = {k + seen.first_row * k_stride + task.kv_head * head_dim,
                                       k_stride, seen.pages, page_size};
-            const KeyRows value_rows = {v + seen.first_row * v_stride + task.kv_head * head_dim,
+            const Bf16Rows value_rows = {v + seen.first_row * v_stride + task.kv_head * head_dim,
                                         v_stride, seen.pages, page_size};
             const int64_t task_padded = round_up(seen.n_seen, KEYS_PER_STEP);
             pack_keys(&key_rows, seen.n_seen, head_dim / 2, task_padded, keys);

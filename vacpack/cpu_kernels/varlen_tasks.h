@@ -1,7 +1,8 @@
-// The tasks of a packed attention call, shared by varlen_attention.c (bf16) and
-// varlen_attention_f32.c: one per (sequence, KV head, chunk of its queries), so that a task's
-// rows (the chunk's queries times the query heads sharing the KV head) see almost the same keys
-// and the threads share the work out dynamically.
+// The tasks of a packed attention call, shared by varlen_attention.c (bf16),
+// varlen_attention_amx.c (bf16 on AMX tiles) and varlen_attention_f32.c: one per (sequence, KV
+// head, chunk of its queries), so that a task's rows (the chunk's queries times the query heads
+// sharing the KV head) see almost the same keys and the threads share the work out
+// dynamically. Also where a bf16 kernel's keys and values lie.
 
 #ifndef VACPACK_VARLEN_TASKS_H
 #define VACPACK_VARLEN_TASKS_H
@@ -42,6 +43,21 @@ static Task* build_tasks(const int64_t* cu_q, const int64_t* cu_k, int64_t num_s
     *num_tasks = count;
     *max_keys = most_keys;
     return tasks;
+}
+
+// Where key j of one KV head lies among bf16 keys or values (varlen_attention.c and
+// varlen_attention_amx.c): a row of the token stream, or a slot of a paged cache.
+typedef struct {
+    const uint16_t* base;  // the KV head's first element of row 0 (or of slot 0)
+    int64_t stride;        // elements from one row (slot) to the next
+    const int64_t* pages;  // NULL for stream rows; else this sequence's page table
+    int64_t page_size;
+} Bf16Rows;
+
+static inline const uint16_t* bf16_row(const Bf16Rows* rows, int64_t j) {
+    if (!rows->pages) return rows->base + j * rows->stride;
+    const int64_t page = rows->pages[j / rows->page_size];
+    return rows->base + (page * rows->page_size + j % rows->page_size) * rows->stride;
 }
 
 // Where a task's sequence stands: its keys, the position of its query 0 when causal, how many
