@@ -11,6 +11,7 @@ from mixed_step import PREFILL_LEN, mixed_step
 from test_cpu_kernels import (
     CASE_FIELDS,
     KERNEL_CASES,
+    ScatteredPages,
     _cu,
     _random,
     _reference,
@@ -84,37 +85,18 @@ def test_tile_kernel_reads_pages_in_place_with_their_log_sum_exp(bf16_kernel, pa
     """Decodes, a fresh prefill and a prefill chunk over scattered pages in one call: each
     sequence equals float32 attention over its own slots, and each decode's log-sum-exp is
     over its scores."""
-    generator = torch.Generator().manual_seed(page_size)
-    num_heads, num_kv_heads, head_dim = 14, 2, 64
-    query_lens = [1, 1, 1, 77, 30]
-    context_lens = [1, 200, 33, 77, 130]
-    pages_per_seq = [-(-n // page_size) for n in context_lens]
-    num_pages = sum(pages_per_seq)
-    shape = (num_pages * page_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
-    value_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
-    order = torch.randperm(num_pages, generator=generator).tolist()
-    tables = [order[sum(pages_per_seq[:i]) :][:n] for i, n in enumerate(pages_per_seq)]
-    padded = torch.zeros(len(tables), max(pages_per_seq), dtype=torch.int64)
-    for row, pages in enumerate(tables):
-        padded[row, : len(pages)] = torch.tensor(pages)
-    q = _random(sum(query_lens), num_heads, head_dim, generator)
-    arguments = (q, key_cache, value_cache, _cu(query_lens), torch.tensor(context_lens))
+    step = ScatteredPages.random(page_size, torch.bfloat16)
 
-    out = paged_attention(*arguments, padded, page_size, bf16_kernel=bf16_kernel)
-    with_lse, lse = paged_attention_with_lse(*arguments, padded, page_size, bf16_kernel=bf16_kernel)
+    out = paged_attention(*step.arguments(), bf16_kernel=bf16_kernel)
+    with_lse, lse = paged_attention_with_lse(*step.arguments(), bf16_kernel=bf16_kernel)
 
-    slots = [
-        (torch.tensor(pages).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()[:n]
-        for pages, n in zip(tables, context_lens, strict=True)
-    ]
-    keys, values = key_cache[torch.cat(slots)], value_cache[torch.cat(slots)]
-    expected = _reference(q, keys, values, query_lens, context_lens, causal=True)
-    torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.float(), step.expected(), atol=ATOL, rtol=0)
     assert torch.equal(with_lse, out)
+    num_heads, num_kv_heads, head_dim = step.q.shape[1], step.key_cache.shape[1], step.q.shape[2]
     for row in range(3):  # the decodes: one query row each
-        seen = key_cache[slots[row]].float().repeat_interleave(num_heads // num_kv_heads, 1)
-        scores = torch.einsum("hd,khd->hk", q[row].float(), seen) * head_dim**-0.5
+        seen = step.key_cache[step.slots[row]].float()
+        seen = seen.repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = torch.einsum("hd,khd->hk", step.q[row].float(), seen) * head_dim**-0.5
         torch.testing.assert_close(lse[row], scores.logsumexp(-1), atol=1e-3, rtol=0)
 
 

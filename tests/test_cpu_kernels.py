@@ -5,6 +5,8 @@ kernel library builds, caches and falls back."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,48 +209,66 @@ def test_backend_runs_a_packed_bin_in_one_call(monkeypatch, causal: bool, dtype)
     torch.testing.assert_close(out.float(), reference.float(), atol=ATOL[dtype], rtol=0)
 
 
+@dataclass(frozen=True)
+class ScatteredPages:
+    """Decodes, a fresh prefill and a prefill chunk over cached pages, with pages scattered
+    through the cache: 14 query heads over 2 KV heads of 64 dims."""
+
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    page_table: torch.Tensor  # [seqs, most pages] padded with page 0
+    slots: list[torch.Tensor]  # each sequence's cache slots, in order
+    page_size: int
+
+    @classmethod
+    def random(cls, page_size: int, dtype: torch.dtype) -> ScatteredPages:
+        generator = torch.Generator().manual_seed(page_size)
+        query_lens, context_lens = [1, 1, 1, 77, 30], [1, 200, 33, 77, 130]
+        pages_per_seq = [-(-n // page_size) for n in context_lens]
+        num_pages = sum(pages_per_seq)
+        shape = (num_pages * page_size, 2, 64)
+        key_cache = torch.randn(shape, generator=generator).to(dtype)
+        value_cache = torch.randn(shape, generator=generator).to(dtype)
+        order = torch.randperm(num_pages, generator=generator).tolist()
+        tables = [order[sum(pages_per_seq[:i]) :][:n] for i, n in enumerate(pages_per_seq)]
+        page_table = torch.zeros(len(tables), max(pages_per_seq), dtype=torch.int64)
+        for row, pages in enumerate(tables):
+            page_table[row, : len(pages)] = torch.tensor(pages)
+        slots = [
+            (torch.tensor(pages).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()[:n]
+            for pages, n in zip(tables, context_lens, strict=True)
+        ]
+        q = _random(sum(query_lens), 14, 64, generator, dtype)
+        return cls(
+            q, key_cache, value_cache, query_lens, context_lens, page_table, slots, page_size
+        )
+
+    def arguments(self) -> tuple[object, ...]:
+        """paged_attention's positional arguments."""
+        context_lens = torch.tensor(self.context_lens)
+        cu_q = _cu(self.query_lens)
+        caches = (self.key_cache, self.value_cache)
+        return (self.q, *caches, cu_q, context_lens, self.page_table, self.page_size)
+
+    def expected(self) -> torch.Tensor:
+        """Float32 attention of each sequence over its own slots."""
+        every = torch.cat(self.slots)
+        keys, values = self.key_cache[every], self.value_cache[every]
+        return _reference(self.q, keys, values, self.query_lens, self.context_lens, causal=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [8, 16, 48], ids=["page8", "page16", "page48"])
 def test_paged_attention_reads_keys_in_place(page_size: int, dtype) -> None:
     """Decodes, a fresh prefill and a prefill chunk over cached pages in one call, with pages
     scattered through the cache: each sequence equals float32 attention over its own slots.
     8-token pages put every 16-key block across two pages; 48-token pages hold three blocks."""
-    generator = torch.Generator().manual_seed(page_size)
-    num_heads, num_kv_heads, head_dim = 14, 2, 64
-    query_lens = [1, 1, 1, 77, 30]
-    context_lens = [1, 200, 33, 77, 130]
-    pages_per_seq = [-(-n // page_size) for n in context_lens]
-    num_pages = sum(pages_per_seq)
-    shape = (num_pages * page_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype)
-    value_cache = torch.randn(shape, generator=generator).to(dtype)
-    order = torch.randperm(num_pages, generator=generator).tolist()
-    tables = [order[sum(pages_per_seq[:i]) :][:n] for i, n in enumerate(pages_per_seq)]
-    padded = torch.zeros(len(tables), max(pages_per_seq), dtype=torch.int64)
-    for row, pages in enumerate(tables):
-        padded[row, : len(pages)] = torch.tensor(pages)
-    q = _random(sum(query_lens), num_heads, head_dim, generator, dtype)
-
-    out = paged_attention(
-        q,
-        key_cache,
-        value_cache,
-        _cu(query_lens),
-        torch.tensor(context_lens),
-        padded,
-        page_size,
-    )
-
-    slots = torch.cat(
-        [
-            (torch.tensor(pages).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()[:n]
-            for pages, n in zip(tables, context_lens, strict=True)
-        ]
-    )
-    expected = _reference(
-        q, key_cache[slots], value_cache[slots], query_lens, context_lens, causal=True
-    )
-    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
+    step = ScatteredPages.random(page_size, dtype)
+    out = paged_attention(*step.arguments())
+    torch.testing.assert_close(out.float(), step.expected(), atol=ATOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
