@@ -5,6 +5,12 @@ self-check, and the measured choice between it and the AVX-512 kernel."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from mixed_step import PREFILL_LEN, mixed_step
@@ -181,3 +187,71 @@ def test_the_two_bf16_kernels_are_timed_where_both_run(monkeypatch) -> None:
     runs["amx"] = False
     assert selection._choose_bf16_kernel(CPU, shapes, workload, measure) is None
     assert len(asked) == 1
+
+
+ASAN_SCRIPT = """
+import ctypes, sys
+import torch
+from vacpack.cpu_kernels import attention
+from test_cpu_kernels import KERNEL_CASES, ScatteredPages, _cu, _random, _reference
+
+kernel = ctypes.CDLL(sys.argv[1]).varlen_attention_amx
+kernel.argtypes, kernel.restype = attention._ARGTYPES, ctypes.c_int
+attention._tile_kernel = lambda name: kernel
+torch.set_num_threads(2)
+worst = attention._self_check(kernel)
+for case in KERNEL_CASES:
+    (num_heads, num_kv_heads), head_dim, causal, lens_q, lens_k = case.values
+    generator = torch.Generator().manual_seed(0)
+    q = _random(sum(lens_q), num_heads, head_dim, generator)
+    k, v = (_random(sum(lens_k), num_kv_heads, head_dim, generator) for _ in "kv")
+    sequences = attention.packed_sequences(_cu(lens_q), _cu(lens_k), causal=causal)
+    out = attention.attend(q, k, v, sequences, bf16_kernel="emulated_tiles")
+    expected = _reference(q, k, v, lens_q, lens_k, causal)
+    worst = max(worst, float((out.float() - expected).abs().max()))
+for page_size in (8, 48):
+    step = ScatteredPages.random(page_size, torch.bfloat16)
+    out, _ = attention.paged_attention_with_lse(*step.arguments(), bf16_kernel="emulated_tiles")
+    worst = max(worst, float((out.float() - step.expected()).abs().max()))
+print("worst difference", worst)
+"""
+
+
+def test_the_tile_kernel_stays_inside_its_buffers(tmp_path: Path) -> None:
+    """The emulated kernel built with AddressSanitizer, run in a process that preloads its
+    runtime (so torch's tensors are watched too), on packed and paged cases: every tile load
+    and store stays inside the memory it was given. On AMX hardware a stray tile row would
+    read or write out of bounds silently, or crash."""
+    compiler = shutil.which("gcc")
+    runtime = (
+        subprocess.run(
+            [compiler, "-print-file-name=libasan.so"], capture_output=True, text=True
+        ).stdout.strip()
+        if compiler
+        else ""
+    )
+    if not runtime or not Path(runtime).is_file():
+        pytest.skip("needs gcc with AddressSanitizer's runtime")
+    source = Path(kernel_attention.__file__).with_name("varlen_attention_amx.c")
+    library = tmp_path / "varlen_attention_amx_asan.so"
+    flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-std=gnu11"]
+    flags += ["-fPIC", "-shared", "-fopenmp", "-march=native", "-DVACPACK_EMULATE_TILES"]
+    subprocess.run([compiler, *flags, str(source), "-o", str(library), "-lm"], check=True)
+    tests_dir = Path(__file__).parent
+    environment = {
+        **os.environ,
+        "LD_PRELOAD": runtime,
+        "ASAN_OPTIONS": "detect_leaks=0",
+        "PYTHONPATH": os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", ASAN_SCRIPT, str(library)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert "ERROR: AddressSanitizer" not in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    worst = float(run.stdout.split("worst difference")[1])
+    assert worst < ATOL
