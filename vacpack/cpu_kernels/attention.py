@@ -62,10 +62,10 @@ _ARGTYPES = [
 def _kernel(dtype: torch.dtype, bf16_kernel: str = DEFAULT_BF16_KERNEL) -> KernelFunction | None:
     if dtype not in _LIBRARIES:
         return None
-    if dtype == torch.bfloat16 and bf16_kernel in _TILE_KERNELS:
+    if dtype == torch.bfloat16 and bf16_kernel != DEFAULT_BF16_KERNEL:
+        if bf16_kernel not in _TILE_KERNELS:
+            raise ValueError(f"bf16_kernel must be one of {BF16_KERNELS}, got {bf16_kernel!r}")
         return _tile_kernel(bf16_kernel)
-    if bf16_kernel != DEFAULT_BF16_KERNEL and dtype == torch.bfloat16:
-        raise ValueError(f"bf16_kernel must be one of {BF16_KERNELS}, got {bf16_kernel!r}")
     library, portable, function, _ = _LIBRARIES[dtype]
     return kernel_function(library, function, _ARGTYPES, ctypes.c_int, portable=portable)
 
@@ -129,11 +129,11 @@ def _self_check(kernel: KernelFunction) -> float:
     if status != 0:
         return float("inf")
     expected = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
-        heads_first = [x[start:end].float().transpose(0, 1) for x in (q, k, v)]
-        group = num_heads // num_kv_heads
-        keys, values = (x.repeat_interleave(group, dim=0) for x in heads_first[1:])
-        attended = F.scaled_dot_product_attention(heads_first[0], keys, values, is_causal=True)
+    for rows in (slice(0, seq_lens[0]), slice(seq_lens[0], num_tokens)):
+        heads_first = [x[rows].float().transpose(0, 1) for x in (q, k, v)]
+        attended = F.scaled_dot_product_attention(
+            heads_first[0], heads_first[1], heads_first[2], is_causal=True, enable_gqa=True
+        )
         expected.append(attended.transpose(0, 1))
     return float((out.float() - torch.cat(expected)).abs().max())
 
