@@ -1,7 +1,8 @@
 """The decode attention benchmark's paths: the SDPA decode path this backend had before
 (its metadata, slot mapping and forward, rebuilt here), and every path compared against it
 (paged matmul, cascade, paged SDPA, the portable C decode kernel, the AVX512-BF16 C paged
-kernel), each built as a function that runs one step through every layer."""
+kernel, and on AMX CPUs the AMX decode kernel and the C paged kernel on AMX tiles), each built
+as a function that runs one step through every layer."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy
 from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.cpu_kernels import varlen_attention_supported
+from vacpack.cpu_kernels.attention import tile_kernel_ready
 from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
@@ -33,6 +35,7 @@ from vacpack.kvcache.paged_cache import KVLayer
 C_KERNEL = "C paged kernel"
 PORTABLE_KERNEL = "portable C decode kernel"  # cpu_kernels/paged_decode.c, any CPU
 LANES = "heads in lanes"  # the kernel's other form (decode_form="kernel_lanes")
+AMX_KERNEL = "AMX decode kernel"  # cpu_kernels/paged_decode_amx.c, bf16 on AMX CPUs
 
 # ---------------------------------------------------------------------------- the old path
 
@@ -134,8 +137,12 @@ def step_runners(
         )
         lanes_only = TorchSdpaBackend(cascade=None, decode_form="kernel_lanes")
         backends.append((f"{PORTABLE_KERNEL}, {LANES}", lanes_only))
+    if paged_decode_supported(CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, tiles="amx"):
+        backends.append((AMX_KERNEL, TorchSdpaBackend(cascade=None, decode_form="kernel_amx")))
     if varlen_attention_supported(CPU, dtype, HEAD_DIM):
         backends.append((C_KERNEL, CpuKernelBackend()))
+    if dtype == torch.bfloat16 and tile_kernel_ready("amx"):
+        backends.append((f"{C_KERNEL}, AMX", CpuKernelBackend(bf16_kernel="amx")))
         if paged_decode_supported(CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
             # The cascade's shared prefixes through the varlen kernel (cascade_prefix).
             cascading = TorchSdpaBackend(cascade_policy, decode_form="kernel", prefix_form="kernel")

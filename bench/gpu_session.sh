@@ -11,8 +11,8 @@
 # Intel Xeon with AMX, where the CPU issue's targets are also checked), pinned to two of its
 # cores as on the project's 2-core machines, the GPU hidden: cpu-decode
 # (bench/decode_attention.py, bf16), cpu-g1 (G1 against transformers' generate, bf16; the
-# measured kernel choices are in its JSON) and cpu-amx (the AMX attention kernel's tests, on
-# the CPU's tiles where it has them, bench/prefill_attention.py: the AMX kernel against the
+# measured kernel choices are in its JSON) and cpu-amx (the AMX attention and decode kernels'
+# tests, on the CPU's tiles where it has them, bench/prefill_attention.py: the AMX kernel against the
 # AVX-512 one and SDPA, and an audit of G1's measured choices in bf16). They are not in the
 # default list: name them.
 # Each runs under a time limit: its own nominal one,
@@ -186,7 +186,8 @@ stage_cpu_g1() {
 
 stage_cpu_amx() {
     # -rs: the skip reasons say whether the CPU had the tiles.
-    on_two_host_cores "$PYTHON" -m pytest tests/test_amx_attention.py -q -rs || return 1
+    on_two_host_cores "$PYTHON" -m pytest tests/test_amx_attention.py tests/test_amx_decode.py \
+        -q -rs || return 1
     on_two_host_cores "$PYTHON" bench/prefill_attention.py --rounds 7 \
         --output "$RESULTS_DIR/prefill_attention_cpu_gpu_host.json" || return 1
     # Whether the measured choices (the bf16 kernel's among them) hold there: G1's model in bf16.

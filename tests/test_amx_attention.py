@@ -23,6 +23,7 @@ from test_cpu_kernels import (
     _reference,
     check_cascade,
 )
+from tile_marks import EMULATED, ON_AMX, TILE_KERNELS
 
 from vacpack.attention import create_backend, selection
 from vacpack.attention.timed_steps import AttentionShapes, PackedBinShape
@@ -37,22 +38,6 @@ from vacpack.tuning import ChoiceSource, MeasuredChoice
 
 CPU = torch.device("cpu")
 ATOL = 2e-2  # bf16 inputs and output, probabilities rounded to bf16 (as the AVX-512 kernel)
-TILE_KERNELS = [
-    pytest.param(
-        "emulated_tiles",
-        marks=pytest.mark.skipif(
-            not tile_kernel_ready("emulated_tiles"), reason="needs a C compiler"
-        ),
-        id="emulated",
-    ),
-    pytest.param(
-        "amx",
-        marks=pytest.mark.skipif(
-            not tile_kernel_ready("amx"), reason="needs an x86 CPU with AMX (Sapphire Rapids on)"
-        ),
-        id="amx",
-    ),
-]
 
 
 def _attend(q, k, v, lens_q, lens_k, causal, bf16_kernel):  # type: ignore[no-untyped-def]
@@ -133,18 +118,15 @@ def test_a_cascade_runs_on_the_tiles(bf16_kernel) -> None:
     check_cascade(torch.bfloat16, bf16_kernel=bf16_kernel)
 
 
-@pytest.mark.skipif(
-    not tile_kernel_ready("amx"), reason="needs an x86 CPU with AMX (Sapphire Rapids on)"
-)
+@ON_AMX
 def test_a_cascade_runs_its_prefixes_on_the_tiles_and_its_own_pages_apart() -> None:
     check_cascade(torch.bfloat16, bf16_kernel="avx512_bf16", prefix_bf16_kernel="amx")
 
 
+@EMULATED
 def test_a_kernel_that_fails_its_self_check_is_not_used(monkeypatch, caplog) -> None:
     """Written where no AMX CPU was at hand, the AMX kernel proves itself where it runs: a
     kernel computing something else than attention is turned off, with a warning."""
-    if not tile_kernel_ready("emulated_tiles"):
-        pytest.skip("needs a C compiler")
     kernel_attention._tile_kernel.cache_clear()
     monkeypatch.setattr(kernel_attention, "SELF_CHECK_TOLERANCE", -1.0)  # nothing passes
     try:

@@ -20,9 +20,8 @@ from vacpack.attention import (
 )
 from vacpack.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionSpec
 from vacpack.attention.cascade import CascadePolicy
-from vacpack.attention.paged_decode import DECODE_FORMS, KERNEL_FORMS
+from vacpack.attention.paged_decode import DECODE_FORMS, KERNEL_FORMS, kernel_form_supported
 from vacpack.attention.torch_sdpa import TorchSdpaBackend, build_slot_mapping
-from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.engine.window_pages import RELEASED_PAGE
 from vacpack.kvcache.paged_cache import PagedKVCache
 
@@ -33,6 +32,10 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 # prompt longer than the window and a short one.
 QUERY_LENS = (1, 1, 1, 1, 1, 13, 9, 11, 3)
 CONTEXT_LENS = (1, 3, 7, 16, 37, 29, 24, 11, 3)
+# The decode forms that run float32 (the AMX kernel's takes bf16: tests/test_amx_decode.py).
+FLOAT32_DECODE_FORMS = [
+    form for form in DECODE_FORMS if form not in KERNEL_FORMS or KERNEL_FORMS[form].tiles is None
+]
 SPECS = [
     pytest.param(AttentionSpec(sliding_window=5), id="window"),
     pytest.param(AttentionSpec(sliding_window=8, scale=0.3, logit_softcap=2.0), id="all"),
@@ -154,15 +157,15 @@ def _run(
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("release_dead_pages", [False, True])
-@pytest.mark.parametrize("decode_form", DECODE_FORMS)
+@pytest.mark.parametrize("decode_form", FLOAT32_DECODE_FORMS)
 def test_portable_backend_equals_reference(
     spec: AttentionSpec, release_dead_pages: bool, decode_form: str
 ) -> None:
     """Decodes (as matmuls, or through SDPA or either form of the C kernel where no softcap asks
     for matmuls), prefill chunks over cached pages and fresh prompts; with a window, also with
     the pages before every window given back (their table entries RELEASED_PAGE, never read)."""
-    if decode_form in KERNEL_FORMS and not paged_decode_supported(
-        CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    if decode_form in KERNEL_FORMS and not kernel_form_supported(
+        decode_form, CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     ):
         pytest.skip("the paged decode C kernel does not build here (no C compiler)")
     step = _step(spec, release_dead_pages)
@@ -184,14 +187,14 @@ def test_triton_equals_reference(spec: AttentionSpec) -> None:
 
 
 @pytest.mark.parametrize("spec", [*SPECS[1:3], SPECS[3]])
-@pytest.mark.parametrize("decode_form", DECODE_FORMS)
+@pytest.mark.parametrize("decode_form", FLOAT32_DECODE_FORMS)
 def test_decodes_sharing_a_prefix_equal_reference(spec: AttentionSpec, decode_form: str) -> None:
     """Decodes whose tables start with the same three pages: with full attention a cascade
     (shared prefix attended once, merged by log-sum-exp; scale and softcap in both parts; the
     own pages through the decode form where it gives a log-sum-exp), with a window plain
     windowed chunks."""
-    if decode_form in KERNEL_FORMS and not paged_decode_supported(
-        CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    if decode_form in KERNEL_FORMS and not kernel_form_supported(
+        decode_form, CPU, torch.float32, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     ):
         pytest.skip("the paged decode C kernel does not build here (no C compiler)")
     step = _step(spec, query_lens=(1,) * 4, context_lens=(13, 17, 22, 30), num_shared_pages=3)

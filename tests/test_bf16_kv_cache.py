@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_attention_windows import FLOAT32_DECODE_FORMS
 
 from vacpack import LLM, SamplingParams
 from vacpack.attention import BatchLayout, create_backend
 from vacpack.attention.backend import AttentionSpec
 from vacpack.attention.cascade import CascadePolicy
-from vacpack.attention.paged_decode import DECODE_FORMS
 from vacpack.attention.timed_steps import AttentionShapes
 from vacpack.config import EngineConfig
 from vacpack.cpu_kernels import paged_attention_with_lse, varlen_attention_supported
@@ -111,7 +111,7 @@ CASES = [
             id=f"torch_sdpa-{form}-prefix-{prefix_form}-{'window' if spec == WINDOW else 'full'}",
             marks=needs_c_kernels if "kernel" in (form + prefix_form) else (),
         )
-        for form in DECODE_FORMS
+        for form in FLOAT32_DECODE_FORMS
         for prefix_form in ("matmuls", "kernel")
         if form == "matmuls" or prefix_form == "matmuls"
         for spec in (AttentionSpec(), WINDOW)

@@ -28,11 +28,10 @@ from vacpack.attention import (
 )
 from vacpack.attention.backend import AttentionSpec
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
-from vacpack.attention.paged_decode import DECODE_FORMS
+from vacpack.attention.paged_decode import DECODE_FORMS, KERNEL_FORMS, kernel_form_supported
 from vacpack.attention.selection import PREFIX_BAND_FACTOR, cascade_shapes
 from vacpack.attention.step_routed import StepRoutedBackend
 from vacpack.attention.timed_steps import TimedCall, Workload
-from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.tuning import ChoiceSource, force_env_var
 from vacpack.tuning import cache as cache_module
 
@@ -317,9 +316,9 @@ def test_the_cascade_runs_from_the_shortest_prefix_it_won_from(
 def test_torch_sdpa_runs_decodes_as_measured(
     inject, monkeypatch: pytest.MonkeyPatch, fastest: str
 ) -> None:
-    kernel_builds = paged_decode_supported(CPU, LONG.dtype, 4, 2, 32)
-    if fastest == "kernel" and not kernel_builds:
-        pytest.skip("the paged decode C kernel does not build here (no C compiler)")
+    runs = {form: kernel_form_supported(form, CPU, LONG.dtype, 4, 2, 32) for form in KERNEL_FORMS}
+    if not runs.get(fastest, True):
+        pytest.skip(f"the {fastest} form's C kernel does not run here (no C compiler, or no AMX)")
     monkeypatch.setenv(force_env_var("sdpa_prefill"), "blocked")
     costs = {"cpu_kernels": 0.002, "torch_sdpa": 0.001, "cascade": 0.001, "no_cascade": 0.002}
     forms = {form: 0.002 for form in DECODE_FORMS}
@@ -330,8 +329,9 @@ def test_torch_sdpa_runs_decodes_as_measured(
     decode = next(c for c in selected.choices if c.phase == "sdpa_decode")
     assert decode.chosen == fastest and decode.source is ChoiceSource.MEASURED
     assert "decode 8 seqs" in decode.shape_key
-    # The kernel competes wherever it builds.
-    assert ("kernel" in decode.best_time_s) == kernel_builds
+    # Each kernel form competes wherever it runs.
+    for form, form_runs in runs.items():
+        assert (form in decode.best_time_s) == form_runs
     # Decided before the backends were timed, so torch_sdpa competed in its faster form.
     assert timings.calls.index("torch_sdpa") > max(
         i for i, name in enumerate(timings.calls) if name in DECODE_FORMS
@@ -390,7 +390,7 @@ def test_the_timed_calls_run_the_candidates_on_the_same_inputs(dtype: torch.dtyp
                     selection.create_backend, "torch_sdpa", cascade=None, decode_form=form
                 )
                 for form in DECODE_FORMS
-                if form != "kernel" or paged_decode_supported(CPU, dtype, 4, 2, 32)
+                if form not in KERNEL_FORMS or kernel_form_supported(form, CPU, dtype, 4, 2, 32)
             },
         }
         calls = selection.timed_calls(factories, shapes, workload, CPU)

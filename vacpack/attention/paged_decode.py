@@ -13,7 +13,9 @@ Qwen2.5-0.5B). Four ways to run that shape (DECODE_FORMS), and none wins on ever
   value once from its page, with no gather, vectorised for the CPU it was built on; where it
   builds. Its two forms keep a KV head's grouped query heads apart (dot products along
   head_dim) or in vector lanes (no horizontal sums; idle lanes where a group has fewer than
-  eight heads).
+  eight heads);
+- "kernel_amx": paged_decode_amx.c, the same reads with both products on AMX tiles (bf16, x86
+  CPUs with AMX).
 So the backend's decode form is measured at the model's shapes (attention/selection.py). The
 matmuls stay where scores are soft-capped, and stand in for SDPA where a cascade needs the
 log-sum-exp (the kernel returns one).
@@ -33,12 +35,40 @@ import torch.nn.functional as F
 
 from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
 from vacpack.attention.page_tables import padded_page_table
-from vacpack.cpu_kernels.paged_decode import paged_decode_attention
+from vacpack.cpu_kernels.paged_decode import paged_decode_attention, paged_decode_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
-DECODE_FORMS = ("matmuls", "sdpa", "kernel", "kernel_lanes")
-# The C kernel's forms, each with its heads_in_lanes argument.
-KERNEL_FORMS = {"kernel": False, "kernel_lanes": True}
+DECODE_FORMS = ("matmuls", "sdpa", "kernel", "kernel_lanes", "kernel_amx")
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """How a decode form calls the C kernels (paged_decode_attention's arguments)."""
+
+    heads_in_lanes: bool
+    tiles: str | None = None  # the AMX kernel ("amx"), else the portable one
+
+
+KERNEL_FORMS = {
+    "kernel": KernelForm(heads_in_lanes=False),
+    "kernel_lanes": KernelForm(heads_in_lanes=True),
+    "kernel_amx": KernelForm(heads_in_lanes=False, tiles="amx"),
+}
+
+
+def kernel_form_supported(
+    form: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> bool:
+    """Whether the C kernel form `form` runs these decodes here."""
+    return form in KERNEL_FORMS and paged_decode_supported(
+        device, dtype, num_heads, num_kv_heads, head_dim, KERNEL_FORMS[form].tiles
+    )
+
 
 # Padded key tokens per chunk. A 2-KV-head, 64-dim bf16 token is 256 bytes of keys and as much
 # of values, so 8,192 tokens gather 4 MiB, which the matmuls then read from cache. On the 2-core
@@ -295,7 +325,8 @@ def chunk_attention(
             page_size,
             spec.scale_for(head_dim),
             with_lse,
-            heads_in_lanes=KERNEL_FORMS[form],
+            heads_in_lanes=KERNEL_FORMS[form].heads_in_lanes,
+            tiles=KERNEL_FORMS[form].tiles,
         )
     chunk = chunk.with_masks()
     keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys, q.dtype)

@@ -49,6 +49,7 @@ from vacpack import cpu_kernels
 from vacpack.attention.backend import AttentionBackend
 from vacpack.attention.blocked_prefill import MIN_KEYS
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, PREFIX_FORMS, CascadePolicy
+from vacpack.attention.paged_decode import KERNEL_FORMS, kernel_form_supported
 from vacpack.attention.registry import (
     SPECS_BY_NAME,
     Phase,
@@ -67,7 +68,6 @@ from vacpack.attention.timed_steps import (
     Workload,
     timed_calls,
 )
-from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.tuning import ChoiceSource, MeasuredChoice, choose
 from vacpack.tuning.timing import Clock
 
@@ -324,13 +324,12 @@ def _choose_decode_form(
         return None
     timed_shapes = replace(shapes, specs=applicable)
     forms = ["sdpa", "matmuls"]
-    if paged_decode_supported(
-        device, shapes.dtype, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
-    ):
-        forms.append("kernel")
+    heads = (shapes.num_heads, shapes.num_kv_heads, shapes.head_dim)
+    for form in KERNEL_FORMS:
         # Heads in lanes: a lone query head per KV head would leave seven of eight lanes idle.
-        if shapes.num_heads > shapes.num_kv_heads:
-            forms.append("kernel_lanes")
+        lone_heads = form == "kernel_lanes" and shapes.num_heads == shapes.num_kv_heads
+        if not lone_heads and kernel_form_supported(form, device, shapes.dtype, *heads):
+            forms.append(form)
     return _measure_option(
         measure,
         SDPA_DECODE_PHASE,

@@ -28,64 +28,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_tasks.h"
 #include "vec8.h"
 
 #define KEY_BLOCK 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256  // a multiple of 8, as every supported head_dim is
-// A split of a sequence's keys holds at least this many, so a split's fixed costs (loading
-// its queries, writing and merging its partial output) stay small against its reads.
-#define MIN_SPLIT_KEYS 256
-// Tasks wanted per thread: enough that threads finishing early find more work.
-#define TASKS_PER_THREAD 4
-#define MAX_SPLITS 64
-#define LN2 0.6931471805599453f
-
-static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch rounds
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof(bits));
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (bf16)(bits >> 16);
-}
-
-typedef struct {
-    const void* q;            // [seqs, heads, head_dim]
-    const void* keys;         // the layer's [slots, kv_heads, head_dim]
-    const void* values;       // the same
-    const int64_t* pages;     // [seqs, pages_per_seq] page ids
-    const int64_t* key_range; // [seqs, 2]: first visible key, number of keys
-    int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq;
-    float scale;
-    int heads_in_lanes;  // the form: grouped query heads in vector lanes, else apart
-    int q_bf16;          // the queries and the output are bf16, else float32
-} Problem;
-
-// A group's heads in lanes of eight: how many groups of eight.
-static inline int64_t lane_groups(const Problem* pr) {
-    return (pr->num_heads / pr->num_kv_heads + 7) / 8;
-}
-
-// One task's running result, in floats: per query head the largest score so far (log2 units)
-// and the sum of weights, then the weighted values: [heads][head_dim] rows from the
-// heads-apart form, [kv_heads][groups of eight heads][head_dim][8 lanes] from the
-// heads-in-lanes form.
-static inline int64_t partial_floats(const Problem* pr) {
-    const int64_t values = pr->heads_in_lanes
-                               ? pr->num_kv_heads * lane_groups(pr) * pr->head_dim * 8
-                               : pr->num_heads * pr->head_dim;
-    return 2 * pr->num_heads + values;
-}
-
-// Where head h's first weighted value lies among a partial result's values; the next ones
-// follow value_stride apart.
-static inline int64_t value_start(const Problem* pr, int64_t h) {
-    if (!pr->heads_in_lanes) return h * pr->head_dim;
-    const int64_t group = pr->num_heads / pr->num_kv_heads;
-    const int64_t kv_head = h / group, g = (h % group) / 8, lane = (h % group) % 8;
-    return (kv_head * lane_groups(pr) + g) * pr->head_dim * 8 + lane;
-}
-
-static inline int64_t value_stride(const Problem* pr) { return pr->heads_in_lanes ? 8 : 1; }
 
 // Pairwise sums of neighbouring lanes of a and b, per 128-bit half (what x86's hadd does).
 static inline v8f pair_sums(v8f a, v8f b) {
@@ -100,12 +48,6 @@ static inline v8f sum_lanes8(const v8f v[8]) {
     // quarter_lo holds v0..v3's sums over lanes 0-3, then over lanes 4-7; likewise hi.
     return SHUFFLE2(quarter_lo, quarter_hi, 0, 1, 2, 3, 8, 9, 10, 11) +
            SHUFFLE2(quarter_lo, quarter_hi, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// exp2_nonpositive8 (vec8.h) for one value (a rescale per head and block, a merge weight per
-// split).
-static inline float exp2_nonpositive(float x) {
-    return exp2_nonpositive8((v8f){0} + x)[0];
 }
 
 static const v8i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -430,8 +372,6 @@ DEFINE_ATTEND(attend_bf16_d64, 1, 8)
 DEFINE_ATTEND(attend_f32_d128, 0, 16)
 DEFINE_ATTEND(attend_bf16_d128, 1, 16)
 
-typedef void (*AttendFunction)(const Problem*, const v8f*, int64_t, int64_t, int64_t, float*);
-
 static AttendFunction attend_for(int64_t head_dim, int kv_bf16) {
     if (head_dim == 64) return kv_bf16 ? attend_bf16_d64 : attend_f32_d64;
     if (head_dim == 128) return kv_bf16 ? attend_bf16_d128 : attend_f32_d128;
@@ -464,98 +404,19 @@ static v8f* transposed_queries(const Problem* pr, int64_t num_seqs, int threads)
     return queries_t;
 }
 
-// Writes sequence `seq`'s result, merged from its `num_parts` consecutive partials, to out,
-// and where lse is given each head's log-sum-exp of its scaled scores (natural log).
-static void merge_and_store(const Problem* pr, const float* parts, int64_t num_parts,
-                            int64_t seq, void* out, float* lse) {
-    const int64_t dim = pr->head_dim, stride = partial_floats(pr);
-    for (int64_t h = 0; h < pr->num_heads; ++h) {
-        float top = -INFINITY;
-        for (int64_t p = 0; p < num_parts; ++p) {
-            const float part_max = parts[p * stride + h];
-            top = part_max > top ? part_max : top;
-        }
-        float weights[MAX_SPLITS];
-        float total = 0.0f;
-        for (int64_t p = 0; p < num_parts; ++p) {
-            const float part_max = parts[p * stride + h];
-            // A split that saw no key (none is empty, but cheap to be safe) weighs nothing.
-            weights[p] = part_max == -INFINITY ? 0.0f : exp2_nonpositive(part_max - top);
-            total += weights[p] * parts[p * stride + pr->num_heads + h];
-        }
-        if (lse) lse[seq * pr->num_heads + h] = (top + log2f(total)) * LN2;
-        const int64_t first = (seq * pr->num_heads + h) * dim;
-        const float* values = parts + 2 * pr->num_heads + value_start(pr, h);
-        const int64_t step = value_stride(pr);
-        for (int64_t d = 0; d < dim; ++d) {
-            float value = 0.0f;
-            for (int64_t p = 0; p < num_parts; ++p)
-                value += weights[p] * values[p * stride + d * step];
-            value /= total;
-            if (pr->q_bf16)
-                ((bf16*)out)[first + d] = float_to_bf16(value);
-            else
-                ((float*)out)[first + d] = value;
-        }
-    }
-}
-
-// How many splits a sequence's keys get: enough tasks for the threads, at least
-// MIN_SPLIT_KEYS keys per split, at most MAX_SPLITS.
-static int64_t splits_for(int64_t num_keys, int64_t num_seqs, int threads) {
-    const int64_t wanted = ((int64_t)threads * TASKS_PER_THREAD + num_seqs - 1) / num_seqs;
-    int64_t splits = num_keys / MIN_SPLIT_KEYS;
-    splits = splits < wanted ? splits : wanted;
-    splits = splits < MAX_SPLITS ? splits : MAX_SPLITS;
-    return splits < 1 ? 1 : splits;
-}
-
 // Returns 0, or -1 where a shape is past the kernel's fixed buffers (the caller checks first)
 // or memory runs out.
 static int paged_decode(const Problem* pr, void* out, float* lse, int64_t num_seqs,
                         int kv_bf16, int threads) {
     const int64_t group = pr->num_heads / pr->num_kv_heads;
     if (group > MAX_GROUP || pr->head_dim > MAX_HEAD_DIM || pr->head_dim % 8) return -1;
-    const AttendFunction attend = attend_for(pr->head_dim, kv_bf16);
-    // Sequence s's splits are tasks first_task[s] ..< first_task[s + 1].
-    int64_t* first_task = malloc((num_seqs + 1) * sizeof(int64_t));
-    if (!first_task) return -1;
-    first_task[0] = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t keys = pr->key_range[2 * s + 1] - pr->key_range[2 * s];
-        first_task[s + 1] = first_task[s] + splits_for(keys, num_seqs, threads);
-    }
-    const int64_t num_tasks = first_task[num_seqs];
-    float* parts = malloc(num_tasks * partial_floats(pr) * sizeof(float));
-    v8f* queries_t =
-        pr->heads_in_lanes ? transposed_queries(pr, num_seqs, threads) : NULL;
-    if (!parts || (pr->heads_in_lanes && !queries_t)) {
-        free(queries_t);
-        free(parts);
-        free(first_task);
-        return -1;
-    }
+    v8f* queries_t = NULL;
+    if (pr->heads_in_lanes && !(queries_t = transposed_queries(pr, num_seqs, threads))) return -1;
     const int64_t queries_t_per_seq = pr->num_kv_heads * lane_groups(pr) * pr->head_dim;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < num_tasks; ++task) {
-        int64_t seq = 0;  // the sequence whose splits hold this task: few, so a linear search
-        while (first_task[seq + 1] <= task) ++seq;
-        const int64_t first_key = pr->key_range[2 * seq], end_key = pr->key_range[2 * seq + 1];
-        const int64_t num_parts = first_task[seq + 1] - first_task[seq];
-        const int64_t per_part = (end_key - first_key + num_parts - 1) / num_parts;
-        const int64_t start = first_key + (task - first_task[seq]) * per_part;
-        const int64_t end = start + per_part < end_key ? start + per_part : end_key;
-        attend(pr, queries_t ? queries_t + seq * queries_t_per_seq : NULL, seq, start, end,
-               parts + task * partial_floats(pr));
-    }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t seq = 0; seq < num_seqs; ++seq)
-        merge_and_store(pr, parts + first_task[seq] * partial_floats(pr),
-                        first_task[seq + 1] - first_task[seq], seq, out, lse);
+    const int status = run_decode_tasks(pr, attend_for(pr->head_dim, kv_bf16), queries_t,
+                                        queries_t_per_seq, out, lse, num_seqs, threads);
     free(queries_t);
-    free(parts);
-    free(first_task);
-    return 0;
+    return status;
 }
 
 int paged_decode_attention(const void* q, const void* keys, const void* values,

@@ -1,21 +1,34 @@
 """Decode attention read in place from a paged KV cache, from paged_decode.c: plain C that the
-compiler vectorises for the CPU at hand, so it runs on every CPU (see paged_decode.c)."""
+compiler vectorises for the CPU at hand, so it runs on every CPU (see paged_decode.c); and for
+bf16 on x86 CPUs with AMX, paged_decode_amx.c, whose products run on the tiles."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 
 import torch
 
-from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.build import AMX, EMULATED_TILES, KernelFunction, kernel_function
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
+
+logger = logging.getLogger(__name__)
 
 _LIBRARY_NAME = "paged_decode"
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
-# The kernel's fixed per-task buffers (paged_decode.c).
+# The kernels' fixed per-task buffers (paged_decode.c, paged_decode_amx.c).
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16)
+# The AMX kernel on the CPU's tiles ("amx"), or with its tile instructions run in plain C
+# ("emulated_tiles": any CPU, slow; tests of the AMX kernel on machines without AMX). Its score
+# product takes 32 dims per step.
+TILE_KERNELS = {"amx": AMX, "emulated_tiles": EMULATED_TILES}
+TILE_HEAD_DIM_MULTIPLE = 32
+# The self-check's largest difference from float32 attention that bf16 rounding explains
+# (probabilities rounded to bf16, and the output: about 0.004 on its inputs).
+SELF_CHECK_TOLERANCE = 0.03
 
 
 _ARGTYPES = [
@@ -29,17 +42,106 @@ _ARGTYPES = [
 ]
 
 
+_TILE_ARGTYPES = [
+    *[_POINTER] * 7,  # q, keys, values, pages, key ranges, out, lse (or NULL)
+    *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
+    ctypes.c_float,  # scale
+    ctypes.c_int,  # threads
+]
+
+
 def _kernel() -> KernelFunction | None:
     return kernel_function(
         _LIBRARY_NAME, "paged_decode_attention", _ARGTYPES, ctypes.c_int, portable=True
     )
 
 
+@functools.cache
+def _tile_kernel(name: str) -> KernelFunction | None:
+    """The AMX kernel (or its emulation), once the process may use the tiles and the kernel has
+    computed a few decodes like float32 attention: written where no AMX CPU was at hand to test
+    on, it proves itself on the CPU that runs it before any model does."""
+    if name not in TILE_KERNELS:
+        raise ValueError(f"tiles must be one of {tuple(TILE_KERNELS)}, got {name!r}")
+    library, emulated = "paged_decode_amx", name == "emulated_tiles"
+    variant = TILE_KERNELS[name]
+    ready = kernel_function(
+        library, "paged_decode_amx_ready", [], ctypes.c_int, portable=emulated, variant=variant
+    )
+    if ready is None:
+        return None
+    error = ready()
+    if error != 0:
+        logger.info("AMX decode attention off: the kernel refused the tiles' state (%d)", error)
+        return None
+    kernel = kernel_function(
+        library, "paged_decode_amx", _TILE_ARGTYPES, ctypes.c_int, portable=emulated,
+        variant=variant,
+    )  # fmt: skip
+    if kernel is None:
+        return None
+    difference = _self_check(kernel)
+    if difference > SELF_CHECK_TOLERANCE:
+        logger.warning(
+            "AMX decode attention off: its self-check differs from float32 attention by %.3g",
+            difference,
+        )
+        return None
+    return kernel
+
+
+def _self_check(kernel: KernelFunction) -> float:
+    """The largest difference between `kernel` and float32 attention on three decodes (5 keys;
+    40 keys past a window's start inside a page; 600 keys, split over two tasks) over shuffled
+    16-token pages, 4 query heads on 2 KV heads of 64 dims, in bf16."""
+    generator = torch.Generator().manual_seed(0)
+    key_ranges = torch.tensor([[0, 5], [3, 40], [0, 600]], dtype=torch.int64)
+    page_size, num_heads, num_kv_heads, head_dim, pages_per_seq = 16, 4, 2, 64, 38
+    pages = torch.randperm(3 * pages_per_seq, generator=generator).view(3, pages_per_seq)
+    cache_shape = (3 * pages_per_seq * page_size, num_kv_heads, head_dim)
+    keys, values = (torch.randn(cache_shape, generator=generator).bfloat16() for _ in "kv")
+    q = torch.randn(3, num_heads, head_dim, generator=generator).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    status = kernel(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), pages.data_ptr(),
+        key_ranges.data_ptr(), out.data_ptr(), None, 3, num_heads, num_kv_heads, head_dim,
+        page_size, pages_per_seq, head_dim**-0.5, 8,
+    )  # fmt: skip
+    if status != 0:
+        return float("inf")
+    worst = 0.0
+    for seq, (first, num_keys) in enumerate(key_ranges.tolist()):
+        positions = torch.arange(first, num_keys)
+        slots = pages[seq, positions // page_size] * page_size + positions % page_size
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q[seq].float().unsqueeze(1),  # [heads, 1 query, head_dim]
+            keys[slots].float().transpose(0, 1),
+            values[slots].float().transpose(0, 1),
+            enable_gqa=True,
+        )
+        worst = max(worst, float((out[seq].float() - attended.squeeze(1)).abs().max()))
+    return worst
+
+
+def tile_decode_ready(tiles: str = "amx") -> bool:
+    """Whether the AMX decode kernel ("amx") or its emulation ("emulated_tiles") runs here: it
+    builds, the CPU has the tiles, and it passed its self-check."""
+    return _tile_kernel(tiles) is not None
+
+
 def paged_decode_supported(
-    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tiles: str | None = None,
 ) -> bool:
     """Whether the kernel runs these decodes here (CPU, float32 or bf16, head_dim a multiple of
-    8 for its 8-lane vectors, within its buffers)."""
+    8 for its 8-lane vectors, within its buffers); with `tiles`, the AMX kernel (bf16 queries
+    and cache, head_dim a multiple of 32)."""
+    if tiles is not None and (dtype != torch.bfloat16 or head_dim % TILE_HEAD_DIM_MULTIPLE):
+        return False
     return (
         device.type == "cpu"
         and dtype in _DTYPES
@@ -47,7 +149,7 @@ def paged_decode_supported(
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
-        and _kernel() is not None
+        and (_kernel() if tiles is None else _tile_kernel(tiles)) is not None
     )
 
 
@@ -61,6 +163,7 @@ def paged_decode_attention(
     scale: float,
     with_lse: bool = False,
     heads_in_lanes: bool = False,
+    tiles: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of decode queries q [seqs, heads, head_dim] over their cached keys;
     with_lse: also each head's float32 log-sum-exp of its scaled scores, [seqs, heads] (what a
@@ -77,13 +180,13 @@ def paged_decode_attention(
     (one vector per key holds up to eight heads' scores: no horizontal sums, a group of fewer
     than eight leaves lanes idle), else apart (each head's dot products along head_dim).
     Which is faster depends on the group size and the CPU: the engine times both.
+
+    tiles ("amx", or "emulated_tiles" in tests): the AMX kernel instead (bf16 only, its scores
+    taken keys by heads on the tiles; heads_in_lanes does not apply), where it runs.
     """
-    kernel = _kernel()
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
-    if kernel is None or not paged_decode_supported(
-        q.device, q.dtype, num_heads, num_kv_heads, head_dim
-    ):
+    if not paged_decode_supported(q.device, q.dtype, num_heads, num_kv_heads, head_dim, tiles):
         raise RuntimeError("the paged decode kernel cannot run these decodes here")
     check_cache_dtype(q.dtype, keys.dtype, values.dtype)
     for name, tensor in (("keys", keys), ("values", values), ("pages", pages)):
@@ -93,6 +196,20 @@ def paged_decode_attention(
     key_ranges = key_ranges.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(num_seqs, num_heads, dtype=torch.float32) if with_lse else None
+    if tiles is not None:
+        tile_kernel = _tile_kernel(tiles)
+        assert tile_kernel is not None  # supported
+        status = tile_kernel(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), pages.data_ptr(),
+            key_ranges.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
+            num_seqs, num_heads, num_kv_heads, head_dim, page_size, pages.shape[1], scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the AMX decode kernel could not allocate its task buffers")
+        return out, lse
+    kernel = _kernel()
+    assert kernel is not None  # supported
     status = kernel(
         q.data_ptr(),
         keys.data_ptr(),

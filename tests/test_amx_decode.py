@@ -1,0 +1,253 @@
+"""The AMX decode kernel (paged_decode_amx.c) against a float64 reference, on the CPU's tiles
+where it has AMX, and everywhere with its tile instructions emulated in plain C (tiles.h): its
+tiles read straight from pages or copied where a tile's keys lie on two pages or past its
+range, windows starting inside a page, split-K, group sizes from 1 to 16, head sizes that end
+on a two-tile value pass; its self-check; the engine's decode form that runs it; and a build
+with AddressSanitizer that every tile load and store stays inside its memory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_paged_decode_kernel import _case, _reference
+from tile_marks import EMULATED, TILE_KERNELS
+
+from vacpack.attention import BatchLayout
+from vacpack.attention import paged_decode as decode_forms
+from vacpack.attention.backend import FULL_ATTENTION
+from vacpack.attention.cascade import CascadePolicy
+from vacpack.attention.torch_sdpa import TorchSdpaBackend
+from vacpack.cpu_kernels import paged_decode as kernel_module
+from vacpack.cpu_kernels.paged_decode import (
+    paged_decode_attention,
+    paged_decode_supported,
+    tile_decode_ready,
+)
+from vacpack.kvcache.paged_cache import PagedKVCache
+
+CPU = torch.device("cpu")
+PAGE_SIZE = 16  # test_paged_decode_kernel's pages
+ATOL = 1e-2  # bf16 output and probabilities rounded to bf16 (the portable kernel's bf16 bound)
+# (query heads, KV heads, head_dim)
+SHAPES = [
+    pytest.param((14, 2, 64), id="gqa7-d64"),
+    pytest.param((4, 4, 32), id="mha-d32"),  # one head per tile: 15 idle columns
+    pytest.param((16, 1, 128), id="mqa16-d128"),  # a full tile of heads, two value passes
+    pytest.param((6, 2, 96), id="gqa3-d96"),  # a value pass of four tiles, then one of two
+    pytest.param((8, 1, 256), id="mqa8-d256"),
+]
+# (first visible key, number of keys): one key; a tile and one; a window's start inside a page
+# (a copied first tile) and a copied last tile; block edges; many blocks.
+KEY_RANGES = [(0, 1), (0, 17), (3, 40), (0, 64), (50, 129), (100, 300), (0, 1500)]
+
+
+@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_equals_reference(shape: tuple[int, int, int], tiles: str) -> None:
+    q, keys, values, pages, ranges = _case(shape, torch.bfloat16, KEY_RANGES, seed=shape[2])
+    got, lse = paged_decode_attention(
+        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, with_lse=True, tiles=tiles
+    )
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    expected, expected_lse = _reference(q, keys, values, pages, ranges, scale=0.2)
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=ATOL)
+    assert lse is not None
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
+    without, no_lse = paged_decode_attention(
+        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, tiles=tiles
+    )
+    assert no_lse is None and torch.equal(without, got)
+
+
+@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("page_size", [8, 48])
+def test_pages_of_other_sizes(page_size: int, tiles: str) -> None:
+    """8-token pages put every tile's keys on two pages (all copied); 48-token pages put a
+    tile on each page's edge in place (16 divides 48)."""
+    generator = torch.Generator().manual_seed(page_size)
+    key_ranges = torch.tensor([[0, 7], [5, 100], [0, 333]], dtype=torch.int64)
+    pages_per_seq = -(-333 // page_size)
+    pages = torch.randperm(3 * pages_per_seq, generator=generator).view(3, pages_per_seq)
+    cache_shape = (3 * pages_per_seq * page_size, 2, 64)
+    keys, values = (torch.randn(cache_shape, generator=generator).bfloat16() for _ in "kv")
+    q = torch.randn(3, 14, 64, generator=generator).bfloat16()
+    got, lse = paged_decode_attention(
+        q, keys, values, pages, key_ranges, page_size, 0.125, with_lse=True, tiles=tiles
+    )
+    # The same attention over the same keys, on 16-token pages: the reference's.
+    slots = []
+    for seq, num_keys in enumerate(key_ranges[:, 1].tolist()):
+        positions = torch.arange(num_keys)
+        slots.append(pages[seq, positions // page_size] * page_size + positions % page_size)
+    per_seq = -(-333 // PAGE_SIZE) * PAGE_SIZE
+    flat_keys = torch.zeros(3 * per_seq, 2, 64, dtype=torch.bfloat16)
+    flat_values = torch.zeros_like(flat_keys)
+    for seq, seq_slots in enumerate(slots):
+        flat_keys[seq * per_seq : seq * per_seq + len(seq_slots)] = keys[seq_slots]
+        flat_values[seq * per_seq : seq * per_seq + len(seq_slots)] = values[seq_slots]
+    flat_pages = torch.arange(3 * per_seq // PAGE_SIZE).view(3, -1)
+    expected, expected_lse = _reference(
+        q, flat_keys, flat_values, flat_pages, key_ranges, scale=0.125
+    )
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=ATOL)
+    assert lse is not None
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_split_keys_merge_to_the_same_result(threads: int, tiles: str) -> None:
+    """Few long sequences: their keys split over tasks whose ranges start inside tiles (copied
+    first tiles), merged by log-sum-exp."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, keys, values, pages, ranges = _case(
+            (14, 2, 64), torch.bfloat16, [(701, 3000), (0, 9)], seed=threads
+        )
+        got, lse = paged_decode_attention(
+            q, keys, values, pages, ranges, PAGE_SIZE, 0.125, True, tiles=tiles
+        )
+    finally:
+        torch.set_num_threads(previous)
+    expected, expected_lse = _reference(q, keys, values, pages, ranges, scale=0.125)
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=ATOL)
+    assert lse is not None
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
+
+
+@EMULATED
+def test_what_the_tile_kernel_takes() -> None:
+    """bf16 only (the tiles multiply bf16), head_dim a multiple of 32, at most 16 heads per KV
+    head (a tile's columns); an unknown name is refused."""
+    assert paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, tiles="emulated_tiles")
+    assert not paged_decode_supported(CPU, torch.float32, 14, 2, 64, tiles="emulated_tiles")
+    assert not paged_decode_supported(CPU, torch.bfloat16, 14, 2, 48, tiles="emulated_tiles")
+    assert not paged_decode_supported(CPU, torch.bfloat16, 32, 1, 64, tiles="emulated_tiles")
+    with pytest.raises(ValueError, match="tiles must be one of"):
+        paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, tiles="avx9000")
+
+
+@EMULATED
+def test_a_kernel_that_fails_its_self_check_is_not_used(monkeypatch, caplog) -> None:
+    """Written where no AMX CPU was at hand, the kernel proves itself where it runs: one that
+    computes something else than attention is turned off, with a warning."""
+    kernel_module._tile_kernel.cache_clear()
+    monkeypatch.setattr(kernel_module, "SELF_CHECK_TOLERANCE", -1.0)  # nothing passes
+    try:
+        assert not tile_decode_ready("emulated_tiles")
+        assert not paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, tiles="emulated_tiles")
+        assert "self-check differs from float32 attention" in caplog.text
+    finally:
+        kernel_module._tile_kernel.cache_clear()
+    monkeypatch.undo()
+    assert tile_decode_ready("emulated_tiles")
+
+
+def _decode_step(backend: TorchSdpaBackend, num_shared_pages: int) -> torch.Tensor:
+    """A step of four bf16 decodes (14 query heads on 2 KV heads of 64 dims) over shuffled
+    16-token pages, the first num_shared_pages of every table the same (a cached prefix),
+    through `backend`."""
+    generator = torch.Generator().manual_seed(num_shared_pages)
+    context_lens = (13, 40, 77, 150)
+    own_pages = [-(-n // PAGE_SIZE) - num_shared_pages for n in context_lens]
+    num_pages = num_shared_pages + sum(own_pages) + 1
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    page_tables, start = [], num_shared_pages
+    for count in own_pages:
+        page_tables.append(order[:num_shared_pages] + order[start : start + count])
+        start += count
+    cache = PagedKVCache(1, num_pages, PAGE_SIZE, 2, 64, torch.bfloat16, CPU)
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+    q, k, v = (torch.randn(4, heads, 64, generator=generator).bfloat16() for heads in (14, 2, 2))
+    layout = BatchLayout((1,) * 4, context_lens, page_tables, PAGE_SIZE)
+    metadata = backend.build_metadata(layout, CPU)
+    return backend.forward(q, k, v, cache.layer(0), metadata, FULL_ATTENTION)
+
+
+@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("num_shared_pages", [0, 2], ids=["plain", "cascade"])
+def test_the_engine_decode_form_runs_on_the_tiles(
+    monkeypatch, tiles: str, num_shared_pages: int
+) -> None:
+    """The portable backend's "kernel_amx" decode form through a step of decodes (with a cascade
+    over a shared prefix, which merges by the kernel's log-sum-exp) equals the same step
+    through the matmul form within bf16 rounding."""
+    monkeypatch.setitem(
+        decode_forms.KERNEL_FORMS, "kernel_amx", decode_forms.KernelForm(False, tiles)
+    )
+    policy = CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1) if num_shared_pages else None
+    got = _decode_step(TorchSdpaBackend(policy, decode_form="kernel_amx"), num_shared_pages)
+    expected = _decode_step(TorchSdpaBackend(policy, decode_form="matmuls"), num_shared_pages)
+    torch.testing.assert_close(got.float(), expected.float(), atol=ATOL, rtol=ATOL)
+
+
+ASAN_SCRIPT = """
+import ctypes, sys
+import torch
+from vacpack.cpu_kernels import paged_decode
+from test_paged_decode_kernel import _case, _reference
+
+kernel = ctypes.CDLL(sys.argv[1]).paged_decode_amx
+kernel.argtypes, kernel.restype = paged_decode._TILE_ARGTYPES, ctypes.c_int
+paged_decode._tile_kernel = lambda name: kernel
+torch.set_num_threads(3)
+worst = paged_decode._self_check(kernel)
+ranges = [(0, 1), (3, 40), (50, 129), (701, 2000)]
+for shape in ((14, 2, 64), (16, 1, 128), (6, 2, 96)):
+    q, keys, values, pages, key_ranges = _case(shape, torch.bfloat16, ranges)
+    out, _ = paged_decode.paged_decode_attention(
+        q, keys, values, pages, key_ranges, 16, 0.2, True, tiles="emulated_tiles"
+    )
+    expected, _ = _reference(q, keys, values, pages, key_ranges, scale=0.2)
+    worst = max(worst, float((out.double() - expected).abs().max()))
+print("worst difference", worst)
+"""
+
+
+def test_the_tile_kernel_stays_inside_its_buffers(tmp_path: Path) -> None:
+    """The emulated kernel built with AddressSanitizer, in a process preloading its runtime
+    (torch's tensors watched too): tiles loaded straight from the cache's pages, copied tiles,
+    the packed values and the outputs' tiles all stay inside their memory. On AMX hardware a
+    stray tile row would read or write out of bounds silently, or crash."""
+    compiler = shutil.which("gcc")
+    runtime = (
+        subprocess.run(
+            [compiler, "-print-file-name=libasan.so"], capture_output=True, text=True
+        ).stdout.strip()
+        if compiler
+        else ""
+    )
+    if not runtime or not Path(runtime).is_file():
+        pytest.skip("needs gcc with AddressSanitizer's runtime")
+    source = Path(kernel_module.__file__).with_name("paged_decode_amx.c")
+    library = tmp_path / "paged_decode_amx_asan.so"
+    flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-std=gnu11"]
+    flags += ["-fPIC", "-shared", "-fopenmp", "-march=native", "-DVACPACK_EMULATE_TILES"]
+    subprocess.run([compiler, *flags, str(source), "-o", str(library), "-lm"], check=True)
+    environment = {
+        **os.environ,
+        "LD_PRELOAD": runtime,
+        "ASAN_OPTIONS": "detect_leaks=0",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", ASAN_SCRIPT, str(library)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert "ERROR: AddressSanitizer" not in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    worst = float(run.stdout.split("worst difference")[1])
+    assert worst < ATOL

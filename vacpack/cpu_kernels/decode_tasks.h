@@ -1,0 +1,169 @@
+// A decode's tasks and their partial results, shared by the paged decode kernels
+// (paged_decode.c on vectors, paged_decode_amx.c on AMX tiles): one task per (sequence, range
+// of its keys), a sequence's keys split over several tasks where there are too few sequences
+// for the threads (split-K), each task's partial result (per query head its max, its sum of
+// weights and its weighted values) merged with its sequence's others by their log-sum-exp.
+
+#ifndef VACPACK_DECODE_TASKS_H
+#define VACPACK_DECODE_TASKS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec8.h"
+
+// A split of a sequence's keys holds at least this many, so a split's fixed costs (loading
+// its queries, writing and merging its partial output) stay small against its reads.
+#define MIN_SPLIT_KEYS 256
+// Tasks wanted per thread: enough that threads finishing early find more work.
+#define TASKS_PER_THREAD 4
+#define MAX_SPLITS 64
+#define LN2 0.6931471805599453f
+
+static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch rounds
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (bf16)(bits >> 16);
+}
+
+typedef struct {
+    const void* q;            // [seqs, heads, head_dim]
+    const void* keys;         // the layer's [slots, kv_heads, head_dim]
+    const void* values;       // the same
+    const int64_t* pages;     // [seqs, pages_per_seq] page ids
+    const int64_t* key_range; // [seqs, 2]: first visible key, number of keys
+    int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq;
+    float scale;
+    int heads_in_lanes;  // the form: grouped query heads in vector lanes, else apart
+    int q_bf16;          // the queries and the output are bf16, else float32
+} Problem;
+
+// A group's heads in lanes of eight: how many groups of eight.
+static inline int64_t lane_groups(const Problem* pr) {
+    return (pr->num_heads / pr->num_kv_heads + 7) / 8;
+}
+
+// One task's running result, in floats: per query head the largest score so far (log2 units)
+// and the sum of weights, then the weighted values: [heads][head_dim] rows from the
+// heads-apart form, [kv_heads][groups of eight heads][head_dim][8 lanes] from the
+// heads-in-lanes form.
+static inline int64_t partial_floats(const Problem* pr) {
+    const int64_t values = pr->heads_in_lanes
+                               ? pr->num_kv_heads * lane_groups(pr) * pr->head_dim * 8
+                               : pr->num_heads * pr->head_dim;
+    return 2 * pr->num_heads + values;
+}
+
+// Where head h's first weighted value lies among a partial result's values; the next ones
+// follow value_stride apart.
+static inline int64_t value_start(const Problem* pr, int64_t h) {
+    if (!pr->heads_in_lanes) return h * pr->head_dim;
+    const int64_t group = pr->num_heads / pr->num_kv_heads;
+    const int64_t kv_head = h / group, g = (h % group) / 8, lane = (h % group) % 8;
+    return (kv_head * lane_groups(pr) + g) * pr->head_dim * 8 + lane;
+}
+
+static inline int64_t value_stride(const Problem* pr) { return pr->heads_in_lanes ? 8 : 1; }
+
+// exp2_nonpositive8 (vec8.h) for one value (a rescale per head and block, a merge weight per
+// split).
+static inline float exp2_nonpositive(float x) {
+    return exp2_nonpositive8((v8f){0} + x)[0];
+}
+
+// A kernel's task: keys start..end of sequence `seq` into its partial result (see
+// run_decode_tasks).
+typedef void (*AttendFunction)(const Problem*, const v8f*, int64_t, int64_t, int64_t, float*);
+
+// Writes sequence `seq`'s result, merged from its `num_parts` consecutive partials, to out,
+// and where lse is given each head's log-sum-exp of its scaled scores (natural log).
+static void merge_and_store(const Problem* pr, const float* parts, int64_t num_parts,
+                            int64_t seq, void* out, float* lse) {
+    const int64_t dim = pr->head_dim, stride = partial_floats(pr);
+    for (int64_t h = 0; h < pr->num_heads; ++h) {
+        float top = -INFINITY;
+        for (int64_t p = 0; p < num_parts; ++p) {
+            const float part_max = parts[p * stride + h];
+            top = part_max > top ? part_max : top;
+        }
+        float weights[MAX_SPLITS];
+        float total = 0.0f;
+        for (int64_t p = 0; p < num_parts; ++p) {
+            const float part_max = parts[p * stride + h];
+            // A split that saw no key (none is empty, but cheap to be safe) weighs nothing.
+            weights[p] = part_max == -INFINITY ? 0.0f : exp2_nonpositive(part_max - top);
+            total += weights[p] * parts[p * stride + pr->num_heads + h];
+        }
+        if (lse) lse[seq * pr->num_heads + h] = (top + log2f(total)) * LN2;
+        const int64_t first = (seq * pr->num_heads + h) * dim;
+        const float* values = parts + 2 * pr->num_heads + value_start(pr, h);
+        const int64_t step = value_stride(pr);
+        for (int64_t d = 0; d < dim; ++d) {
+            float value = 0.0f;
+            for (int64_t p = 0; p < num_parts; ++p)
+                value += weights[p] * values[p * stride + d * step];
+            value /= total;
+            if (pr->q_bf16)
+                ((bf16*)out)[first + d] = float_to_bf16(value);
+            else
+                ((float*)out)[first + d] = value;
+        }
+    }
+}
+
+// How many splits a sequence's keys get: enough tasks for the threads, at least
+// MIN_SPLIT_KEYS keys per split, at most MAX_SPLITS.
+static int64_t splits_for(int64_t num_keys, int64_t num_seqs, int threads) {
+    const int64_t wanted = ((int64_t)threads * TASKS_PER_THREAD + num_seqs - 1) / num_seqs;
+    int64_t splits = num_keys / MIN_SPLIT_KEYS;
+    splits = splits < wanted ? splits : wanted;
+    splits = splits < MAX_SPLITS ? splits : MAX_SPLITS;
+    return splits < 1 ? 1 : splits;
+}
+
+// Runs every task of the problem's sequences with `attend` and writes each sequence's merged
+// result to out (and its log-sum-exp to lse, where given). queries_t: per sequence
+// queries_t_per_seq vectors that `attend` reads (the heads-in-lanes form's transposed
+// queries), or NULL. Returns 0, or -1 when memory runs out.
+static int run_decode_tasks(const Problem* pr, AttendFunction attend, const v8f* queries_t,
+                            int64_t queries_t_per_seq, void* out, float* lse, int64_t num_seqs,
+                            int threads) {
+    // Sequence s's splits are tasks first_task[s] ..< first_task[s + 1].
+    int64_t* first_task = malloc((num_seqs + 1) * sizeof(int64_t));
+    if (!first_task) return -1;
+    first_task[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t keys = pr->key_range[2 * s + 1] - pr->key_range[2 * s];
+        first_task[s + 1] = first_task[s] + splits_for(keys, num_seqs, threads);
+    }
+    const int64_t num_tasks = first_task[num_seqs];
+    float* parts = malloc(num_tasks * partial_floats(pr) * sizeof(float));
+    if (!parts) {
+        free(first_task);
+        return -1;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+        int64_t seq = 0;  // the sequence whose splits hold this task: few, so a linear search
+        while (first_task[seq + 1] <= task) ++seq;
+        const int64_t first_key = pr->key_range[2 * seq], end_key = pr->key_range[2 * seq + 1];
+        const int64_t num_parts = first_task[seq + 1] - first_task[seq];
+        const int64_t per_part = (end_key - first_key + num_parts - 1) / num_parts;
+        const int64_t start = first_key + (task - first_task[seq]) * per_part;
+        const int64_t end = start + per_part < end_key ? start + per_part : end_key;
+        attend(pr, queries_t ? queries_t + seq * queries_t_per_seq : NULL, seq, start, end,
+               parts + task * partial_floats(pr));
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t seq = 0; seq < num_seqs; ++seq)
+        merge_and_store(pr, parts + first_task[seq] * partial_floats(pr),
+                        first_task[seq + 1] - first_task[seq], seq, out, lse);
+    free(parts);
+    free(first_task);
+    return 0;
+}
+
+#endif
