@@ -30,6 +30,7 @@
 
 #include "decode_tasks.h"
 #include "tiles.h"
+#include "vec16.h"
 #include "vec8.h"
 
 #define TILE_KEYS 16      // keys per tile of the score product (its rows)
@@ -38,51 +39,6 @@
 #define DIMS_PER_STEP 32  // head dims per step of the score product (a tile row of bf16)
 #define MAX_GROUP 16      // query heads per KV head: the columns of a score tile
 #define MAX_HEAD_DIM 256
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint16_t v32h __attribute__((vector_size(64)));
-typedef int16_t v32s __attribute__((vector_size(64)));
-
-#if defined(__clang__)
-#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#define SHUFFLE32(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
-#define SHUFFLE32(a, b, ...) __builtin_shuffle(a, b, (v32s){__VA_ARGS__})
-#endif
-
-static inline v16f load16f(const float* p) {
-    v16f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-// float32 to bf16, rounding to nearest even (no NaN reaches here).
-static inline void store16_bf16(bf16* p, v16f x) {
-    v16u bits;
-    memcpy(&bits, &x, sizeof(bits));
-    const v16u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const v16h half = __builtin_convertvector(rounded, v16h);
-    memcpy(p, &half, sizeof(half));
-}
-
-// Transposes 16 rows of 16 floats in registers: four rounds of pairing row i with row i + 8,
-// their first halves interleaved into row 2i and their second halves into row 2i + 1.
-static inline void transpose16x16(v16f rows[16]) {
-    for (int round = 0; round < 4; ++round) {
-        v16f paired[16];
-        for (int i = 0; i < 8; ++i) {
-            paired[2 * i] = SHUFFLE16(rows[i], rows[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20,
-                                      5, 21, 6, 22, 7, 23);
-            paired[2 * i + 1] = SHUFFLE16(rows[i], rows[i + 8], 8, 24, 9, 25, 10, 26, 11, 27,
-                                          12, 28, 13, 29, 14, 30, 15, 31);
-        }
-        memcpy(rows, paired, sizeof(paired));
-    }
-}
 
 // Where a task's keys lie: the slot row of key j of KV head `kv_head` in the keys or values.
 typedef struct {
@@ -124,7 +80,6 @@ static inline const bf16* key_tile(const TaskRows* rows, int64_t first, int64_t 
 // are prefetched meanwhile, a few lines per pair, so that they arrive during this block.
 static inline void pack_values(const TaskRows* rows, int64_t first, int64_t head_offset,
                                int64_t head_dim, bf16* packed) {
-    const v32h zero = {0};
     const int64_t row_bytes = head_dim * (int64_t)sizeof(bf16);
     for (int64_t pair = 0; pair < BLOCK_KEYS / 2; ++pair) {
         const bf16* sources[2];
@@ -142,20 +97,7 @@ static inline void pack_values(const TaskRows* rows, int64_t first, int64_t head
                 }
             }
         }
-        bf16* dst = packed + pair * head_dim * 2;
-        for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-            v32h even = zero, odd = zero;
-            if (sources[0]) memcpy(&even, sources[0] + d0, sizeof(even));
-            if (sources[1]) memcpy(&odd, sources[1] + d0, sizeof(odd));
-            const v32h low = SHUFFLE32(even, odd, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6,
-                                       38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45,
-                                       14, 46, 15, 47);
-            const v32h high = SHUFFLE32(even, odd, 16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
-                                        53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28,
-                                        60, 29, 61, 30, 62, 31, 63);
-            memcpy(dst + 2 * d0, &low, sizeof(low));
-            memcpy(dst + 2 * d0 + 32, &high, sizeof(high));
-        }
+        interleave_rows(sources[0], sources[1], head_dim, packed + pair * head_dim * 2);
     }
 }
 
@@ -174,7 +116,7 @@ static inline void block_softmax(const float* scores, int64_t first, int64_t sta
                                  HeadState* state, bf16* probs) {
     v16f by_head[BLOCK_KEYS / TILE_KEYS][16];  // [tile][head]: a head's 16 keys of the tile
     for (int64_t t = 0; t < BLOCK_KEYS / TILE_KEYS; ++t) {
-        for (int k = 0; k < 16; ++k) by_head[t][k] = load16f(scores + (t * 16 + k) * 16);
+        for (int k = 0; k < 16; ++k) by_head[t][k] = load16(scores + (t * 16 + k) * 16);
         transpose16x16(by_head[t]);
     }
     const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -210,7 +152,7 @@ static inline void block_softmax(const float* scores, int64_t first, int64_t sta
         if (rescale != 1.0f) {
             float* out = state->out + h * head_dim;
             for (int64_t d = 0; d < head_dim; d += 16) {
-                const v16f scaled = load16f(out + d) * rescale;
+                const v16f scaled = load16(out + d) * rescale;
                 memcpy(out + d, &scaled, sizeof(scaled));
             }
         }

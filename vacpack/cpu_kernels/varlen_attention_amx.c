@@ -23,6 +23,7 @@
 
 #include "tiles.h"
 #include "varlen_tasks.h"
+#include "vec16.h"
 #include "vec8.h"
 
 #define KEY_BLOCK 16      // keys per B tile of the score product (its columns)
@@ -36,30 +37,6 @@
 #define LN2 0.6931471805599453f
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// Sixteen float32 lanes: one AVX-512 register where the tiles exist, two AVX registers in the
-// emulated build. The softmax is most of this kernel's work once both products run on the
-// tiles, so it takes the widest registers there are (vec8.h's 8 lanes would halve its speed).
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-static inline v16f load16(const float* p) {
-    v16f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-// float32 to bf16, rounding to nearest even (as the CPU's conversion instructions do; no NaN
-// reaches here: scores of finite keys and queries are finite).
-static inline void store16_bf16(bf16* p, v16f x) {
-    v16u bits;
-    memcpy(&bits, &x, sizeof(bits));
-    const v16u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const v16h half = __builtin_convertvector(rounded, v16h);
-    memcpy(p, &half, sizeof(half));
-}
 
 // keys[0..n) -> packed[key block][dim pair][16 keys][2 dims], zero up to n_padded. A block of
 // 16 keys in one run of rows (stream rows, or one page) is transposed in registers, 8 keys by 8
@@ -101,24 +78,10 @@ static void pack_keys(const Bf16Rows* keys, int64_t n, int64_t num_pairs, int64_
 static void pack_values(const Bf16Rows* values, int64_t n, int64_t head_dim, int64_t n_padded,
                         bf16* packed) {
     for (int64_t pair = 0; pair < n_padded / 2; ++pair) {
-        bf16* dst = packed + pair * head_dim * 2;
         const int64_t first = 2 * pair;
-        if (first + 1 < n) {
-            const bf16* even = bf16_row(values, first);
-            const bf16* odd = bf16_row(values, first + 1);
-            for (int64_t d = 0; d < head_dim; ++d) {
-                dst[2 * d] = even[d];
-                dst[2 * d + 1] = odd[d];
-            }
-        } else if (first < n) {
-            const bf16* even = bf16_row(values, first);
-            for (int64_t d = 0; d < head_dim; ++d) {
-                dst[2 * d] = even[d];
-                dst[2 * d + 1] = 0;
-            }
-        } else {
-            memset(dst, 0, head_dim * 2 * sizeof(bf16));
-        }
+        interleave_rows(first < n ? bf16_row(values, first) : NULL,
+                        first + 1 < n ? bf16_row(values, first + 1) : NULL, head_dim,
+                        packed + pair * head_dim * 2);
     }
 }
 
