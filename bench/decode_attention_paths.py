@@ -1,8 +1,9 @@
 """The decode attention benchmark's paths: the SDPA decode path this backend had before
 (its metadata, slot mapping and forward, rebuilt here), and every path compared against it
 (paged matmul, cascade, paged SDPA, the portable C decode kernel, the AVX512-BF16 C paged
-kernel, and on AMX CPUs the AMX decode kernel and the C paged kernel on AMX tiles), each built
-as a function that runs one step through every layer."""
+kernel, the VDPBF16PS decode kernel on AVX512-BF16 CPUs, and on AMX CPUs the AMX decode kernel
+and the C paged kernel on AMX tiles), each built as a function that runs one step through every
+layer."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from decode_attention_workload import (
 from vacpack.attention.backend import AttentionBackend
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy
 from vacpack.attention.cpu_kernel_backend import CpuKernelBackend
+from vacpack.attention.paged_decode import kernel_form_supported
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.attention import tile_kernel_ready
@@ -35,6 +37,7 @@ from vacpack.kvcache.paged_cache import KVLayer
 C_KERNEL = "C paged kernel"
 PORTABLE_KERNEL = "portable C decode kernel"  # cpu_kernels/paged_decode.c, any CPU
 LANES = "heads in lanes"  # the kernel's other form (decode_form="kernel_lanes")
+DPBF16_KERNEL = "VDPBF16PS decode kernel"  # cpu_kernels/paged_decode_bf16.c, AVX512-BF16
 AMX_KERNEL = "AMX decode kernel"  # cpu_kernels/paged_decode_amx.c, bf16 on AMX CPUs
 
 # ---------------------------------------------------------------------------- the old path
@@ -137,8 +140,9 @@ def step_runners(
         )
         lanes_only = TorchSdpaBackend(cascade=None, decode_form="kernel_lanes")
         backends.append((f"{PORTABLE_KERNEL}, {LANES}", lanes_only))
-    if paged_decode_supported(CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, tiles="amx"):
-        backends.append((AMX_KERNEL, TorchSdpaBackend(cascade=None, decode_form="kernel_amx")))
+    for name, form in ((DPBF16_KERNEL, "kernel_bf16"), (AMX_KERNEL, "kernel_amx")):
+        if kernel_form_supported(form, CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
+            backends.append((name, TorchSdpaBackend(cascade=None, decode_form=form)))
     if varlen_attention_supported(CPU, dtype, HEAD_DIM):
         backends.append((C_KERNEL, CpuKernelBackend()))
     if dtype == torch.bfloat16 and tile_kernel_ready("amx"):

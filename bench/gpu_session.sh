@@ -11,9 +11,10 @@
 # Intel Xeon with AMX, where the CPU issue's targets are also checked), pinned to two of its
 # cores as on the project's 2-core machines, the GPU hidden: cpu-decode
 # (bench/decode_attention.py, bf16), cpu-g1 (G1 against transformers' generate, bf16; the
-# measured kernel choices are in its JSON) and cpu-amx (the AMX attention and decode kernels'
-# tests, on the CPU's tiles where it has them, bench/prefill_attention.py: the AMX kernel against the
-# AVX-512 one and SDPA, and an audit of G1's measured choices in bf16). They are not in the
+# measured kernel choices are in its JSON) and cpu-amx (the AMX attention and bf16 decode
+# kernels' tests, on the CPU's own instructions where it has them, bench/prefill_attention.py:
+# the AMX kernel against the AVX-512 one and SDPA, and an audit of G1's measured choices in
+# bf16). They are not in the
 # default list: name them.
 # Each runs under a time limit: its own nominal one,
 # cut to what is left of --budget-s, so the whole run ends within the budget; a stage that runs
@@ -186,7 +187,7 @@ stage_cpu_g1() {
 
 stage_cpu_amx() {
     # -rs: the skip reasons say whether the CPU had the tiles.
-    on_two_host_cores "$PYTHON" -m pytest tests/test_amx_attention.py tests/test_amx_decode.py \
+    on_two_host_cores "$PYTHON" -m pytest tests/test_amx_attention.py tests/test_bf16_decode_kernels.py \
         -q -rs || return 1
     on_two_host_cores "$PYTHON" bench/prefill_attention.py --rounds 7 \
         --output "$RESULTS_DIR/prefill_attention_cpu_gpu_host.json" || return 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bf16_kernel_marks import EMULATED, ON_AMX, TILE_KERNELS
 from mixed_step import PREFILL_LEN, mixed_step
 from test_cpu_kernels import (
     CASE_FIELDS,
@@ -23,7 +24,6 @@ from test_cpu_kernels import (
     _reference,
     check_cascade,
 )
-from tile_marks import EMULATED, ON_AMX, TILE_KERNELS
 
 from vacpack.attention import create_backend, selection
 from vacpack.attention.timed_steps import AttentionShapes, PackedBinShape

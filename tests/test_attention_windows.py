@@ -32,9 +32,11 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 # prompt longer than the window and a short one.
 QUERY_LENS = (1, 1, 1, 1, 1, 13, 9, 11, 3)
 CONTEXT_LENS = (1, 3, 7, 16, 37, 29, 24, 11, 3)
-# The decode forms that run float32 (the AMX kernel's takes bf16: tests/test_amx_decode.py).
+# The decode forms that run float32 (the bf16 kernels': tests/test_bf16_decode_kernels.py).
 FLOAT32_DECODE_FORMS = [
-    form for form in DECODE_FORMS if form not in KERNEL_FORMS or KERNEL_FORMS[form].tiles is None
+    form
+    for form in DECODE_FORMS
+    if form not in KERNEL_FORMS or KERNEL_FORMS[form].bf16_kernel is None
 ]
 SPECS = [
     pytest.param(AttentionSpec(sliding_window=5), id="window"),

@@ -14,8 +14,9 @@ Qwen2.5-0.5B). Four ways to run that shape (DECODE_FORMS), and none wins on ever
   builds. Its two forms keep a KV head's grouped query heads apart (dot products along
   head_dim) or in vector lanes (no horizontal sums; idle lanes where a group has fewer than
   eight heads);
-- "kernel_amx": paged_decode_amx.c, the same reads with both products on AMX tiles (bf16, x86
-  CPUs with AMX).
+- "kernel_bf16" and "kernel_amx", for bf16 models: the same reads with both products on the
+  bf16 dot-product instruction, heads in lanes (paged_decode_bf16.c, x86 with AVX512-BF16), or
+  on AMX tiles (paged_decode_amx.c, x86 with AMX).
 So the backend's decode form is measured at the model's shapes (attention/selection.py). The
 matmuls stay where scores are soft-capped, and stand in for SDPA where a cascade needs the
 log-sum-exp (the kernel returns one).
@@ -38,7 +39,7 @@ from vacpack.attention.page_tables import padded_page_table
 from vacpack.cpu_kernels.paged_decode import paged_decode_attention, paged_decode_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
-DECODE_FORMS = ("matmuls", "sdpa", "kernel", "kernel_lanes", "kernel_amx")
+DECODE_FORMS = ("matmuls", "sdpa", "kernel", "kernel_lanes", "kernel_bf16", "kernel_amx")
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,16 @@ class KernelForm:
     """How a decode form calls the C kernels (paged_decode_attention's arguments)."""
 
     heads_in_lanes: bool
-    tiles: str | None = None  # the AMX kernel ("amx"), else the portable one
+    # A bf16-only implementation (cpu_kernels.paged_decode.BF16_DECODE_KERNELS), else the
+    # portable kernel.
+    bf16_kernel: str | None = None
 
 
 KERNEL_FORMS = {
     "kernel": KernelForm(heads_in_lanes=False),
     "kernel_lanes": KernelForm(heads_in_lanes=True),
-    "kernel_amx": KernelForm(heads_in_lanes=False, tiles="amx"),
+    "kernel_bf16": KernelForm(heads_in_lanes=True, bf16_kernel="avx512_bf16"),
+    "kernel_amx": KernelForm(heads_in_lanes=False, bf16_kernel="amx"),
 }
 
 
@@ -66,7 +70,7 @@ def kernel_form_supported(
 ) -> bool:
     """Whether the C kernel form `form` runs these decodes here."""
     return form in KERNEL_FORMS and paged_decode_supported(
-        device, dtype, num_heads, num_kv_heads, head_dim, KERNEL_FORMS[form].tiles
+        device, dtype, num_heads, num_kv_heads, head_dim, KERNEL_FORMS[form].bf16_kernel
     )
 
 
@@ -326,7 +330,7 @@ def chunk_attention(
             spec.scale_for(head_dim),
             with_lse,
             heads_in_lanes=KERNEL_FORMS[form].heads_in_lanes,
-            tiles=KERNEL_FORMS[form].tiles,
+            bf16_kernel=KERNEL_FORMS[form].bf16_kernel,
         )
     chunk = chunk.with_masks()
     keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys, q.dtype)

@@ -56,6 +56,8 @@ class BuildVariant:
 AMX = BuildVariant("amx", ("-mamx-tile", "-mamx-bf16"), ("amx_tile", "amx_bf16"))
 # tiles.h's operations in plain C, on any CPU: tests of a kernel's tile code without AMX.
 EMULATED_TILES = BuildVariant("emulated_tiles", ("-DVACPACK_EMULATE_TILES",))
+# paged_decode_bf16.c's VDPBF16PS in plain C, on any CPU: tests without AVX512-BF16.
+EMULATED_DPBF16 = BuildVariant("emulated_dpbf16", ("-DVACPACK_EMULATE_DPBF16",))
 
 # A C function of a loaded library, its argtypes set: called with ints, floats and pointers.
 KernelFunction = Callable[..., Any]

@@ -1,16 +1,27 @@
 """Decode attention read in place from a paged KV cache, from paged_decode.c: plain C that the
 compiler vectorises for the CPU at hand, so it runs on every CPU (see paged_decode.c); and for
-bf16 on x86 CPUs with AMX, paged_decode_amx.c, whose products run on the tiles."""
+bf16 models two more implementations of the same call: paged_decode_bf16.c on the bf16
+dot-product instruction (x86 with AVX512-BF16) and paged_decode_amx.c on AMX tiles."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from vacpack.cpu_kernels.build import AMX, EMULATED_TILES, KernelFunction, kernel_function
+from vacpack.cpu_kernels.build import (
+    AMX,
+    EMULATED_DPBF16,
+    EMULATED_TILES,
+    BuildVariant,
+    KernelFunction,
+    kernel_function,
+)
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
 
 logger = logging.getLogger(__name__)
@@ -21,11 +32,31 @@ _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16)
-# The AMX kernel on the CPU's tiles ("amx"), or with its tile instructions run in plain C
-# ("emulated_tiles": any CPU, slow; tests of the AMX kernel on machines without AMX). Its score
-# product takes 32 dims per step.
-TILE_KERNELS = {"amx": AMX, "emulated_tiles": EMULATED_TILES}
-TILE_HEAD_DIM_MULTIPLE = 32
+
+
+@dataclass(frozen=True)
+class Bf16DecodeKernel:
+    """One of the bf16-only implementations: its library (source file), its build, the multiple
+    of head_dim it takes, and the function that asks the OS for CPU state first, if any."""
+
+    library: str
+    variant: BuildVariant | None
+    portable: bool  # built for any CPU (an emulation), else for the CPU flags it needs
+    head_dim_multiple: int
+    ready_function: str | None = None
+
+
+# By name: the bf16 dot-product instruction's kernel, on AVX512-BF16 ("avx512_bf16") or with
+# the instruction emulated in plain C ("emulated_dpbf16", any CPU: tests); the AMX kernel, on the
+# CPU's tiles ("amx") or with the tile instructions emulated ("emulated_tiles").
+BF16_DECODE_KERNELS = {
+    "avx512_bf16": Bf16DecodeKernel("paged_decode_bf16", None, False, 16),
+    "emulated_dpbf16": Bf16DecodeKernel("paged_decode_bf16", EMULATED_DPBF16, True, 16),
+    "amx": Bf16DecodeKernel("paged_decode_amx", AMX, False, 32, "paged_decode_amx_ready"),
+    "emulated_tiles": Bf16DecodeKernel(
+        "paged_decode_amx", EMULATED_TILES, True, 32, "paged_decode_amx_ready"
+    ),
+}
 # The self-check's largest difference from float32 attention that bf16 rounding explains
 # (probabilities rounded to bf16, and the output: about 0.004 on its inputs).
 SELF_CHECK_TOLERANCE = 0.03
@@ -42,7 +73,7 @@ _ARGTYPES = [
 ]
 
 
-_TILE_ARGTYPES = [
+_BF16_ARGTYPES = [
     *[_POINTER] * 7,  # q, keys, values, pages, key ranges, out, lse (or NULL)
     *[_INT] * 6,  # seqs, heads, kv heads, head_dim, page size, pages per seq
     ctypes.c_float,  # scale
@@ -57,33 +88,37 @@ def _kernel() -> KernelFunction | None:
 
 
 @functools.cache
-def _tile_kernel(name: str) -> KernelFunction | None:
-    """The AMX kernel (or its emulation), once the process may use the tiles and the kernel has
-    computed a few decodes like float32 attention: written where no AMX CPU was at hand to test
-    on, it proves itself on the CPU that runs it before any model does."""
-    if name not in TILE_KERNELS:
-        raise ValueError(f"tiles must be one of {tuple(TILE_KERNELS)}, got {name!r}")
-    library, emulated = "paged_decode_amx", name == "emulated_tiles"
-    variant = TILE_KERNELS[name]
-    ready = kernel_function(
-        library, "paged_decode_amx_ready", [], ctypes.c_int, portable=emulated, variant=variant
-    )
-    if ready is None:
-        return None
-    error = ready()
-    if error != 0:
-        logger.info("AMX decode attention off: the kernel refused the tiles' state (%d)", error)
-        return None
-    kernel = kernel_function(
-        library, "paged_decode_amx", _TILE_ARGTYPES, ctypes.c_int, portable=emulated,
-        variant=variant,
-    )  # fmt: skip
+def _bf16_kernel(name: str) -> KernelFunction | None:
+    """The bf16 kernel `name` (BF16_DECODE_KERNELS), once it builds, the CPU state it needs is
+    granted, and it has computed a few decodes like float32 attention: written where no CPU
+    with its instructions was at hand to test on, it proves itself on the CPU that runs it
+    before any model does."""
+    if name not in BF16_DECODE_KERNELS:
+        raise ValueError(f"bf16_kernel must be one of {tuple(BF16_DECODE_KERNELS)}, got {name!r}")
+    spec = BF16_DECODE_KERNELS[name]
+
+    def function(function_name: str, argtypes: Sequence[Any]) -> KernelFunction | None:
+        return kernel_function(
+            spec.library, function_name, argtypes, ctypes.c_int, portable=spec.portable,
+            variant=spec.variant,
+        )  # fmt: skip
+
+    if spec.ready_function is not None:
+        ready = function(spec.ready_function, [])
+        if ready is None:
+            return None
+        error = ready()
+        if error != 0:
+            logger.info("%s decode attention off: the OS refused its CPU state (%d)", name, error)
+            return None
+    kernel = function(spec.library, _BF16_ARGTYPES)
     if kernel is None:
         return None
     difference = _self_check(kernel)
     if difference > SELF_CHECK_TOLERANCE:
         logger.warning(
-            "AMX decode attention off: its self-check differs from float32 attention by %.3g",
+            "%s decode attention off: its self-check differs from float32 attention by %.3g",
+            name,
             difference,
         )
         return None
@@ -123,10 +158,10 @@ def _self_check(kernel: KernelFunction) -> float:
     return worst
 
 
-def tile_decode_ready(tiles: str = "amx") -> bool:
-    """Whether the AMX decode kernel ("amx") or its emulation ("emulated_tiles") runs here: it
-    builds, the CPU has the tiles, and it passed its self-check."""
-    return _tile_kernel(tiles) is not None
+def bf16_decode_ready(bf16_kernel: str) -> bool:
+    """Whether the bf16 kernel `bf16_kernel` (BF16_DECODE_KERNELS) runs here: it builds, the CPU
+    has its instructions, and it passed its self-check."""
+    return _bf16_kernel(bf16_kernel) is not None
 
 
 def paged_decode_supported(
@@ -135,13 +170,19 @@ def paged_decode_supported(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    tiles: str | None = None,
+    bf16_kernel: str | None = None,
 ) -> bool:
     """Whether the kernel runs these decodes here (CPU, float32 or bf16, head_dim a multiple of
-    8 for its 8-lane vectors, within its buffers); with `tiles`, the AMX kernel (bf16 queries
-    and cache, head_dim a multiple of 32)."""
-    if tiles is not None and (dtype != torch.bfloat16 or head_dim % TILE_HEAD_DIM_MULTIPLE):
-        return False
+    8 for its 8-lane vectors, within its buffers); with `bf16_kernel`, that implementation (bf16
+    queries and cache, head_dim a multiple of its own)."""
+    if bf16_kernel is not None:
+        if bf16_kernel not in BF16_DECODE_KERNELS:
+            raise ValueError(
+                f"bf16_kernel must be one of {tuple(BF16_DECODE_KERNELS)}, got {bf16_kernel!r}"
+            )
+        multiple = BF16_DECODE_KERNELS[bf16_kernel].head_dim_multiple
+        if dtype != torch.bfloat16 or head_dim % multiple:
+            return False
     return (
         device.type == "cpu"
         and dtype in _DTYPES
@@ -149,7 +190,7 @@ def paged_decode_supported(
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
-        and (_kernel() if tiles is None else _tile_kernel(tiles)) is not None
+        and (_kernel() if bf16_kernel is None else _bf16_kernel(bf16_kernel)) is not None
     )
 
 
@@ -163,7 +204,7 @@ def paged_decode_attention(
     scale: float,
     with_lse: bool = False,
     heads_in_lanes: bool = False,
-    tiles: str | None = None,
+    bf16_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of decode queries q [seqs, heads, head_dim] over their cached keys;
     with_lse: also each head's float32 log-sum-exp of its scaled scores, [seqs, heads] (what a
@@ -181,12 +222,15 @@ def paged_decode_attention(
     than eight leaves lanes idle), else apart (each head's dot products along head_dim).
     Which is faster depends on the group size and the CPU: the engine times both.
 
-    tiles ("amx", or "emulated_tiles" in tests): the AMX kernel instead (bf16 only, its scores
-    taken keys by heads on the tiles; heads_in_lanes does not apply), where it runs.
+    bf16_kernel (a name of BF16_DECODE_KERNELS): that bf16-only implementation instead, where
+    it runs (heads_in_lanes does not apply: the VDPBF16PS kernel keeps the heads in lanes, the
+    AMX kernel takes its scores keys by heads on the tiles).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
-    if not paged_decode_supported(q.device, q.dtype, num_heads, num_kv_heads, head_dim, tiles):
+    if not paged_decode_supported(
+        q.device, q.dtype, num_heads, num_kv_heads, head_dim, bf16_kernel
+    ):
         raise RuntimeError("the paged decode kernel cannot run these decodes here")
     check_cache_dtype(q.dtype, keys.dtype, values.dtype)
     for name, tensor in (("keys", keys), ("values", values), ("pages", pages)):
@@ -196,17 +240,17 @@ def paged_decode_attention(
     key_ranges = key_ranges.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(num_seqs, num_heads, dtype=torch.float32) if with_lse else None
-    if tiles is not None:
-        tile_kernel = _tile_kernel(tiles)
-        assert tile_kernel is not None  # supported
-        status = tile_kernel(
+    if bf16_kernel is not None:
+        bf16_function = _bf16_kernel(bf16_kernel)
+        assert bf16_function is not None  # supported
+        status = bf16_function(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), pages.data_ptr(),
             key_ranges.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, page_size, pages.shape[1], scale,
             torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
-            raise MemoryError("the AMX decode kernel could not allocate its task buffers")
+            raise MemoryError(f"the {bf16_kernel} decode kernel could not allocate its buffers")
         return out, lse
     kernel = _kernel()
     assert kernel is not None  # supported

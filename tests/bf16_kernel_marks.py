@@ -1,5 +1,6 @@
-"""Where the AMX kernels' tests run: with their tile instructions emulated in plain C wherever a
-C compiler is (tiles.h), and on the real tiles where the CPU has AMX.
+"""Where the bf16-only C kernels' tests run: with their special instructions emulated in plain
+C wherever a C compiler is (tiles.h's AMX tiles, paged_decode_bf16.c's VDPBF16PS), and on the
+real instructions where the CPU has them.
 
 The marks ask for the compiler and the CPU's flags, not whether a kernel is ready: a kernel
 that builds but fails its self-check must fail these tests, not skip them.
@@ -15,10 +16,14 @@ import pytest
 from vacpack.cpu_kernels.build import AMX, REQUIRED_CPU_FLAGS, cpu_flags
 
 HAS_COMPILER = shutil.which(os.environ.get("CC", "gcc")) is not None
+HAS_AVX512_BF16 = HAS_COMPILER and set(REQUIRED_CPU_FLAGS) <= cpu_flags()
 # The AMX builds take AVX-512 too (build.py's flags for non-portable kernels).
-HAS_AMX = HAS_COMPILER and {*REQUIRED_CPU_FLAGS, *AMX.required_cpu_flags} <= cpu_flags()
+HAS_AMX = HAS_AVX512_BF16 and set(AMX.required_cpu_flags) <= cpu_flags()
 
 EMULATED = pytest.mark.skipif(not HAS_COMPILER, reason="needs a C compiler")
+ON_AVX512_BF16 = pytest.mark.skipif(
+    not HAS_AVX512_BF16, reason="needs an x86 CPU with AVX512-BF16 and a C compiler"
+)
 ON_AMX = pytest.mark.skipif(
     not HAS_AMX, reason="needs an x86 CPU with AMX (Sapphire Rapids on) and a C compiler"
 )
@@ -26,4 +31,10 @@ ON_AMX = pytest.mark.skipif(
 TILE_KERNELS = [
     pytest.param("emulated_tiles", marks=EMULATED, id="emulated"),
     pytest.param("amx", marks=ON_AMX, id="amx"),
+]
+# Every bf16-only decode kernel (cpu_kernels.paged_decode.BF16_DECODE_KERNELS), emulated and real.
+BF16_DECODE_KERNELS = [
+    pytest.param("emulated_dpbf16", marks=EMULATED, id="emulated-dpbf16"),
+    pytest.param("avx512_bf16", marks=ON_AVX512_BF16, id="avx512-bf16"),
+    *TILE_KERNELS,
 ]

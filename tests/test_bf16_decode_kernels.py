@@ -1,9 +1,10 @@
-"""The AMX decode kernel (paged_decode_amx.c) against a float64 reference, on the CPU's tiles
-where it has AMX, and everywhere with its tile instructions emulated in plain C (tiles.h): its
-tiles read straight from pages or copied where a tile's keys lie on two pages or past its
-range, windows starting inside a page, split-K, group sizes from 1 to 16, head sizes that end
-on a two-tile value pass; its self-check; the engine's decode form that runs it; and a build
-with AddressSanitizer that every tile load and store stays inside its memory."""
+"""The bf16-only decode kernels against a float64 reference: paged_decode_bf16.c (VDPBF16PS,
+heads in lanes) and paged_decode_amx.c (AMX tiles), on the real instructions where the CPU has
+them and everywhere with those instructions emulated in plain C. Keys read in place or (AMX)
+copied where a tile's keys lie on two pages or past its range, windows starting inside a page,
+split-K, group sizes from 1 to 16 (two lane groups), head sizes 32 to 256 (the AMX kernel's
+last value pass of two tiles), odd key counts (a last key pair of one); their self-checks; the
+engine's decode forms that run them; and builds with AddressSanitizer."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from bf16_kernel_marks import BF16_DECODE_KERNELS, EMULATED
 from test_paged_decode_kernel import _case, _reference
-from tile_marks import EMULATED, TILE_KERNELS
 
 from vacpack.attention import BatchLayout
 from vacpack.attention import paged_decode as decode_forms
@@ -25,9 +26,9 @@ from vacpack.attention.cascade import CascadePolicy
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.cpu_kernels import paged_decode as kernel_module
 from vacpack.cpu_kernels.paged_decode import (
+    bf16_decode_ready,
     paged_decode_attention,
     paged_decode_supported,
-    tile_decode_ready,
 )
 from vacpack.kvcache.paged_cache import PagedKVCache
 
@@ -37,9 +38,10 @@ ATOL = 1e-2  # bf16 output and probabilities rounded to bf16 (the portable kerne
 # (query heads, KV heads, head_dim)
 SHAPES = [
     pytest.param((14, 2, 64), id="gqa7-d64"),
-    pytest.param((4, 4, 32), id="mha-d32"),  # one head per tile: 15 idle columns
-    pytest.param((16, 1, 128), id="mqa16-d128"),  # a full tile of heads, two value passes
-    pytest.param((6, 2, 96), id="gqa3-d96"),  # a value pass of four tiles, then one of two
+    pytest.param((4, 4, 32), id="mha-d32"),  # one head per KV head: idle lanes and columns
+    pytest.param((24, 2, 64), id="gqa12-d64"),  # VDPBF16PS: two lane groups, the second half idle
+    pytest.param((16, 1, 128), id="mqa16-d128"),  # a full tile of heads; two full lane groups
+    pytest.param((6, 2, 96), id="gqa3-d96"),  # AMX: a value pass of four tiles, then one of two
     pytest.param((8, 1, 256), id="mqa8-d256"),
 ]
 # (first visible key, number of keys): one key; a tile and one; a window's start inside a page
@@ -47,12 +49,12 @@ SHAPES = [
 KEY_RANGES = [(0, 1), (0, 17), (3, 40), (0, 64), (50, 129), (100, 300), (0, 1500)]
 
 
-@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("bf16_kernel", BF16_DECODE_KERNELS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_equals_reference(shape: tuple[int, int, int], tiles: str) -> None:
+def test_equals_reference(shape: tuple[int, int, int], bf16_kernel: str) -> None:
     q, keys, values, pages, ranges = _case(shape, torch.bfloat16, KEY_RANGES, seed=shape[2])
     got, lse = paged_decode_attention(
-        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, with_lse=True, tiles=tiles
+        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, with_lse=True, bf16_kernel=bf16_kernel
     )
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     expected, expected_lse = _reference(q, keys, values, pages, ranges, scale=0.2)
@@ -60,14 +62,14 @@ def test_equals_reference(shape: tuple[int, int, int], tiles: str) -> None:
     assert lse is not None
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
     without, no_lse = paged_decode_attention(
-        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, tiles=tiles
+        q, keys, values, pages, ranges, PAGE_SIZE, 0.2, bf16_kernel=bf16_kernel
     )
     assert no_lse is None and torch.equal(without, got)
 
 
-@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("bf16_kernel", BF16_DECODE_KERNELS)
 @pytest.mark.parametrize("page_size", [8, 48])
-def test_pages_of_other_sizes(page_size: int, tiles: str) -> None:
+def test_pages_of_other_sizes(page_size: int, bf16_kernel: str) -> None:
     """8-token pages put every tile's keys on two pages (all copied); 48-token pages put a
     tile on each page's edge in place (16 divides 48)."""
     generator = torch.Generator().manual_seed(page_size)
@@ -78,7 +80,7 @@ def test_pages_of_other_sizes(page_size: int, tiles: str) -> None:
     keys, values = (torch.randn(cache_shape, generator=generator).bfloat16() for _ in "kv")
     q = torch.randn(3, 14, 64, generator=generator).bfloat16()
     got, lse = paged_decode_attention(
-        q, keys, values, pages, key_ranges, page_size, 0.125, with_lse=True, tiles=tiles
+        q, keys, values, pages, key_ranges, page_size, 0.125, with_lse=True, bf16_kernel=bf16_kernel
     )
     # The same attention over the same keys, on 16-token pages: the reference's.
     slots = []
@@ -100,9 +102,9 @@ def test_pages_of_other_sizes(page_size: int, tiles: str) -> None:
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("bf16_kernel", BF16_DECODE_KERNELS)
 @pytest.mark.parametrize("threads", [1, 3, 8])
-def test_split_keys_merge_to_the_same_result(threads: int, tiles: str) -> None:
+def test_split_keys_merge_to_the_same_result(threads: int, bf16_kernel: str) -> None:
     """Few long sequences: their keys split over tasks whose ranges start inside tiles (copied
     first tiles), merged by log-sum-exp."""
     previous = torch.get_num_threads()
@@ -112,7 +114,7 @@ def test_split_keys_merge_to_the_same_result(threads: int, tiles: str) -> None:
             (14, 2, 64), torch.bfloat16, [(701, 3000), (0, 9)], seed=threads
         )
         got, lse = paged_decode_attention(
-            q, keys, values, pages, ranges, PAGE_SIZE, 0.125, True, tiles=tiles
+            q, keys, values, pages, ranges, PAGE_SIZE, 0.125, True, bf16_kernel=bf16_kernel
         )
     finally:
         torch.set_num_threads(previous)
@@ -123,31 +125,38 @@ def test_split_keys_merge_to_the_same_result(threads: int, tiles: str) -> None:
 
 
 @EMULATED
-def test_what_the_tile_kernel_takes() -> None:
-    """bf16 only (the tiles multiply bf16), head_dim a multiple of 32, at most 16 heads per KV
-    head (a tile's columns); an unknown name is refused."""
-    assert paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, tiles="emulated_tiles")
-    assert not paged_decode_supported(CPU, torch.float32, 14, 2, 64, tiles="emulated_tiles")
-    assert not paged_decode_supported(CPU, torch.bfloat16, 14, 2, 48, tiles="emulated_tiles")
-    assert not paged_decode_supported(CPU, torch.bfloat16, 32, 1, 64, tiles="emulated_tiles")
-    with pytest.raises(ValueError, match="tiles must be one of"):
-        paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, tiles="avx9000")
+def test_what_the_kernels_take() -> None:
+    """bf16 queries and cache only (both instructions multiply bf16), head_dim a multiple of 16
+    (VDPBF16PS's value rows are interleaved 16 dims at a time) or 32 (a tile row of bf16), at
+    most 16 heads per KV head; an unknown name is refused."""
+    for name, multiple in (("emulated_dpbf16", 16), ("emulated_tiles", 32)):
+        assert paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, bf16_kernel=name)
+        assert not paged_decode_supported(CPU, torch.float32, 14, 2, 64, bf16_kernel=name)
+        runs_48 = paged_decode_supported(CPU, torch.bfloat16, 14, 2, 48, bf16_kernel=name)
+        assert runs_48 == (48 % multiple == 0)
+        assert not paged_decode_supported(CPU, torch.bfloat16, 14, 2, 40, bf16_kernel=name)
+        assert not paged_decode_supported(CPU, torch.bfloat16, 32, 1, 64, bf16_kernel=name)
+    with pytest.raises(ValueError, match="bf16_kernel must be one of"):
+        paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, bf16_kernel="avx9000")
 
 
 @EMULATED
-def test_a_kernel_that_fails_its_self_check_is_not_used(monkeypatch, caplog) -> None:
-    """Written where no AMX CPU was at hand, the kernel proves itself where it runs: one that
-    computes something else than attention is turned off, with a warning."""
-    kernel_module._tile_kernel.cache_clear()
+@pytest.mark.parametrize("bf16_kernel", ["emulated_dpbf16", "emulated_tiles"])
+def test_a_kernel_that_fails_its_self_check_is_not_used(
+    monkeypatch, caplog, bf16_kernel: str
+) -> None:
+    """Written where no CPU with its instructions was at hand, each kernel proves itself where
+    it runs: one that computes something else than attention is turned off, with a warning."""
+    kernel_module._bf16_kernel.cache_clear()
     monkeypatch.setattr(kernel_module, "SELF_CHECK_TOLERANCE", -1.0)  # nothing passes
     try:
-        assert not tile_decode_ready("emulated_tiles")
-        assert not paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, tiles="emulated_tiles")
+        assert not bf16_decode_ready(bf16_kernel)
+        assert not paged_decode_supported(CPU, torch.bfloat16, 14, 2, 64, bf16_kernel=bf16_kernel)
         assert "self-check differs from float32 attention" in caplog.text
     finally:
-        kernel_module._tile_kernel.cache_clear()
+        kernel_module._bf16_kernel.cache_clear()
     monkeypatch.undo()
-    assert tile_decode_ready("emulated_tiles")
+    assert bf16_decode_ready(bf16_kernel)
 
 
 def _decode_step(backend: TorchSdpaBackend, num_shared_pages: int) -> torch.Tensor:
@@ -172,19 +181,20 @@ def _decode_step(backend: TorchSdpaBackend, num_shared_pages: int) -> torch.Tens
     return backend.forward(q, k, v, cache.layer(0), metadata, FULL_ATTENTION)
 
 
-@pytest.mark.parametrize("tiles", TILE_KERNELS)
+@pytest.mark.parametrize("bf16_kernel", BF16_DECODE_KERNELS)
 @pytest.mark.parametrize("num_shared_pages", [0, 2], ids=["plain", "cascade"])
-def test_the_engine_decode_form_runs_on_the_tiles(
-    monkeypatch, tiles: str, num_shared_pages: int
+def test_the_engine_decode_forms_run_the_kernels(
+    monkeypatch, bf16_kernel: str, num_shared_pages: int
 ) -> None:
-    """The portable backend's "kernel_amx" decode form through a step of decodes (with a cascade
-    over a shared prefix, which merges by the kernel's log-sum-exp) equals the same step
-    through the matmul form within bf16 rounding."""
+    """The portable backend's decode form of each kernel ("kernel_bf16", "kernel_amx") through
+    a step of decodes (with a cascade over a shared prefix, which merges by the kernel's
+    log-sum-exp) equals the same step through the matmul form within bf16 rounding."""
+    form = "kernel_amx" if bf16_kernel in ("amx", "emulated_tiles") else "kernel_bf16"
     monkeypatch.setitem(
-        decode_forms.KERNEL_FORMS, "kernel_amx", decode_forms.KernelForm(False, tiles)
+        decode_forms.KERNEL_FORMS, form, decode_forms.KernelForm(False, bf16_kernel)
     )
     policy = CascadePolicy(min_prefix_tokens=1, min_saved_tokens=1) if num_shared_pages else None
-    got = _decode_step(TorchSdpaBackend(policy, decode_form="kernel_amx"), num_shared_pages)
+    got = _decode_step(TorchSdpaBackend(policy, decode_form=form), num_shared_pages)
     expected = _decode_step(TorchSdpaBackend(policy, decode_form="matmuls"), num_shared_pages)
     torch.testing.assert_close(got.float(), expected.float(), atol=ATOL, rtol=ATOL)
 
@@ -195,16 +205,17 @@ import torch
 from vacpack.cpu_kernels import paged_decode
 from test_paged_decode_kernel import _case, _reference
 
-kernel = ctypes.CDLL(sys.argv[1]).paged_decode_amx
-kernel.argtypes, kernel.restype = paged_decode._TILE_ARGTYPES, ctypes.c_int
-paged_decode._tile_kernel = lambda name: kernel
+library, function, name = sys.argv[1:]
+kernel = getattr(ctypes.CDLL(library), function)
+kernel.argtypes, kernel.restype = paged_decode._BF16_ARGTYPES, ctypes.c_int
+paged_decode._bf16_kernel = lambda name: kernel
 torch.set_num_threads(3)
 worst = paged_decode._self_check(kernel)
 ranges = [(0, 1), (3, 40), (50, 129), (701, 2000)]
 for shape in ((14, 2, 64), (16, 1, 128), (6, 2, 96)):
     q, keys, values, pages, key_ranges = _case(shape, torch.bfloat16, ranges)
     out, _ = paged_decode.paged_decode_attention(
-        q, keys, values, pages, key_ranges, 16, 0.2, True, tiles="emulated_tiles"
+        q, keys, values, pages, key_ranges, 16, 0.2, True, bf16_kernel=name
     )
     expected, _ = _reference(q, keys, values, pages, key_ranges, scale=0.2)
     worst = max(worst, float((out.double() - expected).abs().max()))
@@ -212,11 +223,20 @@ print("worst difference", worst)
 """
 
 
-def test_the_tile_kernel_stays_inside_its_buffers(tmp_path: Path) -> None:
-    """The emulated kernel built with AddressSanitizer, in a process preloading its runtime
-    (torch's tensors watched too): tiles loaded straight from the cache's pages, copied tiles,
-    the packed values and the outputs' tiles all stay inside their memory. On AMX hardware a
-    stray tile row would read or write out of bounds silently, or crash."""
+@pytest.mark.parametrize(
+    ("source", "define", "name"),
+    [
+        ("paged_decode_bf16", "VACPACK_EMULATE_DPBF16", "emulated_dpbf16"),
+        ("paged_decode_amx", "VACPACK_EMULATE_TILES", "emulated_tiles"),
+    ],
+)
+def test_the_kernels_stay_inside_their_buffers(
+    tmp_path: Path, source: str, define: str, name: str
+) -> None:
+    """Each emulated kernel built with AddressSanitizer, in a process preloading its runtime
+    (torch's tensors watched too): rows read in place from the cache's pages, copied tiles,
+    packed values and outputs all stay inside their memory. On the real instructions a stray
+    row (a tile's above all) would read or write out of bounds silently, or crash."""
     compiler = shutil.which("gcc")
     runtime = (
         subprocess.run(
@@ -227,21 +247,20 @@ def test_the_tile_kernel_stays_inside_its_buffers(tmp_path: Path) -> None:
     )
     if not runtime or not Path(runtime).is_file():
         pytest.skip("needs gcc with AddressSanitizer's runtime")
-    source = Path(kernel_module.__file__).with_name("paged_decode_amx.c")
-    library = tmp_path / "paged_decode_amx_asan.so"
+    library = tmp_path / f"{source}_asan.so"
     flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-std=gnu11"]
-    flags += ["-fPIC", "-shared", "-fopenmp", "-march=native", "-DVACPACK_EMULATE_TILES"]
-    subprocess.run([compiler, *flags, str(source), "-o", str(library), "-lm"], check=True)
+    flags += ["-fPIC", "-shared", "-fopenmp", "-march=native", f"-D{define}"]
+    source_path = Path(kernel_module.__file__).with_name(f"{source}.c")
+    subprocess.run([compiler, *flags, str(source_path), "-o", str(library), "-lm"], check=True)
+    tests_dir = str(Path(__file__).parent)
     environment = {
         **os.environ,
         "LD_PRELOAD": runtime,
         "ASAN_OPTIONS": "detect_leaks=0",
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-        ),
+        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
     }
     run = subprocess.run(
-        [sys.executable, "-c", ASAN_SCRIPT, str(library)],
+        [sys.executable, "-c", ASAN_SCRIPT, str(library), source, name],
         capture_output=True,
         text=True,
         env=environment,
