@@ -8,14 +8,11 @@ engine's decode forms that run them; and builds with AddressSanitizer."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from asan_build import worst_difference_under_asan
 from bf16_kernel_marks import BF16_DECODE_KERNELS, EMULATED
 from test_paged_decode_kernel import _case, _reference
 
@@ -233,40 +230,7 @@ print("worst difference", worst)
 def test_the_kernels_stay_inside_their_buffers(
     tmp_path: Path, source: str, define: str, name: str
 ) -> None:
-    """Each emulated kernel built with AddressSanitizer, in a process preloading its runtime
-    (torch's tensors watched too): rows read in place from the cache's pages, copied tiles,
-    packed values and outputs all stay inside their memory. On the real instructions a stray
-    row (a tile's above all) would read or write out of bounds silently, or crash."""
-    compiler = shutil.which("gcc")
-    runtime = (
-        subprocess.run(
-            [compiler, "-print-file-name=libasan.so"], capture_output=True, text=True
-        ).stdout.strip()
-        if compiler
-        else ""
-    )
-    if not runtime or not Path(runtime).is_file():
-        pytest.skip("needs gcc with AddressSanitizer's runtime")
-    library = tmp_path / f"{source}_asan.so"
-    flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-std=gnu11"]
-    flags += ["-fPIC", "-shared", "-fopenmp", "-march=native", f"-D{define}"]
-    source_path = Path(kernel_module.__file__).with_name(f"{source}.c")
-    subprocess.run([compiler, *flags, str(source_path), "-o", str(library), "-lm"], check=True)
-    tests_dir = str(Path(__file__).parent)
-    environment = {
-        **os.environ,
-        "LD_PRELOAD": runtime,
-        "ASAN_OPTIONS": "detect_leaks=0",
-        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", ASAN_SCRIPT, str(library), source, name],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=300,
-    )
-    assert "ERROR: AddressSanitizer" not in run.stderr, run.stderr[-3000:]
-    assert run.returncode == 0, run.stderr[-3000:]
-    worst = float(run.stdout.split("worst difference")[1])
+    """Each emulated kernel built with AddressSanitizer: rows read in place from the cache's
+    pages, copied tiles, packed values and outputs all stay inside their memory."""
+    worst = worst_difference_under_asan(tmp_path, source, define, ASAN_SCRIPT, [source, name])
     assert worst < ATOL

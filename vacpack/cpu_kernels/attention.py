@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vacpack.cpu_kernels.build import AMX, EMULATED_TILES, KernelFunction, kernel_function
+from vacpack.cpu_kernels.build import (
+    AMX,
+    EMULATED_TILES,
+    KernelFunction,
+    ProvenKernel,
+    kernel_function,
+    proven_kernel,
+)
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
-
-logger = logging.getLogger(__name__)
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -73,33 +77,20 @@ def _kernel(dtype: torch.dtype, bf16_kernel: str = DEFAULT_BF16_KERNEL) -> Kerne
 @functools.cache
 def _tile_kernel(name: str) -> KernelFunction | None:
     """The AMX kernel (or its emulation), once the process may use the tiles and the kernel
-    has computed a small attention like the float32 reference: written where no AMX CPU was at
-    hand to test on, it proves itself on the CPU that runs it before any model does."""
-    emulated = name == "emulated_tiles"
-    library = "varlen_attention_amx"
-    variant = _TILE_KERNELS[name]
-    ready = kernel_function(
-        library, "varlen_attention_amx_ready", [], ctypes.c_int, portable=emulated, variant=variant
-    )
-    if ready is None:
-        return None
-    error = ready()
-    if error != 0:
-        logger.info("AMX attention off: the kernel refused the tiles' state (%d)", error)
-        return None
-    kernel = kernel_function(
-        library, "varlen_attention_amx", _ARGTYPES, ctypes.c_int, portable=emulated, variant=variant
-    )
-    if kernel is None:
-        return None
-    difference = _self_check(kernel)
-    if difference > SELF_CHECK_TOLERANCE:
-        logger.warning(
-            "AMX attention off: its self-check differs from the float32 reference by %.3g",
-            difference,
+    has computed a small attention like the float32 reference (build.proven_kernel)."""
+    return proven_kernel(
+        ProvenKernel(
+            library="varlen_attention_amx",
+            function="varlen_attention_amx",
+            argtypes=_ARGTYPES,
+            portable=name == "emulated_tiles",
+            variant=_TILE_KERNELS[name],
+            ready_function="varlen_attention_amx_ready",
+            self_check=_self_check,
+            tolerance=SELF_CHECK_TOLERANCE,
+            label=f"AMX attention ({name})",
         )
-        return None
-    return kernel
+    )
 
 
 # The self-check's largest difference from the float32 reference that bf16 rounding explains

@@ -196,3 +196,54 @@ def kernel_function(
         function.argtypes = list(argtypes)
         function.restype = restype
     return function
+
+
+@dataclass(frozen=True)
+class ProvenKernel:
+    """A kernel written where no CPU with its instructions was at hand (AMX tiles, VDPBF16PS):
+    its library and function, its build, the function that asks the OS for the CPU state it
+    needs first (0 when granted; None: nothing to ask), and a self-check returning its largest
+    difference from float32 attention on a small problem."""
+
+    library: str
+    function: str
+    argtypes: Sequence[Any]
+    portable: bool
+    variant: BuildVariant | None
+    ready_function: str | None
+    self_check: Callable[[KernelFunction], float]
+    tolerance: float
+    label: str  # what the log calls it
+
+
+def proven_kernel(kernel: ProvenKernel) -> KernelFunction | None:
+    """The kernel's function once it builds, the OS grants its CPU state, and it passes its
+    self-check within tolerance: it proves itself on the CPU that runs it before any model
+    uses it. None otherwise, saying why in the log."""
+
+    def function(name: str, argtypes: Sequence[Any]) -> KernelFunction | None:
+        return kernel_function(
+            kernel.library, name, argtypes, ctypes.c_int, portable=kernel.portable,
+            variant=kernel.variant,
+        )  # fmt: skip
+
+    if kernel.ready_function is not None:
+        ready = function(kernel.ready_function, [])
+        if ready is None:
+            return None
+        error = ready()
+        if error != 0:
+            logger.info("%s off: the OS refused the CPU state it needs (%d)", kernel.label, error)
+            return None
+    loaded = function(kernel.function, kernel.argtypes)
+    if loaded is None:
+        return None
+    difference = kernel.self_check(loaded)
+    if difference > kernel.tolerance:
+        logger.warning(
+            "%s off: its self-check differs from float32 attention by %.3g",
+            kernel.label,
+            difference,
+        )
+        return None
+    return loaded

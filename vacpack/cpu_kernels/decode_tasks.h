@@ -74,6 +74,37 @@ static inline float exp2_nonpositive(float x) {
     return exp2_nonpositive8((v8f){0} + x)[0];
 }
 
+// The heads-in-lanes forms' online softmax, for one lane group's block of `count` keys'
+// scores (log2 units, lane h: head h): the heads' running max and sum taken into lanes (idle
+// lanes 0: a finite max and sum nobody reads), *top set to the new max per lane, and the
+// factor that rescales the running sum and outputs returned; *total gets the rescaled sum,
+// to which the caller adds the block's weights.
+static inline v8f lanes_rescale(const v8f* scores, int64_t count, int64_t lanes,
+                                const float* running_max, const float* running_sum, v8f* top,
+                                v8f* total) {
+    v8f old_max = {0}, old_sum = {0};
+    for (int64_t h = 0; h < lanes; ++h) {
+        old_max[h] = running_max[h];
+        old_sum[h] = running_sum[h];
+    }
+    v8f most = old_max;
+    for (int64_t j = 0; j < count; ++j) most = select8(scores[j] > most, scores[j], most);
+    // A first block's -inf max gives exp2's floor, 2^-126, times a zero sum and output.
+    const v8f rescale = exp2_nonpositive8(old_max - most);
+    *top = most;
+    *total = old_sum * rescale;
+    return rescale;
+}
+
+// The lanes' new max and sum back to the heads' running state.
+static inline void lanes_store(v8f top, v8f total, int64_t lanes, float* running_max,
+                               float* running_sum) {
+    for (int64_t h = 0; h < lanes; ++h) {
+        running_max[h] = top[h];
+        running_sum[h] = total[h];
+    }
+}
+
 // A kernel's task: keys start..end of sequence `seq` into its partial result (see
 // run_decode_tasks).
 typedef void (*AttendFunction)(const Problem*, const v8f*, int64_t, int64_t, int64_t, float*);

@@ -249,25 +249,14 @@ static inline __attribute__((always_inline)) void block_heads_in_lanes(
         }
         memcpy(&scores[j0], dots, sizeof(dots));
     }
-    // Idle lanes hold 0 (a finite max and sum nobody reads).
-    v8f old_max = {0}, old_sum = {0};
-    for (int64_t h = 0; h < lanes; ++h) {
-        old_max[h] = running_max[h];
-        old_sum[h] = running_sum[h];
-    }
-    v8f top = old_max;
-    for (int64_t j = 0; j < count; ++j) top = select8(scores[j] > top, scores[j], top);
-    // A first block's -inf max gives exp2's floor, 2^-126, times a zero sum and output.
-    const v8f rescale = exp2_nonpositive8(old_max - top);
-    v8f total = old_sum * rescale;
+    v8f top, total;
+    const v8f rescale =
+        lanes_rescale(scores, count, lanes, running_max, running_sum, &top, &total);
     for (int64_t j = 0; j < count; ++j) {
         scores[j] = exp2_nonpositive8(scores[j] - top);
         total += scores[j];
     }
-    for (int64_t h = 0; h < lanes; ++h) {
-        running_max[h] = top[h];
-        running_sum[h] = total[h];
-    }
+    lanes_store(top, total, lanes, running_max, running_sum);
     // The values with the heads in lanes too: eight of head_dim's elements at a time, each
     // a vector of the heads' running outputs, and each key's weights one vector.
     for (int64_t d0 = 0; d0 < dim; d0 += 8) {

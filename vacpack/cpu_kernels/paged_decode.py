@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -20,11 +17,11 @@ from vacpack.cpu_kernels.build import (
     EMULATED_TILES,
     BuildVariant,
     KernelFunction,
+    ProvenKernel,
     kernel_function,
+    proven_kernel,
 )
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
-
-logger = logging.getLogger(__name__)
 
 _LIBRARY_NAME = "paged_decode"
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
@@ -90,39 +87,23 @@ def _kernel() -> KernelFunction | None:
 @functools.cache
 def _bf16_kernel(name: str) -> KernelFunction | None:
     """The bf16 kernel `name` (BF16_DECODE_KERNELS), once it builds, the CPU state it needs is
-    granted, and it has computed a few decodes like float32 attention: written where no CPU
-    with its instructions was at hand to test on, it proves itself on the CPU that runs it
-    before any model does."""
+    granted, and it has computed a few decodes like float32 attention (build.proven_kernel)."""
     if name not in BF16_DECODE_KERNELS:
         raise ValueError(f"bf16_kernel must be one of {tuple(BF16_DECODE_KERNELS)}, got {name!r}")
     spec = BF16_DECODE_KERNELS[name]
-
-    def function(function_name: str, argtypes: Sequence[Any]) -> KernelFunction | None:
-        return kernel_function(
-            spec.library, function_name, argtypes, ctypes.c_int, portable=spec.portable,
+    return proven_kernel(
+        ProvenKernel(
+            library=spec.library,
+            function=spec.library,
+            argtypes=_BF16_ARGTYPES,
+            portable=spec.portable,
             variant=spec.variant,
-        )  # fmt: skip
-
-    if spec.ready_function is not None:
-        ready = function(spec.ready_function, [])
-        if ready is None:
-            return None
-        error = ready()
-        if error != 0:
-            logger.info("%s decode attention off: the OS refused its CPU state (%d)", name, error)
-            return None
-    kernel = function(spec.library, _BF16_ARGTYPES)
-    if kernel is None:
-        return None
-    difference = _self_check(kernel)
-    if difference > SELF_CHECK_TOLERANCE:
-        logger.warning(
-            "%s decode attention off: its self-check differs from float32 attention by %.3g",
-            name,
-            difference,
+            ready_function=spec.ready_function,
+            self_check=_self_check,
+            tolerance=SELF_CHECK_TOLERANCE,
+            label=f"{name} decode attention",
         )
-        return None
-    return kernel
+    )
 
 
 def _self_check(kernel: KernelFunction) -> float:

@@ -113,17 +113,9 @@ static inline __attribute__((always_inline)) void block_pairs(
         }
         for (int64_t j = 0; j < 8; ++j) scores[j0 + j] = dots[j] * log2_scale;
     }
-    // Idle lanes hold 0 (a finite max and sum nobody reads).
-    v8f old_max = {0}, old_sum = {0};
-    for (int64_t h = 0; h < lanes; ++h) {
-        old_max[h] = running_max[h];
-        old_sum[h] = running_sum[h];
-    }
-    v8f top = old_max;
-    for (int64_t j = 0; j < count; ++j) top = select8(scores[j] > top, scores[j], top);
-    // A first block's -inf max gives exp2's floor, 2^-126, times a zero sum and output.
-    const v8f rescale = exp2_nonpositive8(old_max - top);
-    v8f total = old_sum * rescale;
+    v8f top, total;
+    const v8f rescale =
+        lanes_rescale(scores, count, lanes, running_max, running_sum, &top, &total);
     v8u weight_pairs[KEY_BLOCK / 2];
     for (int64_t j = 0; j < count; j += 2) {
         const v8f even = exp2_nonpositive8(scores[j] - top);
@@ -131,10 +123,7 @@ static inline __attribute__((always_inline)) void block_pairs(
         total += even + odd;
         weight_pairs[j / 2] = bf16_bits(even) | (bf16_bits(odd) << 16);
     }
-    for (int64_t h = 0; h < lanes; ++h) {
-        running_max[h] = top[h];
-        running_sum[h] = total[h];
-    }
+    lanes_store(top, total, lanes, running_max, running_sum);
     const int64_t num_pairs = (count + 1) / 2;
     for (int64_t d0 = 0; d0 < dim; d0 += 8) {
         v8f acc[8];
