@@ -133,6 +133,25 @@ def test_rejects_a_cache_it_cannot_read() -> None:
         paged_decode_attention(q.bfloat16(), keys, values, pages, ranges, PAGE_SIZE, 0.1)
 
 
+def test_rejects_tables_and_rows_it_would_misread() -> None:
+    """The kernel reads the page table and key ranges as int64 and the cache's rows at
+    head_dim's stride: another dtype or shape is refused before it reads anything."""
+    q, keys, values, pages, ranges = _case((4, 2, 32), torch.float32, [(0, 5), (1, 9)])
+    args = (PAGE_SIZE, 0.1)
+    with pytest.raises(ValueError, match="pages must be int64"):
+        paged_decode_attention(q, keys, values, pages.int(), ranges, *args)
+    with pytest.raises(ValueError, match="key_ranges must be int64"):
+        paged_decode_attention(q, keys, values, pages, ranges.int(), *args)
+    with pytest.raises(ValueError, match="key_ranges must be"):
+        paged_decode_attention(q, keys, values, pages, ranges[:, :1], *args)
+    with pytest.raises(ValueError, match="pages must be int64"):
+        paged_decode_attention(q, keys, values, pages[:1], ranges, *args)
+    with pytest.raises(ValueError, match="keys and values must both be"):
+        paged_decode_attention(q, keys[..., :16], values[..., :16], pages, ranges, *args)
+    with pytest.raises(ValueError, match="keys and values must both be"):
+        paged_decode_attention(q, keys, values[:-1], pages, ranges, *args)
+
+
 def test_shapes_past_its_buffers_are_not_supported() -> None:
     assert not paged_decode_supported(CPU, torch.float32, 32, 1, 64)  # 32 heads per KV head
     assert not paged_decode_supported(CPU, torch.float32, 4, 2, 512)  # head_dim 512

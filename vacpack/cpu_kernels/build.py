@@ -202,8 +202,8 @@ def kernel_function(
 class ProvenKernel:
     """A kernel written where no CPU with its instructions was at hand (AMX tiles, VDPBF16PS):
     its library and function, its build, the function that asks the OS for the CPU state it
-    needs first (0 when granted; None: nothing to ask), and a self-check returning its largest
-    difference from float32 attention on a small problem."""
+    needs first (0 when granted, else minus an errno; None: nothing to ask), and a self-check
+    returning its largest difference from float32 attention on a small problem."""
 
     library: str
     function: str
@@ -233,7 +233,8 @@ def proven_kernel(kernel: ProvenKernel) -> KernelFunction | None:
             return None
         error = ready()
         if error != 0:
-            logger.info("%s off: the OS refused the CPU state it needs (%d)", kernel.label, error)
+            reason = os.strerror(-error) if error < 0 else str(error)
+            logger.info("%s off: the OS refused the CPU state it needs (%s)", kernel.label, reason)
             return None
     loaded = function(kernel.function, kernel.argtypes)
     if loaded is None:

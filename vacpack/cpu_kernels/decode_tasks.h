@@ -1,8 +1,9 @@
 // A decode's tasks and their partial results, shared by the paged decode kernels
-// (paged_decode.c on vectors, paged_decode_amx.c on AMX tiles): one task per (sequence, range
-// of its keys), a sequence's keys split over several tasks where there are too few sequences
-// for the threads (split-K), each task's partial result (per query head its max, its sum of
-// weights and its weighted values) merged with its sequence's others by their log-sum-exp.
+// (paged_decode.c on float32 vectors, paged_decode_bf16.c on VDPBF16PS, paged_decode_amx.c on
+// AMX tiles): one task per (sequence, range of its keys), a sequence's keys split over several
+// tasks where there are too few sequences for the threads (split-K), each task's partial result
+// (per query head its max, its sum of weights and its weighted values) merged with its
+// sequence's others by their log-sum-exp.
 
 #ifndef VACPACK_DECODE_TASKS_H
 #define VACPACK_DECODE_TASKS_H

@@ -106,36 +106,44 @@ def _bf16_kernel(name: str) -> KernelFunction | None:
     )
 
 
+# The self-check's decodes: (query heads, KV heads, head_dim, page size). 4 on 2 of 64 over
+# 16-token pages (the kernels' specialised head size, tiles read in place); 12 on 1 of 96 over
+# 8-token pages (a general head size, a second lane group, the AMX kernel's last value pass of
+# two tiles, every tile copied).
+SELF_CHECK_SHAPES = ((4, 2, 64, 16), (12, 1, 96, 8))
+
+
 def _self_check(kernel: KernelFunction) -> float:
-    """The largest difference between `kernel` and float32 attention on three decodes (5 keys;
-    40 keys past a window's start inside a page; 600 keys, split over two tasks) over shuffled
-    16-token pages, 4 query heads on 2 KV heads of 64 dims, in bf16."""
-    generator = torch.Generator().manual_seed(0)
-    key_ranges = torch.tensor([[0, 5], [3, 40], [0, 600]], dtype=torch.int64)
-    page_size, num_heads, num_kv_heads, head_dim, pages_per_seq = 16, 4, 2, 64, 38
-    pages = torch.randperm(3 * pages_per_seq, generator=generator).view(3, pages_per_seq)
-    cache_shape = (3 * pages_per_seq * page_size, num_kv_heads, head_dim)
-    keys, values = (torch.randn(cache_shape, generator=generator).bfloat16() for _ in "kv")
-    q = torch.randn(3, num_heads, head_dim, generator=generator).to(torch.bfloat16)
-    out = torch.empty_like(q)
-    status = kernel(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), pages.data_ptr(),
-        key_ranges.data_ptr(), out.data_ptr(), None, 3, num_heads, num_kv_heads, head_dim,
-        page_size, pages_per_seq, head_dim**-0.5, 8,
-    )  # fmt: skip
-    if status != 0:
-        return float("inf")
+    """The largest difference between `kernel` and float32 attention in bf16, over each of
+    SELF_CHECK_SHAPES: three decodes (5 keys; 40 keys past a window's start inside a page; 600
+    keys, split over two tasks) on shuffled pages."""
     worst = 0.0
-    for seq, (first, num_keys) in enumerate(key_ranges.tolist()):
-        positions = torch.arange(first, num_keys)
-        slots = pages[seq, positions // page_size] * page_size + positions % page_size
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            q[seq].float().unsqueeze(1),  # [heads, 1 query, head_dim]
-            keys[slots].float().transpose(0, 1),
-            values[slots].float().transpose(0, 1),
-            enable_gqa=True,
-        )
-        worst = max(worst, float((out[seq].float() - attended.squeeze(1)).abs().max()))
+    for num_heads, num_kv_heads, head_dim, page_size in SELF_CHECK_SHAPES:
+        generator = torch.Generator().manual_seed(head_dim)
+        key_ranges = torch.tensor([[0, 5], [3, 40], [0, 600]], dtype=torch.int64)
+        pages_per_seq = -(-600 // page_size)
+        pages = torch.randperm(3 * pages_per_seq, generator=generator).view(3, pages_per_seq)
+        cache_shape = (3 * pages_per_seq * page_size, num_kv_heads, head_dim)
+        keys, values = (torch.randn(cache_shape, generator=generator).bfloat16() for _ in "kv")
+        q = torch.randn(3, num_heads, head_dim, generator=generator).bfloat16()
+        out = torch.empty_like(q)
+        status = kernel(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), pages.data_ptr(),
+            key_ranges.data_ptr(), out.data_ptr(), None, 3, num_heads, num_kv_heads, head_dim,
+            page_size, pages_per_seq, head_dim**-0.5, 8,
+        )  # fmt: skip
+        if status != 0:
+            return float("inf")
+        for seq, (first, num_keys) in enumerate(key_ranges.tolist()):
+            positions = torch.arange(first, num_keys)
+            slots = pages[seq, positions // page_size] * page_size + positions % page_size
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q[seq].float().unsqueeze(1),  # [heads, 1 query, head_dim]
+                keys[slots].float().transpose(0, 1),
+                values[slots].float().transpose(0, 1),
+                enable_gqa=True,
+            )
+            worst = max(worst, float((out[seq].float() - attended.squeeze(1)).abs().max()))
     return worst
 
 
@@ -173,6 +181,33 @@ def paged_decode_supported(
         and head_dim % 8 == 0
         and (_kernel() if bf16_kernel is None else _bf16_kernel(bf16_kernel)) is not None
     )
+
+
+def _check_layout(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pages: torch.Tensor,
+    key_ranges: torch.Tensor,
+) -> None:
+    """What the C kernels read as raw memory, checked first: a wrong dtype or shape there would
+    read outside the cache rather than fail."""
+    num_seqs, _, head_dim = q.shape
+    if keys.dim() != 3 or keys.shape[2] != head_dim or values.shape != keys.shape:
+        raise ValueError(
+            f"keys and values must both be [slots, kv_heads, {head_dim}], got "
+            f"{tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    for name, table in (("pages", pages), ("key_ranges", key_ranges)):
+        if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != num_seqs:
+            raise ValueError(
+                f"{name} must be int64 [{num_seqs}, ...], got {table.dtype} {tuple(table.shape)}"
+            )
+    if key_ranges.shape[1] != 2:
+        raise ValueError(f"key_ranges must be [{num_seqs}, 2], got {tuple(key_ranges.shape)}")
+    for name, tensor in (("keys", keys), ("values", values), ("pages", pages)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
 
 
 def paged_decode_attention(
@@ -214,9 +249,7 @@ def paged_decode_attention(
     ):
         raise RuntimeError("the paged decode kernel cannot run these decodes here")
     check_cache_dtype(q.dtype, keys.dtype, values.dtype)
-    for name, tensor in (("keys", keys), ("values", values), ("pages", pages)):
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    _check_layout(q, keys, values, pages, key_ranges)
     q = q.contiguous()
     key_ranges = key_ranges.contiguous()
     out = torch.empty_like(q)

@@ -265,8 +265,8 @@ static void attend_tiles(const Problem* pr, const v8f* unused, int64_t seq, int6
     tiles_release();
 }
 
-// 0 once the process may use the tiles (Linux grants their state on request), else the
-// request's error: call before paged_decode_amx.
+// 0 once the process may use the tiles (Linux grants their state on request), else minus
+// the request's errno: call before paged_decode_amx.
 int paged_decode_amx_ready(void) { return tiles_request_permission(); }
 
 // paged_decode_attention's call (paged_decode.c) for bf16 queries, cache and output: -1 where

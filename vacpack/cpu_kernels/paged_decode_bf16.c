@@ -94,8 +94,9 @@ static inline void interleave_pair(const bf16* even, const bf16* odd, int64_t di
 
 // One lane group's block: up to eight query heads (lanes) of one KV head against `count` keys.
 // queries: the group's [dim / 2] pairs, lane h holding head h's dims (2p, 2p + 1), idle lanes
-// zero. value_pairs: the block's value rows interleaved in key pairs, [count / 2][dim] words.
-// Updates the heads' running max, sum and outputs ([dim][8]: lane h of each dim, head h).
+// zero. value_pairs: the block's value rows interleaved in key pairs, [(count + 1) / 2][dim]
+// words. Updates the heads' running max, sum and outputs ([dim][8]: lane h of each dim, head
+// h).
 static inline __attribute__((always_inline)) void block_pairs(
     const v8u* queries, const bf16* const* key_rows, const bf16* value_pairs, int64_t count,
     int64_t lanes, int64_t dim, float log2_scale, float* running_max, float* running_sum,

@@ -5,9 +5,9 @@
 // as C following the instruction's definition in Intel's manual, on eight tiles of 16 rows of
 // 64 bytes kept per thread: slow, but on any CPU, so that a kernel's use of the tiles (its
 // layouts, strides, edges and masks) is tested on machines without AMX. The emulated dot
-// product adds the same float32 products in the same order; it may fuse a multiply and its add
-// where the instruction rounds twice, and keeps the denormals the instruction flushes, which
-// moves results by float32 rounding only.
+// product adds the same float32 products (each exact: a product of two bf16 values fits a
+// float32), in an order of its own where the hardware's is not specified bit for bit, and keeps
+// the denormals the instruction flushes: results move by float32 rounding only.
 //
 // Every tile here is configured the same: 16 rows of 64 bytes (16 float32, or 32 bf16 as 16
 // pairs). TILE_DOT(c, a, b) adds to float32 tile c, for each of its rows m and columns n, the
@@ -73,6 +73,7 @@ static inline void tiles_release(void) {}
 
 #else
 
+#include <errno.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -81,10 +82,22 @@ static inline void tiles_release(void) {}
 #define XFEATURE_XTILEDATA 18
 
 // Linux hands a process the AMX state only when asked (once per process; its threads share
-// the permission). 0 when granted.
+// the permission). 0 when granted, else minus the errno (ENOSPC, for one, where a thread's
+// signal stack is too small for the tiles' state).
 static inline int tiles_request_permission(void) {
-    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -errno;
 }
+
+// GCC's tile load and configuration intrinsics are asm statements that do not tell the
+// compiler which memory they read (the load names none, the configuration 8 of its 64 bytes),
+// so a store to a buffer that only a tile load reads afterwards may be dropped or moved past
+// it. A compiler barrier before each keeps every store before it in place. (clang's are
+// builtins that declare their reads.)
+#if defined(__clang__)
+#define TILE_MEMORY_BARRIER() ((void)0)
+#else
+#define TILE_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+#endif
 
 // Palette 1, tiles 0-7 each TILE_ROWS rows of TILE_BYTES_PER_ROW bytes. Per thread: each of
 // OpenMP's threads configures its own tiles.
@@ -100,12 +113,17 @@ static inline void tiles_configure(void) {
         config.bytes_per_row[t] = TILE_BYTES_PER_ROW;
         config.rows[t] = TILE_ROWS;
     }
+    TILE_MEMORY_BARRIER();
     _tile_loadconfig(&config);
 }
 
 static inline void tiles_release(void) { _tile_release(); }
 #define TILE_ZERO(t) _tile_zero(t)
-#define TILE_LOAD(t, base, stride_bytes) _tile_loadd(t, base, stride_bytes)
+#define TILE_LOAD(t, base, stride_bytes)   \
+    do {                                   \
+        TILE_MEMORY_BARRIER();             \
+        _tile_loadd(t, base, stride_bytes); \
+    } while (0)
 #define TILE_STORE(t, base, stride_bytes) _tile_stored(t, base, stride_bytes)
 #define TILE_DOT(c, a, b) _tile_dpbf16ps(c, a, b)
 

@@ -174,8 +174,8 @@ static void block_values(const bf16* probs, int64_t probs_stride, const bf16* pa
     }
 }
 
-// 0 once the process may use the tiles (Linux grants their state on request), else the
-// request's error: call before varlen_attention_amx.
+// 0 once the process may use the tiles (Linux grants their state on request), else minus
+// the request's errno: call before varlen_attention_amx.
 int varlen_attention_amx_ready(void) { return tiles_request_permission(); }
 
 // The arguments and result of varlen_attention_bf16 (varlen_attention.c).
