@@ -25,7 +25,7 @@ from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
 
 _LIBRARY_NAME = "paged_decode"
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
-# The kernels' fixed per-task buffers (paged_decode.c, paged_decode_amx.c).
+# The kernels' fixed per-task buffers (paged_decode.c, paged_decode_bf16.c, paged_decode_amx.c).
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16)
