@@ -16,6 +16,7 @@ from asan_build import worst_difference_under_asan
 from bf16_kernel_marks import BF16_DECODE_KERNELS, EMULATED
 from test_paged_decode_kernel import _case, _reference
 
+from vacpack import LLM, SamplingParams
 from vacpack.attention import BatchLayout
 from vacpack.attention import paged_decode as decode_forms
 from vacpack.attention.backend import FULL_ATTENTION
@@ -28,6 +29,7 @@ from vacpack.cpu_kernels.paged_decode import (
     paged_decode_supported,
 )
 from vacpack.kvcache.paged_cache import PagedKVCache
+from vacpack.tuning.choose import force_env_var
 
 CPU = torch.device("cpu")
 PAGE_SIZE = 16  # test_paged_decode_kernel's pages
@@ -194,6 +196,49 @@ def test_the_engine_decode_forms_run_the_kernels(
     got = _decode_step(TorchSdpaBackend(policy, decode_form=form), num_shared_pages)
     expected = _decode_step(TorchSdpaBackend(policy, decode_form="matmuls"), num_shared_pages)
     torch.testing.assert_close(got.float(), expected.float(), atol=ATOL, rtol=ATOL)
+
+
+@EMULATED
+@pytest.mark.parametrize(
+    ("form", "bf16_kernel"),
+    [("kernel_bf16", "emulated_dpbf16"), ("kernel_amx", "emulated_tiles")],
+)
+def test_an_engine_decodes_through_the_form_it_is_given(
+    tiny_checkpoint, monkeypatch, form: str, bf16_kernel: str
+) -> None:
+    """A bf16 model in bf16 arithmetic, its decode form forced through the measured selection's
+    environment variable: the selection offers the form where its kernel runs, and the engine
+    runs every decode step of every layer through it. (Greedy tokens are not compared: in bf16 a
+    tiny random model's near-ties flip between any two of the existing forms too, SDPA against
+    the matmuls on half the prompts.)"""
+    monkeypatch.setitem(
+        decode_forms.KERNEL_FORMS, form, decode_forms.KernelForm(False, bf16_kernel)
+    )
+    kernels_called: list[str | None] = []
+    real_kernel = decode_forms.paged_decode_attention
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        kernels_called.append(kwargs.get("bf16_kernel"))
+        return real_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(decode_forms, "paged_decode_attention", counting)
+    monkeypatch.setenv(force_env_var("sdpa_decode"), form)
+    model_dir = str(tiny_checkpoint("qwen3", head_dim=32))
+    llm = LLM(
+        model_dir, dtype="bfloat16", cpu_bf16_arithmetic="bfloat16", attention_backend="torch_sdpa"
+    )
+    assert isinstance(llm.engine.attention, TorchSdpaBackend)
+    assert llm.engine.attention.decode_form == form
+    kernels_called.clear()
+    max_tokens, num_layers = 10, llm.loaded.config.num_layers
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(output.outputs[0].token_ids) == max_tokens for output in outputs)
+    # A call per layer and step with decodes: at least max_tokens - 1 such steps (the first
+    # token comes from the prefill), and only this kernel.
+    assert set(kernels_called) == {bf16_kernel}
+    assert len(kernels_called) >= num_layers * (max_tokens - 1)
 
 
 ASAN_SCRIPT = """
