@@ -40,7 +40,7 @@
 #define MAX_GROUP 16      // query heads per KV head: the columns of a score tile
 #define MAX_HEAD_DIM 256
 
-// Where a task's keys lie: the slot row of key j of KV head `kv_head` in the keys or values.
+// Where a task's keys and values lie (its key j: slot_offset) and which of them it sees.
 typedef struct {
     const bf16* keys;
     const bf16* values;
@@ -229,9 +229,8 @@ static void attend_tiles(const Problem* pr, const v8f* unused, int64_t seq, int6
         }
         memset(state.out, 0, MAX_GROUP * dim * sizeof(float));
         for (int64_t first = aligned_start; first < key_end; first += BLOCK_KEYS) {
-            const int64_t num_tiles =
-                (key_end - first >= BLOCK_KEYS ? BLOCK_KEYS : key_end - first + TILE_KEYS - 1) /
-                TILE_KEYS;
+            const int64_t block_end = first + BLOCK_KEYS < key_end ? first + BLOCK_KEYS : key_end;
+            const int64_t num_tiles = (block_end - first + TILE_KEYS - 1) / TILE_KEYS;
             for (int64_t t = 0; t < BLOCK_KEYS / TILE_KEYS; ++t) {
                 if (t >= num_tiles) {  // past the task's keys: invisible, never computed
                     memset(scores + t * TILE_KEYS * MAX_GROUP, 0,

@@ -26,20 +26,12 @@
 #include <string.h>
 
 #include "decode_tasks.h"
+#include "vec16.h"
 #include "vec8.h"
 
 #define KEY_BLOCK 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256  // a multiple of 16 (the value rows are interleaved 16 dims at a time)
-
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef int16_t v16s __attribute__((vector_size(32)));
-
-#if defined(__clang__)
-#define SHUFFLE_HALVES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE_HALVES(a, b, ...) __builtin_shuffle(a, b, (v16s){__VA_ARGS__})
-#endif
 
 #ifdef VACPACK_EMULATE_DPBF16
 // VDPBF16PS as Intel's manual defines it: per lane, the odd pair's product added, then the
@@ -75,21 +67,6 @@ static inline v8u bf16_bits(v8f x) {
     v8u bits;
     memcpy(&bits, &x, sizeof(bits));
     return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-}
-
-// Two value rows (NULL: zeros) interleaved, dst[d] = (even[d], odd[d]) as one word.
-static inline void interleave_pair(const bf16* even, const bf16* odd, int64_t dim, bf16* dst) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-        v16h a = {0}, b = {0};
-        if (even) memcpy(&a, even + d0, sizeof(a));
-        if (odd) memcpy(&b, odd + d0, sizeof(b));
-        const v16h low = SHUFFLE_HALVES(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22,
-                                        7, 23);
-        const v16h high = SHUFFLE_HALVES(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
-                                         30, 15, 31);
-        memcpy(dst + 2 * d0, &low, sizeof(low));
-        memcpy(dst + 2 * d0 + 16, &high, sizeof(high));
-    }
 }
 
 // One lane group's block: up to eight query heads (lanes) of one KV head against `count` keys.
@@ -184,7 +161,7 @@ static inline __attribute__((always_inline)) void attend_task(const Problem* pr,
                 const bf16* even = values + slots[j] * slot_stride + kv_head * dim;
                 const bf16* odd =
                     j + 1 < count ? values + slots[j + 1] * slot_stride + kv_head * dim : NULL;
-                interleave_pair(even, odd, dim, value_pairs + j * dim);
+                interleave_rows(even, odd, dim, value_pairs + j * dim);
                 // The next block's rows of this KV head, on their way during this block.
                 for (int i = 0; i < 2; ++i) {
                     const int64_t ahead = start + KEY_BLOCK + j + i;

@@ -1,8 +1,8 @@
-// Sixteen float32 lanes as GCC's vector extension, for the AMX kernels (varlen_attention_amx.c,
-// paged_decode_amx.c): one AVX-512 register where the tiles exist, two AVX registers in the
-// emulated build. With both products on the tiles, the softmax and the packing around them are
-// most of those kernels' work, so they take the widest registers there are (vec8.h's 8 lanes
-// would halve their speed). Only the AMX kernels include this header.
+// Sixteen float32 lanes as GCC's vector extension, for the bf16 kernels (varlen_attention_amx.c,
+// paged_decode_amx.c, paged_decode_bf16.c): one AVX-512 register where they run natively, two
+// AVX registers in the emulated builds. With the products on the tiles, the softmax and the
+// packing around them are most of the AMX kernels' work, so they take the widest registers
+// there are (vec8.h's 8 lanes would halve their speed). Only these kernels include it.
 
 #ifndef VACPACK_VEC16_H
 #define VACPACK_VEC16_H
@@ -16,17 +16,16 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint16_t v32h __attribute__((vector_size(64)));
-typedef int16_t v32s __attribute__((vector_size(64)));
+typedef int16_t v16s __attribute__((vector_size(32)));
 
 // Lanes of two vectors picked by constant indices (0..n-1: a's, n..2n-1: b's), in GCC's or
 // clang's spelling; one two-source permute each on AVX-512.
 #if defined(__clang__)
 #define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#define SHUFFLE32(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define SHUFFLE_HALVES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
-#define SHUFFLE32(a, b, ...) __builtin_shuffle(a, b, (v32s){__VA_ARGS__})
+#define SHUFFLE_HALVES(a, b, ...) __builtin_shuffle(a, b, (v16s){__VA_ARGS__})
 #endif
 
 static inline v16f load16(const float* p) {
@@ -60,21 +59,20 @@ static inline void transpose16x16(v16f rows[16]) {
     }
 }
 
-// Two bf16 rows of `dim` elements (a multiple of 32; NULL: a row of zeros) interleaved,
-// dst[2d] = even[d] and dst[2d + 1] = odd[d]: the tiles' layout of a pair of rows of the
-// reduced dimension. Two permutes per 32 elements.
+// Two bf16 rows of `dim` elements (a multiple of 16; NULL: a row of zeros) interleaved,
+// dst[2d] = even[d] and dst[2d + 1] = odd[d]: the layout of a pair of rows of the reduced
+// dimension that the tiles and VDPBF16PS read. Two permutes per 16 elements.
 static inline void interleave_rows(const bf16* even, const bf16* odd, int64_t dim, bf16* dst) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-        v32h a = {0}, b = {0};
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+        v16h a = {0}, b = {0};
         if (even) memcpy(&a, even + d0, sizeof(a));
         if (odd) memcpy(&b, odd + d0, sizeof(b));
-        const v32h low = SHUFFLE32(a, b, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47);
-        const v32h high = SHUFFLE32(a, b, 16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54,
-                                    23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30,
-                                    62, 31, 63);
+        const v16h low = SHUFFLE_HALVES(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22,
+                                        7, 23);
+        const v16h high = SHUFFLE_HALVES(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
+                                         30, 15, 31);
         memcpy(dst + 2 * d0, &low, sizeof(low));
-        memcpy(dst + 2 * d0 + 32, &high, sizeof(high));
+        memcpy(dst + 2 * d0 + 16, &high, sizeof(high));
     }
 }
 
