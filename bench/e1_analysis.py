@@ -22,6 +22,7 @@ from e1_workload import (
     TARGET_SPEEDUP_SAME_DTYPE,
     WARMUP_TEXTS,
     log,
+    peak_dtypes,
 )
 from process_timing import timed_section
 
@@ -143,12 +144,16 @@ def time_analysis(
     analysis: dict[str, dict[str, Any]],
     dtype_name: str,
 ) -> dict[str, Any]:
-    """Model FLOPs utilisation of every system in `dtype_name` against the matmul peak measured
-    in it, and the profiles' shares of time by kind of op: how far each system is from the
-    peak, and why."""
+    """Model FLOPs utilisation of every system in `dtype_name` against the best matmul peak
+    measured in the arithmetic such a model may run in (peak_dtypes), and the profiles' shares
+    of time by kind of op: how far each system is from the peak, and why."""
     flops = encoder_flops(args.model_dir, workload_seq_lens(args.model_dir, texts))
-    peak_worker = next(w for w, dtype in MATMUL_PEAK_WORKERS.items() if dtype == dtype_name)
-    peak = analysis.get(peak_worker, {})
+    peaks = [
+        analysis[worker]
+        for worker, dtype in MATMUL_PEAK_WORKERS.items()
+        if dtype in peak_dtypes(dtype_name) and "best_tflops" in analysis.get(worker, {})
+    ]
+    peak = max(peaks, key=lambda p: p["best_tflops"], default={})
     peak_tflops = peak.get("best_tflops")
     utilisation = {}
     for name, system in systems.items():

@@ -113,7 +113,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         if use["mfu"] is not None:
             lines.append(
                 f"{name}: {use['useful_tflops']:.3f} TFLOPS of model FLOPs, "
-                f"MFU {use['mfu']:.0%} of the measured {dtype} matmul peak "
+                f"MFU {use['mfu']:.0%} of the measured "
+                f"{analysis['matmul_peak'].get('dtype', dtype)} matmul peak "
                 f"({analysis['matmul_peak']['best_tflops']:.3f} TFLOPS)"
             )
     if analysis["mfu_needed_for_target"] is not None:

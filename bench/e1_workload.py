@@ -60,10 +60,17 @@ def analysis_dtype(systems_run: list[str]) -> str:
     return "bf16" if any(system.endswith("_bf16") for system in systems_run) else "fp32"
 
 
+def peak_dtypes(dtype_name: str) -> tuple[str, ...]:
+    """The arithmetic a model in `dtype_name` may run in, whose best matmul peak its MFU is
+    measured against: a bf16 model's linears run in float32 on bf16 weights where a CPU
+    measures that faster (without bf16 instructions), so its peak is the better of the two."""
+    return ("bf16", "fp32") if dtype_name == "bf16" else (dtype_name,)
+
+
 def analysis_workers(dtype_name: str) -> list[str]:
-    """The matmul-peak worker and the profile workers of one dtype, in the order they run."""
+    """The matmul-peak workers and the profile workers of one dtype, in the order they run."""
     return [
-        *(w for w, dtype in MATMUL_PEAK_WORKERS.items() if dtype == dtype_name),
+        *(w for w, dtype in MATMUL_PEAK_WORKERS.items() if dtype in peak_dtypes(dtype_name)),
         *(w for w, system in PROFILE_WORKERS.items() if system.endswith(f"_{dtype_name}")),
     ]
 

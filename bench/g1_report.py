@@ -142,9 +142,10 @@ def markdown_table(results: dict[str, Any]) -> str:
         )
     peak = results.get("matmul_peak", {})
     if "best_tflops" in peak:
-        dtype = results["workload"].get("dtype", "bfloat16")
+        # Older results have no best_dtype: their peak is in the run's dtype.
+        dtype = peak.get("best_dtype", results["workload"].get("dtype", "bfloat16"))
         lines.append(
-            f"\n{dtype} matmul peak at the model's prefill shapes ({peak['timing']}): "
+            f"\nmatmul peak at the model's prefill shapes, {dtype} ({peak['timing']}): "
             f"{peak['best_tflops']:.3f} TFLOPS (others' CPU meanwhile: "
             f"{peak['other_processes_core_share']:.0%})"
         )
