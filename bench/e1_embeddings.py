@@ -301,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument("--model-dir", type=Path, default=None, help="default all-MiniLM-L6-v2")
     parser.add_argument("--output", type=Path, default=None, help="default results/e1_DEVICE.json")
-    parser.add_argument("--plot", type=Path, default=None, help="default results/e1_DEVICE.png")
+    parser.add_argument("--plot", type=Path, default=None, help="default: --output as .png")
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -336,7 +336,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-texts must be at least 1")
     args.model_dir = args.model_dir or default_model_dir()
     args.output = args.output or RESULTS_DIR / f"e1_{device_type}.json"
-    args.plot = args.plot or RESULTS_DIR / f"e1_{device_type}.png"
     return args
 
 

@@ -386,8 +386,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.model_dir = checkpoints.MODEL_SHAPE_DIRS[args.shape]
     if args.output is None:
         args.output = RESULTS_DIR / f"g1_{args.shape}_{device_type}.json"
-    if args.plot is None:
-        args.plot = args.output.with_suffix(".png")
     return args
 
 

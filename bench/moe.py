@@ -197,7 +197,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/moe_cpu.json")
-    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "bench/results/moe_cpu.png")
+    parser.add_argument("--plot", type=Path, default=None, help="default: --output as .png")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

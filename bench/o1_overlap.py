@@ -248,7 +248,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     workers.publish_results(
         results,
         args.output,
-        args.output.with_suffix(".png"),
+        None,
         save_plot,
         markdown_table(results),
         "o1",

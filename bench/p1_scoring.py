@@ -323,7 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--model-dir", type=Path, default=checkpoints.QWEN2_5_0_5B_SHAPES_DIR)
     parser.add_argument("--output", type=Path, default=None, help="default results/p1_DEVICE.json")
-    parser.add_argument("--plot", type=Path, default=None, help="default results/p1_DEVICE.png")
+    parser.add_argument("--plot", type=Path, default=None, help="default: --output as .png")
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -352,7 +352,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_docs < 1:
         parser.error("--num-docs must be at least 1")
     args.output = args.output or RESULTS_DIR / f"p1_{device_type}.json"
-    args.plot = args.plot or RESULTS_DIR / f"p1_{device_type}.png"
     return args
 
 

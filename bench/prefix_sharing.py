@@ -287,7 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-questions", type=int, default=50)
     parser.add_argument("--context-len", type=int, default=600)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/prefix_cpu.json")
-    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "bench/results/prefix_cpu.png")
+    parser.add_argument("--plot", type=Path, default=None, help="default: --output as .png")
     parser.add_argument(
         "--vllm",
         action=argparse.BooleanOptionalAction,

@@ -74,7 +74,6 @@ from workers import publish_results
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT_PATH = REPO_ROOT / "bench" / "results" / "s1_server_cpu.json"
-DEFAULT_PLOT_PATH = REPO_ROOT / "bench" / "results" / "s1_server_cpu.png"
 SERVER_STARTUP_TIMEOUT_S = 600.0
 SERVER_STOP_TIMEOUT_S = 60.0
 LOG_TAIL_CHARS = 2000
@@ -250,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="continuous-batching",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT_PATH)
-    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT_PATH)
+    parser.add_argument("--plot", type=Path, default=None, help="default: --output as .png")
     args = parser.parse_args(argv)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         parser.error("need 1 <= --min-prompt-len <= --max-prompt-len")

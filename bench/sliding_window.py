@@ -167,9 +167,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--output", type=Path, default=REPO_ROOT / "bench/results/sliding_window_cpu.json"
     )
-    parser.add_argument(
-        "--plot", type=Path, default=REPO_ROOT / "bench/results/sliding_window_cpu.png"
-    )
+    parser.add_argument("--plot", type=Path, default=None, help="default: --output as .png")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-output", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()

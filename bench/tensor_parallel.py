@@ -225,7 +225,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--doc-len", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/tp_cpu.json")
-    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "bench/results/tp_cpu.png")
+    parser.add_argument("--plot", type=Path, default=None, help="default: --output as .png")
     parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tp-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

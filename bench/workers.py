@@ -139,12 +139,15 @@ def save_worker_result(result: dict[str, Any], worker_output: Path) -> None:
 def publish_results(
     results: dict[str, Any],
     output_path: Path,
-    plot_path: Path,
+    plot_path: Path | None,
     save_plot: Callable[[dict[str, Any], Path], None],
     table: str,
     log_prefix: str,
 ) -> None:
-    """The end of every benchmark run: the JSON file, the chart, and the table on stdout."""
+    """The end of every benchmark run: the JSON file, the chart (None: beside the JSON, as
+    .png, so that a run with its own --output never overwrites a committed chart), and the
+    table on stdout."""
+    plot_path = plot_path or output_path.with_suffix(".png")
     output_path.parent.mkdir(parents=True, exist_ok=True)
     output_path.write_text(json.dumps(results, indent=2) + "\n")
     save_plot(results, plot_path)
