@@ -136,6 +136,17 @@ def test_bad_documents_fail_alone_and_the_job_goes_on(llm: LLM) -> None:
         llm.loglikelihood(texts, use_tqdm=False)
 
 
+def test_token_ids_outside_the_vocabulary_fail_alone(llm: LLM) -> None:
+    # Before, an id past the embedding table failed the bin's forward: every document in it.
+    vocab_size = llm.loaded.config.vocab_size
+    inputs = [[1, 2, 3], [vocab_size], "a fine document", [5, -1]]
+    results = llm.embed(inputs, use_tqdm=False, return_failures=True)
+    failed = [i for i, r in enumerate(results) if isinstance(r, DocumentError)]
+    assert failed == [1, 3]
+    assert f"[0, {vocab_size})" in results[1].message and "[-1]" in results[3].message
+    assert llm.corpus_runner.last_report.num_failed == 2
+
+
 def test_a_model_without_the_needed_head_is_named(llm: LLM) -> None:
     with pytest.raises(ValueError, match="classification head"):
         llm.classify(["hello"], use_tqdm=False)

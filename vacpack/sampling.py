@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,10 @@ _MIN_SEED = -(2**63)
 _MAX_SEED = 2**64 - 1
 
 _PENALTY_LIMIT = 2.0
+
+# The sampler computes in float32: a temperature or repetition penalty past its largest finite
+# value would become inf there, and inf * 0 or -inf / inf is nan in the logits.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 # OpenAI's range for a logit_bias value: -100 bans a token, +100 all but forces it.
 _LOGIT_BIAS_LIMIT = 100.0
@@ -146,8 +149,10 @@ class SamplingParams:
         # Comparisons are written so that nan fails them: `not (lo <= x <= hi)`.
         if self.n < 1:
             raise _fail("n", ">= 1", self.n)
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise _fail("temperature", ">= 0 (0 means greedy) and finite", self.temperature)
+        if not (0 <= self.temperature <= _FLOAT32_MAX):
+            raise _fail(
+                "temperature", ">= 0 (0 means greedy) and finite in float32", self.temperature
+            )
         if 0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
             logger.warning(
                 "temperature %s is below %s; raised to %s to keep the logits finite",
@@ -168,9 +173,11 @@ class SamplingParams:
             value = getattr(self, field_name)
             if not (-_PENALTY_LIMIT <= value <= _PENALTY_LIMIT):
                 raise _fail(field_name, f"in [{-_PENALTY_LIMIT}, {_PENALTY_LIMIT}]", value)
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+        if not (0 < self.repetition_penalty <= _FLOAT32_MAX):
             raise _fail(
-                "repetition_penalty", "> 0 and finite (1 disables it)", self.repetition_penalty
+                "repetition_penalty",
+                "> 0 and finite in float32 (1 disables it)",
+                self.repetition_penalty,
             )
         if self.max_tokens is not None and self.max_tokens < 0:
             raise _fail("max_tokens", "None or >= 0 (0 means prompt only)", self.max_tokens)

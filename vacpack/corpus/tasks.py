@@ -80,6 +80,14 @@ class CorpusTask(ABC):
             (token_ids,) = self._tokenize([item], add_special_tokens)
         elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
             token_ids = list(item)
+            # Checked here, in the packer's thread: an id past the embedding table would fail
+            # the whole bin's forward, and with it every document sharing the bin.
+            vocab_size = self.loaded.config.vocab_size
+            outside = [t for t in token_ids if not 0 <= t < vocab_size]
+            if outside:
+                raise ValueError(
+                    f"token ids must be integers in [0, {vocab_size}); got {outside[:5]}"
+                )
         else:
             raise ValueError(f"expected text or a list of token ids, got {type(item).__name__}")
         return self._checked(token_ids)

@@ -86,6 +86,16 @@ class SamplerOutput:
 CDF_BLOCK = 1024
 
 
+def _keep_a_token(processed: torch.Tensor, unprocessed: torch.Tensor) -> torch.Tensor:
+    """The processed logits, but where a row has no token left (a mask that allows only stop
+    tokens, e.g. allowed_token_ids, while min_tokens holds them back) that row as it was before
+    processing: the request then ends short of min_tokens instead of sampling from nothing
+    (an all -inf row's softmax is nan, and the inverse CDF then returns an id past the
+    vocabulary, which fails the next step for every request in it)."""
+    emptied = torch.isneginf(processed).all(dim=-1, keepdim=True)
+    return torch.where(emptied, unprocessed, processed)
+
+
 def _just_below(values: torch.Tensor) -> torch.Tensor:
     """The largest float below each value (of a positive total)."""
     return torch.nextafter(values, torch.zeros_like(values))
@@ -199,7 +209,11 @@ class Sampler:
         row_params = self._row_param_matrix(params)
         if masks is not None:
             logits = masks.apply_bias(logits)
+        unprocessed = logits
         logits = self._process_logits(logits, rows, row_params)
+        # Only a mask can leave nothing but the stop tokens that min_tokens holds back.
+        if masks is not None and any(row.stop_token_ids_to_suppress for row in rows):
+            logits = _keep_a_token(logits, unprocessed)
 
         greedy_row_indices = [i for i, p in enumerate(params) if p.is_greedy]
         random_row_indices = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -271,7 +285,9 @@ class Sampler:
         top_k = [float(self._top_k(p)) for p in params]
         matrix = [
             [p.temperature if not p.is_greedy else 1.0 for p in params],
-            [p.top_p for p in params],
+            # A top_p below float32's smallest normal value would round to 0 there, and drop
+            # every token on the sorted path (which always keeps the first of a positive one).
+            [max(p.top_p, torch.finfo(torch.float32).tiny) for p in params],
             top_k,
             [p.min_p for p in params],
             [p.repetition_penalty for p in params],
@@ -345,6 +361,11 @@ class Sampler:
         params = [row.params for row in rows]
         if any(p.temperature != 1.0 for p in params):
             logits = logits / row_params[_TEMPERATURE].unsqueeze(1)
+        if any(p.repetition_penalty < 1.0 for p in params):
+            # A penalty below 1 divides a seen token's positive logit by it, and a small one
+            # (then the temperature) can overflow float32: +inf would make the softmax nan.
+            # The largest finite value keeps the token the likeliest, as it was meant to be.
+            logits = logits.clamp(max=torch.finfo(torch.float32).max)
         if any(p.min_p > 0.0 for p in params):
             logits = apply_min_p(logits, row_params[_MIN_P])
         if any(p.top_k != 0 or p.top_p < 1.0 for p in params):
@@ -402,4 +423,7 @@ class Sampler:
         local_cdf = block_probs.cumsum(dim=-1, dtype=torch.float64)
         local_target = torch.minimum(target - before, _just_below(local_cdf[:, -1:]))
         within = torch.searchsorted(local_cdf, local_target, right=True)
-        return (block * CDF_BLOCK + within).squeeze(1)
+        # A nan row (which the checks above should leave none of) would land one past its
+        # block; kept inside the vocabulary, it costs that request a wrong token, where an id
+        # past the end would fail the next step for every request in the batch.
+        return (block * CDF_BLOCK + within).squeeze(1).clamp_(max=vocab_size - 1)
