@@ -161,6 +161,9 @@ def test_child_params_offset_the_seed() -> None:
     assert [params.child_params(i).seed for i in range(3)] == [10, 11, 12]
     assert params.child_params(1).n == 1
     assert SamplingParams(n=2).child_params(1).seed is None
+    # Past the largest seed the samples' seeds wrap around to the smallest, still valid ones.
+    top = SamplingParams(n=3, seed=2**64 - 2)
+    assert [top.child_params(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, -(2**63)]
 
 
 # ---------------------------------------------------------------- sampler

@@ -295,6 +295,12 @@ class SamplingParams:
         """The params for one of the ``n`` samples: ``n=1``, and ``seed + child_index``.
 
         Without the seed offset, ``n`` seeded samples would be ``n`` copies of one sample.
+        Past the largest seed the offset wraps around to the smallest (a seed the caller may
+        give stays valid for every sample, not only for the first).
         """
-        seed = None if self.seed is None else self.seed + child_index
+        seed = None
+        if self.seed is not None:
+            seed = self.seed + child_index
+            if seed > _MAX_SEED:
+                seed -= _MAX_SEED - _MIN_SEED + 1
         return dataclasses.replace(self, n=1, seed=seed)
