@@ -1,0 +1,82 @@
+"""The server's engine thread (vacpack/server/async_engine.py) on a real engine: requests
+stream their tokens, and a step that fails (an error no single request can be blamed for)
+fails the requests in flight with a 500 while the thread carries on with the next ones."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from vacpack import LLM, SamplingParams
+from vacpack.engine.engine import LLMEngine
+from vacpack.openai_api.errors import APIError
+from vacpack.openai_api.serving import generation_engine
+from vacpack.outputs import RequestOutput
+from vacpack.server.async_engine import AsyncEngine, EngineRequest
+from vacpack.server.metrics import ServerMetrics
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint) -> Iterator[LLMEngine]:
+    llm = LLM(str(tiny_checkpoint("qwen2")), dtype="float32", max_model_len=128)
+    engine = generation_engine(llm)
+    assert engine is not None
+    yield engine
+
+
+def _request(request_id: str, first_token: int) -> EngineRequest:
+    return EngineRequest(request_id, [first_token, 7, 8, 9], GREEDY)
+
+
+async def _tokens(async_engine: AsyncEngine, request: EngineRequest) -> list[int]:
+    stream = await async_engine.submit([request])
+    last = None
+    async for output in stream:
+        last = output
+    assert last is not None and last.finished
+    return list(last.outputs[0].token_ids)
+
+
+def test_a_failed_step_fails_the_requests_in_it_and_the_thread_goes_on(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_step = engine.step
+    failed: list[bool] = []
+
+    def failing_once_both_are_in() -> list[RequestOutput]:
+        outputs = real_step()
+        if not failed and {"a", "b"} <= {output.request_id for output in outputs}:
+            failed.append(True)
+            raise RuntimeError("a device fault")
+        return outputs
+
+    async def scenario() -> tuple[list[int], list[BaseException | list[int]], list[int]]:
+        async_engine = AsyncEngine(engine, ServerMetrics("tiny"))
+        async_engine.start()
+        try:
+            alone = await _tokens(async_engine, _request("alone", 5))
+            monkeypatch.setattr(engine, "step", failing_once_both_are_in)
+            in_flight = await asyncio.gather(
+                _tokens(async_engine, _request("a", 5)),
+                _tokens(async_engine, _request("b", 6)),
+                return_exceptions=True,
+            )
+            after = await _tokens(async_engine, _request("after", 5))
+        finally:
+            async_engine.stop()
+        return alone, in_flight, after
+
+    alone, in_flight, after = asyncio.run(scenario())
+    assert failed  # the fault was injected into a step both requests were in
+    assert len(alone) == GREEDY.max_tokens
+    for result in in_flight:
+        assert isinstance(result, APIError) and result.status_code == 500
+        assert "the engine failed while running the request: a device fault" in str(result)
+    # The failed requests' pages were freed and the loop went on: the next request runs as
+    # the first did.
+    assert after == alone
+    assert not engine.has_unfinished_requests()
