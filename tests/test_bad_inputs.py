@@ -168,6 +168,9 @@ CLI_CASES: list[tuple[str, Callable[[Workspace], list[str]], ExitCode, str]] = [
     ("flag: negative temperature",
      lambda w: _generate(w.model, "--prompt", "hi", "--temperature", "-1"), ExitCode.USAGE,
      "temperature must be"),
+    ("flag: --n above --max-n for an input file",
+     lambda w: _generate(w.model, "--input", str(w.prompts), "--n", "200"), ExitCode.USAGE,
+     "--n 200 is above --max-n 128"),
     ("flag: context over the model's",
      lambda w: [*_generate(w.model, "--prompt", "hi"), "--max-model-len", "100000"],
      ExitCode.USAGE, "max_model_len=100000 exceeds"),
@@ -283,6 +286,23 @@ def test_api_bad_input_raises_and_the_engine_goes_on(
 NESTED = "[" * 100_000 + "]" * 100_000
 WIZARD = [{"role": "wizard", "content": "hi"}]
 CHAT = "/v1/chat/completions"
+LONE_SURROGATE = "hi \ud800"  # valid JSON ("\\ud800"), but not Unicode: no pair follows
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+
+
+def _earlier_call(function: Any) -> list[dict[str, Any]]:
+    """A conversation in which the assistant called a tool as `function` says."""
+    call = {"id": "c", "type": "function", "function": function}
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "4"},
+    ]
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
 
 # (id, the bad line, status code (None: a line error record), words in the message)
 BATCH_CASES: list[tuple[str, str, int | None, str]] = [
@@ -304,6 +324,38 @@ BATCH_CASES: list[tuple[str, str, int | None, str]] = [
     ("tool message without tool_call_id",
      batch_line("tc", url=CHAT, messages=[{"role": "tool", "content": "4"}]), 400,
      "tool_call_id is required"),
+    ("structured_outputs.choice a number", completion_line("sc", structured_outputs={"choice": 5}),
+     400, "structured_outputs.choice must be a list of strings"),
+    ("structured_outputs.json text nested 100,000 deep",
+     completion_line("sj", structured_outputs={"json": NESTED}), 400, "nests JSON"),
+    ("x-guidance a number",
+     completion_line("xg", response_format=_schema_format({"type": "object", "x-guidance": 5})),
+     400, '"x-guidance" must be an object'),
+    ("earlier tool call's function a string",
+     batch_line("fs", url=CHAT, messages=_earlier_call("get_weather")), 400,
+     "messages.1.tool_calls.0.function must be an object"),
+    ("earlier tool call's function a number",
+     batch_line("fn", url=CHAT, messages=_earlier_call(5)), 400,
+     "messages.1.tool_calls.0.function must be an object"),
+    ("earlier tool call's arguments nested 100,000 deep",
+     batch_line("fa", url=CHAT, messages=_earlier_call({"name": "f", "arguments": NESTED})), 400,
+     "function.arguments nests JSON"),
+    ("tool_choice.function a string",
+     batch_line("tf", url=CHAT, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                tool_choice={"type": "function", "function": "get_weather"}), 400,
+     "tool_choice.function must be an object"),
+    ("lone surrogate in the prompt", completion_line("sp", prompt=LONE_SURROGATE), 400,
+     "prompt is not valid Unicode"),
+    ("lone surrogate in chat content",
+     batch_line("sm", url=CHAT, messages=[{"role": "user", "content": LONE_SURROGATE}]), 400,
+     "messages.0.content is not valid Unicode"),
+    ("lone surrogate in an embedding input",
+     batch_line("se", url="/v1/embeddings", input=["fine", LONE_SURROGATE]), 400,
+     "input.1 is not valid Unicode"),
+    ("lone surrogate in the custom_id", completion_line(LONE_SURROGATE), None,
+     "custom_id is not valid Unicode"),
+    ("n above --max-n", completion_line("nm", n=129), 400, "n must be at most 128"),
+    ("unknown model", completion_line("um", model="gpt-9"), 404, "does not exist"),
 ]  # fmt: skip
 
 
@@ -329,6 +381,74 @@ def test_batch_bad_line_gets_its_record_and_the_rest_are_answered(
     assert good["response"]["status_code"] == 200
 
 
+def _raise_on_boom(prepare: Callable[..., Any]) -> Callable[..., Any]:
+    """`prepare`, but raising an error no check expects (a stand-in for a bug) for the prompt
+    "boom"."""
+
+    def prepare_or_raise(request: Any, *args: Any, **kwargs: Any) -> Any:
+        if request.prompt == "boom":
+            raise RuntimeError("boom")
+        return prepare(request, *args, **kwargs)
+
+    return prepare_or_raise
+
+
+def test_batch_lines_around_bad_ones_all_get_their_records(
+    llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vacpack.batch.runner as runner
+
+    monkeypatch.setattr(runner, "prepare_generation", _raise_on_boom(runner.prepare_generation))
+    lines = [
+        completion_line("before"),
+        completion_line("bad", structured_outputs={"choice": 5}),
+        completion_line("bug", prompt="boom"),
+        completion_line("after"),
+    ]
+    input_path = write_lines(tmp_path / "in.jsonl", lines)
+    options = BatchOptions(input_path, tmp_path / "out.jsonl", show_progress=False)
+    summary = run_batch(llm, options)
+    assert (summary.num_answered, summary.num_failed) == (4, 2)
+    records = read_records(options.output_path)
+    order = [record["custom_id"] for record in records]
+    # "before" was in the engine while the bad lines were answered, and still got its record.
+    assert order.index("bad") < order.index("before")
+    statuses = {r["custom_id"]: r["response"]["status_code"] for r in records}
+    assert statuses == {"before": 200, "bad": 400, "bug": 500, "after": 200}
+    bug = next(r for r in records if r["custom_id"] == "bug")["response"]["body"]["error"]
+    assert bug["message"] == "internal error: RuntimeError: boom"
+    assert bug["type"] == "server_error"
+
+
+def test_batch_embedding_that_fails_unexpectedly_fails_alone(
+    llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    embed = llm.embed
+
+    def embed_or_raise(inputs: list[Any], **kwargs: Any) -> Any:
+        if "boom" in inputs:
+            raise RuntimeError("boom")
+        return embed(inputs, **kwargs)
+
+    monkeypatch.setattr(llm, "embed", embed_or_raise)
+    lines = [
+        batch_line(custom_id, url="/v1/embeddings", input=text)
+        for custom_id, text in (("before", "hello"), ("bug", "boom"), ("after", "world"))
+    ]
+    input_path = write_lines(tmp_path / "in.jsonl", lines)
+    options = BatchOptions(input_path, tmp_path / "out.jsonl", show_progress=False)
+    summary = run_batch(llm, options)
+    assert (summary.num_answered, summary.num_failed) == (3, 1)
+    records = {r["custom_id"]: r["response"] for r in read_records(options.output_path)}
+    assert {name: r["status_code"] for name, r in records.items()} == {
+        "before": 200,
+        "bug": 500,
+        "after": 200,
+    }
+    assert "RuntimeError: boom" in records["bug"]["body"]["error"]["message"]
+    assert len(records["after"]["body"]["data"][0]["embedding"]) == 64
+
+
 # (id, the bad prompt line, words in its error record)
 PROMPT_CASES: list[tuple[str, str, str]] = [
     ("not JSON", "{nope", "line 1 is not valid JSON"),
@@ -339,7 +459,16 @@ PROMPT_CASES: list[tuple[str, str, str]] = [
     ("top_p above 1", json.dumps({"prompt": "x", "top_p": 7}), "top_p must be in (0, 1]"),
     ("two prompts on a line", json.dumps({"prompt": ["a", "b"]}), "one prompt per line"),
     ("prompt over the context", json.dumps({"prompt": [5] * 300}), "maximum context length"),
-]
+    ("structured_outputs.choice a number",
+     json.dumps({"prompt": "x", "structured_outputs": {"choice": 5}}),
+     "line 1: structured_outputs.choice must be a list of strings"),
+    ("structured_outputs.json text nested 100,000 deep",
+     json.dumps({"prompt": "x", "structured_outputs": {"json": NESTED}}),
+     "line 1: structured_outputs.json nests JSON"),
+    ("lone surrogate in the prompt", json.dumps({"prompt": LONE_SURROGATE}),
+     "line 1: prompt is not valid Unicode"),
+    ("n above --max-n", json.dumps({"prompt": "x", "n": 129}), "line 1: n must be at most 128"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -356,3 +485,21 @@ def test_prompt_file_bad_line_gets_its_record_and_the_rest_are_answered(
     records = {r["index"]: r for r in read_records(tmp_path / "out.jsonl")}
     assert records[0]["line"] == 1 and words in records[0]["error"]
     assert records[1]["outputs"][0]["text"] == reference_text
+
+
+def test_prompt_file_line_that_fails_unexpectedly_fails_alone(
+    llm: LLM, reference_text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vacpack.batch.prompt_file as prompt_file
+
+    prepare = _raise_on_boom(prompt_file.prepare_completion)
+    monkeypatch.setattr(prompt_file, "prepare_completion", prepare)
+    good = json.dumps({"prompt": "hello", "max_tokens": 3, "temperature": 0})
+    lines = [good, json.dumps({"prompt": "boom"}), good]
+    source = PromptSource(write_lines(tmp_path / "in.jsonl", lines))
+    options = GenerateOptions(tmp_path / "out.jsonl", show_progress=False)
+    summary = run_generate_file(llm, source, {"max_tokens": 3}, options)
+    assert (summary.num_answered, summary.num_failed) == (3, 1)
+    records = {r["index"]: r for r in read_records(tmp_path / "out.jsonl")}
+    assert records[1]["error"] == "line 2: internal error: RuntimeError: boom"
+    assert records[0]["outputs"][0]["text"] == records[2]["outputs"][0]["text"] == reference_text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -13,10 +14,10 @@ from typing import Any
 import pytest
 
 from vacpack import LLM, SamplingParams
-from vacpack.batch.options import BatchOptions
+from vacpack.batch.options import BatchOptions, batch_options_from_args
 from vacpack.batch.result_file import open_batch_output
 from vacpack.batch.runner import run_batch
-from vacpack.cli import main
+from vacpack.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,57 @@ def test_resume_cuts_only_the_torn_tail(llm: LLM, tmp_path: Path) -> None:
     writer, answered = open_batch_output(options)
     writer.close()
     assert answered.custom_ids == {"a"} and options.output_path.read_bytes() == whole
+
+
+def _statuses(path: Path) -> dict[str, int]:
+    return {name: r["response"]["status_code"] for name, r in _by_custom_id(path).items()}
+
+
+def test_a_line_naming_another_model_gets_a_404_as_from_the_server(
+    llm: LLM, tmp_path: Path
+) -> None:
+    path = llm.config.model
+    lines = [
+        _completion_line("no-model"),  # no model: the loaded one, as the server takes it
+        _completion_line("path", model=path),
+        _completion_line("other", model="gpt-9"),
+        _line("embed-other", "/v1/embeddings", {"input": "hi", "model": "gpt-9"}),
+    ]
+    input_path = _write_lines(tmp_path / "in.jsonl", lines)
+    options = _options(tmp_path, input_path)
+    run_batch(llm, options)
+    expected = {"no-model": 200, "path": 200, "other": 404, "embed-other": 404}
+    assert _statuses(options.output_path) == expected
+    error = _by_custom_id(options.output_path)["other"]["response"]["body"]["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "`gpt-9` does not exist" in error["message"] and path in error["message"]
+
+    # --served-model-name: that name, and no longer the path, as with `vacpack serve`.
+    lines[1] = _completion_line("path", model="tiny")
+    named = _options(tmp_path / "named", _write_lines(tmp_path / "named.jsonl", lines))
+    named.output_path.parent.mkdir()
+    run_batch(llm, dataclasses.replace(named, served_model_name="tiny"))
+    assert _statuses(named.output_path) == expected
+    answered = _by_custom_id(named.output_path)
+    assert answered["path"]["response"]["body"]["model"] == "tiny"
+
+
+def test_n_is_capped_as_on_the_server(llm: LLM, tmp_path: Path) -> None:
+    lines = [_completion_line("two", n=2), _completion_line("three", n=3)]
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines), max_n=2)
+    run_batch(llm, options)
+    assert _statuses(options.output_path) == {"two": 200, "three": 400}
+    error = _by_custom_id(options.output_path)["three"]["response"]["body"]["error"]
+    assert error["param"] == "n" and "n must be at most 2" in error["message"]
+
+
+def test_run_batch_flags_for_the_model_name_and_n() -> None:
+    argv = ["run-batch", "--model", "m", "-i", "in.jsonl", "-o", "out.jsonl"]
+    defaults = batch_options_from_args(build_parser().parse_args(argv))
+    assert (defaults.served_model_name, defaults.max_n) == (None, 128)
+    flags = ["--served-model-name", "tiny", "--max-n", "4"]
+    options = batch_options_from_args(build_parser().parse_args([*argv, *flags]))
+    assert (options.served_model_name, options.max_n) == ("tiny", 4)
 
 
 def _run_batch_command(checkpoint: Path, input_path: Path, output_path: Path) -> list[str]:

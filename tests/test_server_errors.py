@@ -25,6 +25,11 @@ LONG_PROMPT_IDS = [5] * (MAX_MODEL_LEN + 10)
 MAX_N = 16
 MAX_BODY_BYTES = 4 << 20
 NESTED_100K = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+NESTED_TEXT = "[" * 100_000 + "]" * 100_000  # JSON text, nested 100,000 deep
+# A lone surrogate is valid JSON ("\\ud800" with no pair after it), but not Unicode; bytes,
+# because a client library encoding the text itself would refuse it.
+LONE_SURROGATE = b'"hi \\ud800"'
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,22 @@ def _completion(**fields: Any) -> dict[str, Any]:
 
 def _chat(**fields: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def _earlier_call(function: Any) -> dict[str, Any]:
+    """A chat whose assistant turn called a tool as `function` says."""
+    call = {"id": "c", "type": "function", "function": function}
+    return _chat(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "4"},
+        ]
+    )
+
+
+def _with_lone_surrogate(template: bytes) -> bytes:
+    return template.replace(b"TEXT", LONE_SURROGATE)
 
 
 C, CHAT, EMB = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
@@ -130,6 +151,64 @@ BAD_REQUESTS = [
         "tool message without tool_call_id",
         "POST", CHAT, _chat(messages=[{"role": "tool", "content": "4"}]), 400,
         "messages.0.tool_call_id", "required",
+    ),
+    (
+        "structured_outputs.choice a number",
+        "POST", C, _completion(structured_outputs={"choice": 5}), 400, "structured_outputs",
+        "choice must be a list of strings",
+    ),
+    (
+        "structured_outputs.json text nested 100,000 deep",
+        "POST", C, _completion(structured_outputs={"json": NESTED_TEXT}), 400,
+        "structured_outputs", "nests JSON",
+    ),
+    (
+        "x-guidance a number",
+        "POST", C,
+        _completion(response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object", "x-guidance": 5}}}),
+        400, "response_format", '"x-guidance" must be an object',
+    ),
+    (
+        "earlier tool call's function a string",
+        "POST", CHAT, _earlier_call("get_weather"), 400, "messages.1.tool_calls.0.function",
+        "must be an object",
+    ),
+    (
+        "earlier tool call's function a number",
+        "POST", CHAT, _earlier_call(5), 400, "messages.1.tool_calls.0.function",
+        "must be an object",
+    ),
+    (
+        "earlier tool call's arguments nested 100,000 deep",
+        "POST", CHAT, _earlier_call({"name": "f", "arguments": NESTED_TEXT}), 400,
+        "messages.1.tool_calls.0.function", "arguments nests JSON",
+    ),
+    (
+        "tool_choice.function a string",
+        "POST", CHAT,
+        _chat(tools=TOOLS, tool_choice={"type": "function", "function": "get_weather"}), 400,
+        "tool_choice", "tool_choice.function must be an object",
+    ),
+    (
+        "lone surrogate in a prompt",
+        "POST", C, _with_lone_surrogate(b'{"prompt": TEXT, "max_tokens": 2}'), 400, "prompt",
+        "prompt is not valid Unicode",
+    ),
+    (
+        "lone surrogate in chat content",
+        "POST", CHAT, _with_lone_surrogate(b'{"messages": [{"role": "user", "content": TEXT}]}'),
+        400, "messages.0.content", "messages.0.content is not valid Unicode",
+    ),
+    (
+        "lone surrogate in an embedding input",
+        "POST", EMB, _with_lone_surrogate(b'{"input": ["fine", TEXT]}'), 400, "input.1",
+        "input.1 is not valid Unicode",
+    ),
+    (
+        "lone surrogate in a tokenize prompt",
+        "POST", "/tokenize", _with_lone_surrogate(b'{"prompt": TEXT}'), 400, "prompt",
+        "prompt is not valid Unicode",
     ),
     ("unknown route", "POST", "/v1/nothing", {}, 404, None, "no route"),
     ("wrong method", "GET", C, None, 405, None, ""),

@@ -7,11 +7,13 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import pytest
 
 from vacpack import LLM, SamplingParams
+from vacpack.structured.grammars import grammar_spec
 from vacpack.structured.params import StructuredOutputsParams
 
 # Free strings are bounded (maxLength), objects closed (additionalProperties false) and arrays
@@ -267,6 +269,24 @@ def test_invalid_schema_is_refused_before_any_work(llm: LLM) -> None:
         StructuredOutputsParams(regex="a", choice=["b"])
     [output] = llm.generate("still works", SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 3
+
+
+# (what a request's or --structured-outputs' JSON gave, words in the ValueError)
+MALFORMED_CONSTRAINTS: list[tuple[dict[str, Any], str]] = [
+    ({"choice": 5}, "choice must be a list of strings"),
+    ({"choice": True}, "choice must be a list of strings"),
+    ({"choice": {"yes": 1}}, "choice must be a list of strings"),
+    ({"json": "[" * 100_000 + "]" * 100_000}, "structured_outputs.json nests JSON"),
+    ({"json": {"type": "object", "x-guidance": 5}}, '"x-guidance" must be an object'),
+]
+
+
+@pytest.mark.parametrize(("given", "words"), MALFORMED_CONSTRAINTS)
+def test_a_malformed_constraint_is_a_value_error(given: dict[str, Any], words: str) -> None:
+    # A ValueError (GrammarError is one) is what the server, batch files and the command line
+    # turn into a 400 or a usage error; a TypeError or RecursionError would be a crash.
+    with pytest.raises(ValueError, match=re.escape(words)):
+        grammar_spec(StructuredOutputsParams.from_dict(given))
 
 
 def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:

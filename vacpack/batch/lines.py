@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vacpack.openai_api.protocol import is_unicode
+
 ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -77,6 +79,10 @@ def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
         return LineError(
             line_number, None, f"line {line_number} has no custom_id (a non-empty string)"
         )
+    if not is_unicode(custom_id):
+        # Every record repeats the custom_id, and a lone surrogate cannot be written as UTF-8.
+        message = f"line {line_number}: custom_id is not valid Unicode (it holds a lone surrogate)"
+        return LineError(line_number, None, message)
     method = record.get("method", "POST")
     url = record.get("url")
     body = record.get("body")

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from vacpack.openai_api.served_model import DEFAULT_MAX_N
+
 
 @dataclass(frozen=True)
 class BatchOptions:
@@ -21,8 +23,15 @@ class BatchOptions:
     show_progress: bool = True
     # Replace an existing output file that is not an earlier run's output for this input.
     overwrite: bool = False
+    # The model name lines may give (and responses carry), as the server's --served-model-name;
+    # None: the --model argument. A line naming another model gets a 404, as from the server.
+    served_model_name: str | None = None
+    # The most choices (n) one line may ask for, as the server's --max-n.
+    max_n: int = DEFAULT_MAX_N
 
     def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.fsync_interval_s < 0:
@@ -56,6 +65,18 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="fsync the output at most this often (default 0: after every record)",
     )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name lines may give in their body (default: --model); lines naming "
+        "another model get a 404 record",
+    )
+    group.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help=f"most choices (n) one line may ask for (default {DEFAULT_MAX_N})",
+    )
     group.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -67,4 +88,6 @@ def batch_options_from_args(args: argparse.Namespace) -> BatchOptions:
         fsync_interval_s=args.fsync_interval_s,
         show_progress=not args.quiet,
         overwrite=args.overwrite,
+        served_model_name=args.served_model_name,
+        max_n=args.max_n,
     )

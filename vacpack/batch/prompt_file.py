@@ -12,6 +12,7 @@ Rerun with the same output to answer only what is missing.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from array import array
@@ -27,10 +28,13 @@ from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.protocol import CompletionRequest, parse_body
 from vacpack.openai_api.requests import PreparedGeneration, prepare_completion
+from vacpack.openai_api.served_model import DEFAULT_MAX_N, check_n
 from vacpack.output_file import RecordSink, StreamWriter, check_input_file, open_output
 from vacpack.outputs import RequestOutput, RequestOutputKind
 from vacpack.sampling import SamplingParams
 from vacpack.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 GENERATE_RECORD_START = b'{"index":'
 _RECORD_KEYS = frozenset({"index", "line", "prompt", "outputs", "error"})
@@ -147,6 +151,11 @@ class GenerateOptions:
     fsync_interval_s: float = 0.0
     max_in_flight: int | None = None  # None: twice the engine's max_num_seqs
     show_progress: bool = True
+    max_n: int = DEFAULT_MAX_N  # the most choices (n) one line may ask for, as the server's
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +207,7 @@ class PromptFileRunner:
         self._defaults = defaults
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
         self._show_progress = options.show_progress
+        self._max_n = options.max_n
         self._pending: dict[str, PromptLine] = {}
         self._num_answered = 0
         self._num_failed = 0
@@ -246,13 +256,21 @@ class PromptFileRunner:
             except ValueError as error:
                 raise bad_request(str(error), "prompt") from None
         except APIError as error:
-            where = f"line {line.line_number}: " if line.line_number else ""
-            self._write_error(line, f"{where}{error.message}")
+            self._write_error(line, f"{_where(line)}{error.message}")
+            return
+        except Exception as error:
+            # A bug this line's content hit: an error record for it, and the run goes on;
+            # ending it would lose the records of every prompt in flight.
+            logger.exception("line %s: unexpected error preparing it", line.line_number)
+            self._write_error(
+                line, f"{_where(line)}internal error: {type(error).__name__}: {error}"
+            )
             return
         self._pending[request_id] = line
 
     def _prepare(self, line: PromptLine) -> PreparedGeneration:
         request = parse_body(CompletionRequest, {**self._defaults, **(line.fields or {})})
+        check_n(request.n, self._max_n)
         prepared = prepare_completion(
             request, self._tokenizer, self._max_model_len, RequestOutputKind.FINAL_ONLY
         )
@@ -287,6 +305,11 @@ class PromptFileRunner:
         self._num_answered += 1
         self._num_failed += failed
         self._progress.update(1)
+
+
+def _where(line: PromptLine) -> str:
+    """What leads a line's error message: its line number (none for a --prompt text)."""
+    return f"line {line.line_number}: " if line.line_number else ""
 
 
 def run_generate_file(

@@ -33,6 +33,8 @@ from vacpack.openai_api.pooling import (
     run_pooling,
 )
 from vacpack.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
@@ -51,6 +53,7 @@ from vacpack.openai_api.responses import (
     new_response_id,
     now_s,
 )
+from vacpack.openai_api.served_model import check_model, check_n
 from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.output_file import RecordSink, check_input_file
 from vacpack.outputs import RequestOutput, RequestOutputKind
@@ -65,6 +68,16 @@ _RESPONSE_ID_PREFIXES = {
     "/v1/rerank": "rerank",
     "/rerank": "rerank",
 }
+_POOLING_REQUESTS: dict[str, type[EmbeddingRequest | ScoreRequest | RerankRequest]] = {
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/score": ScoreRequest,
+    "/score": ScoreRequest,
+    "/v1/rerank": RerankRequest,
+    "/rerank": RerankRequest,
+}
+_BatchRequest = (
+    CompletionRequest | ChatCompletionRequest | EmbeddingRequest | ScoreRequest | RerankRequest
+)
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,7 @@ class BatchRunner:
         self._tokenizer = llm.get_tokenizer()
         self._decode_token = token_decoder(self._tokenizer)
         self._max_model_len = llm.loaded.max_model_len
-        self._model_name = llm.config.model
+        self._model_name = options.served_model_name or llm.config.model
         self._options = options
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
         self._pending: dict[str, tuple[_Pending, int]] = {}  # engine request id -> (line, prompt)
@@ -211,31 +224,34 @@ class BatchRunner:
             return self._translate(item, response_id)
         except APIError as error:
             self._write_response(item.custom_id, response_id, error.status_code, error.to_body())
-            return None
+        except Exception as error:
+            # A bug this line's content hit: it gets a 500, as from the server, and the run goes
+            # on; ending it would lose the records of every line in flight.
+            self._write_unexpected(item, response_id, "preparing", error)
+        return None
 
     def _translate(self, line: BatchLine, response_id: str) -> _Ready:
-        pooling = self._prepare_pooling(line, response_id)
-        if pooling is not None:
-            return _Ready(line, response_id, pooling=pooling)
+        """The line checked as the server checks a request, in the same order."""
+        request = _parse_request(line)
+        check_model(request.model, self._model_name)
+        if isinstance(request, EmbeddingRequest | ScoreRequest | RerankRequest):
+            return _Ready(line, response_id, pooling=self._prepare_pooling(request, response_id))
+        check_n(request.n, self._options.max_n)
         if self._engine is None:
             raise bad_request("this model does not generate text: it has no LM head", "model")
-        request = parse_generation(GENERATION_URLS[line.url], line.body)
         kind = RequestOutputKind.FINAL_ONLY  # one output per request: nothing built per step
         prepared = prepare_generation(request, self._tokenizer, self._max_model_len, kind)
         return _Ready(line, response_id, prepared=prepared)
 
-    def _prepare_pooling(self, line: BatchLine, response_id: str) -> PreparedPooling | None:
-        """An embedding, score or rerank line, prepared; None for a generation line."""
+    def _prepare_pooling(
+        self, request: EmbeddingRequest | ScoreRequest | RerankRequest, response_id: str
+    ) -> PreparedPooling:
         name, functions = self._model_name, self._pooling
-        if line.url == "/v1/embeddings":
-            return prepare_embeddings(parse_body(EmbeddingRequest, line.body), functions, name)
-        if line.url.endswith("/score"):
-            request = parse_body(ScoreRequest, line.body)
+        if isinstance(request, EmbeddingRequest):
+            return prepare_embeddings(request, functions, name)
+        if isinstance(request, ScoreRequest):
             return prepare_score(request, functions, name, response_id)
-        if line.url.endswith("/rerank"):
-            rerank_request = parse_body(RerankRequest, line.body)
-            return prepare_rerank(rerank_request, functions, name, response_id)
-        return None
+        return prepare_rerank(request, functions, name, response_id)
 
     def _submit(self, ready: _Ready) -> None:
         assert self._engine is not None and ready.prepared is not None
@@ -248,10 +264,13 @@ class BatchRunner:
                 self._engine.add_request(
                     request_id, prompt.token_ids, ready.prepared.params, prompt.text
                 )
-            except ValueError as error:
+            except Exception as error:
                 for added_id in added:
                     self._engine.abort_request(added_id)
                     del self._pending[added_id]
+                if not isinstance(error, ValueError):  # as the server: a 500 for this line
+                    self._write_unexpected(ready.line, ready.response_id, "adding", error)
+                    return
                 where = f"prompt {index}: " if len(prompts) > 1 else ""
                 body = bad_request(f"{where}{error}", "prompt").to_body()
                 self._write_response(ready.line.custom_id, ready.response_id, 400, body)
@@ -272,13 +291,24 @@ class BatchRunner:
         if not self._pooling_buffer:
             return
         buffer, self._pooling_buffer = self._pooling_buffer, []
-        prepared = [ready.pooling for ready in buffer if ready.pooling is not None]
-        for ready, result in zip(buffer, run_pooling(self._pooling, prepared), strict=True):
+        for ready, result in zip(buffer, self._run_pooling(buffer), strict=True):
             if isinstance(result, APIError):
                 status, body = result.status_code, result.to_body()
             else:
                 status, body = 200, result
             self._write_response(ready.line.custom_id, ready.response_id, status, body)
+
+    def _run_pooling(self, buffer: list[_Ready]) -> list[dict[str, Any] | APIError]:
+        """Each buffered line's response body or error. A bad input is a 400 from run_pooling;
+        anything else the packed jobs raise is retried line by line, so that only the line
+        that raises it alone gets a 500 and the others their answers."""
+        prepared = [ready.pooling for ready in buffer if ready.pooling is not None]
+        try:
+            return run_pooling(self._pooling, prepared)
+        except Exception as error:
+            if len(buffer) == 1:
+                return [_unexpected_error(buffer[0].line, "running", error)]
+        return [result for ready in buffer for result in self._run_pooling([ready])]
 
     def _on_output(self, output: RequestOutput) -> None:
         pending, index = self._pending.pop(output.request_id)
@@ -301,6 +331,12 @@ class BatchRunner:
         self._num_output_tokens += body["usage"]["completion_tokens"]
         self._write_response(ready.line.custom_id, ready.response_id, 200, body)
 
+    def _write_unexpected(
+        self, line: BatchLine, response_id: str, doing: str, error: Exception
+    ) -> None:
+        error_body = _unexpected_error(line, doing, error).to_body()
+        self._write_response(line.custom_id, response_id, 500, error_body)
+
     def _write_response(
         self, custom_id: str, request_id: str, status_code: int, body: dict[str, Any]
     ) -> None:
@@ -316,6 +352,26 @@ class BatchRunner:
         self._progress.set_postfix_str(
             f"{self._num_output_tokens / elapsed_s:.1f} out tok/s", refresh=False
         )
+
+
+def _parse_request(line: BatchLine) -> _BatchRequest:
+    """The line's body as its endpoint's request; APIError 400 if it is not one."""
+    kind = GENERATION_URLS.get(line.url)
+    if kind is not None:
+        return parse_generation(kind, line.body)
+    return parse_body(_POOLING_REQUESTS[line.url], line.body)
+
+
+def _unexpected_error(line: BatchLine, doing: str, error: Exception) -> APIError:
+    """A 500 for an exception no check expected (a bug), logged with its traceback."""
+    logger.error(
+        "line %d (custom_id %r): unexpected error %s it",
+        line.line_number,
+        line.custom_id,
+        doing,
+        exc_info=error,
+    )
+    return APIError(500, f"internal error: {type(error).__name__}: {error}")
 
 
 def run_batch(llm: LLM, options: BatchOptions) -> BatchSummary:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
 from vacpack.llm import LLM
+from vacpack.openai_api.served_model import DEFAULT_MAX_N
 from vacpack.outputs import RequestOutput
 from vacpack.sampling import SamplingParams
 
@@ -25,6 +26,12 @@ def add_generate_command(commands: argparse._SubParsersAction) -> None:
     )
     generate.add_argument("--output", help="write results as JSONL here, resumably")
     generate.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    generate.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help=f"most choices (n) one --input line may ask for (default {DEFAULT_MAX_N})",
+    )
     generate.add_argument("--quiet", action="store_true", help="no progress bar or texts")
     generate.set_defaults(handler=cmd_generate)
 
@@ -91,8 +98,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         source = (
             PromptSource(Path(args.input)) if args.input else PromptSource(texts=tuple(args.prompt))
         )
+        if args.n > args.max_n:  # else every line would be refused, after the model loads
+            raise ValueError(f"--n {args.n} is above --max-n {args.max_n}")
         options = GenerateOptions(
-            Path(args.output) if args.output else None, args.overwrite, show_progress=not args.quiet
+            Path(args.output) if args.output else None,
+            args.overwrite,
+            show_progress=not args.quiet,
+            max_n=args.max_n,
         )
         defaults = request_defaults(params)
         return run_generate_command(args.model, engine_kwargs(args), source, defaults, options)

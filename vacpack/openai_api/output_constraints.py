@@ -11,15 +11,17 @@ to calls in that format (so they always parse); with "none" nothing is parsed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from vacpack.openai_api.tool_parsers import ToolParser, tool_call_schema
-from vacpack.structured.grammars import GrammarError, grammar_spec, with_json_layout
+from vacpack.structured.grammars import grammar_spec, with_json_layout
 from vacpack.structured.params import StructuredOutputsParams
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -93,17 +95,16 @@ def structured_outputs(
     """The constraint on the output, from structured_outputs, response_format or tool_choice;
     checked (400 naming the field and the problem)."""
     sources: list[tuple[str, StructuredOutputsParams]] = []
-    if request.structured_outputs is not None:
-        try:
-            params = StructuredOutputsParams.from_dict(request.structured_outputs)
-        except ValueError as error:
-            raise bad_request(str(error), "structured_outputs") from None
+    given = request.structured_outputs
+    if given is not None:
+        params = _checked("structured_outputs", lambda: StructuredOutputsParams.from_dict(given))
         sources.append(("structured_outputs", params))
-    from_format = _response_format(request.response_format)
+    from_format = _checked("response_format", lambda: _response_format(request.response_format))
     if from_format is not None:
         sources.append(("response_format", from_format))
     if isinstance(request, ChatCompletionRequest):
-        from_tools = _forced_tool_calls(request, tool_plan)
+        chat = request  # a name of the narrowed type, for the lambda
+        from_tools = _checked("tool_choice", lambda: _forced_tool_calls(chat, tool_plan))
         if from_tools is not None:
             sources.append(("tool_choice", from_tools))
     if not sources:
@@ -112,11 +113,22 @@ def structured_outputs(
         names = " and ".join(name for name, _ in sources)
         raise bad_request(f"{names} cannot be combined: give one", sources[1][0])
     field_name, params = sources[0]
-    try:
-        grammar_spec(params)
-    except GrammarError as error:
-        raise bad_request(str(error), field_name) from None
+    _checked(field_name, lambda: grammar_spec(params))
     return params
+
+
+def _checked(field_name: str, build: Callable[[], T]) -> T:
+    """build()'s result, with the errors of a malformed constraint as a 400 naming its field.
+
+    ValueError (GrammarError among them) says what is wrong with the value. RecursionError: a
+    schema the request's JSON decoder took, but nested deeper than strict mode or writing the
+    schema out again can follow from further down the stack."""
+    try:
+        return build()
+    except RecursionError:
+        raise bad_request(f"{field_name} nests too deeply", field_name) from None
+    except ValueError as error:
+        raise bad_request(str(error), field_name) from None
 
 
 def _response_format(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
@@ -174,7 +186,13 @@ def _forced_tool_calls(
     tools = tool_plan.tools
     parallel = tool_plan.parallel
     if isinstance(choice, Mapping):
-        name = (choice.get("function") or {}).get("name")
+        function = choice.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise bad_request(
+                'tool_choice.function must be an object with the function\'s "name"',
+                "tool_choice",
+            )
+        name = function["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
         if choice.get("type", "function") != "function" or not tools:
             raise APIError(

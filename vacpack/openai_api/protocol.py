@@ -10,6 +10,7 @@ keep working.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -206,10 +207,64 @@ def parse_body(model: type[Request], body: bytes | str | dict[str, Any]) -> Requ
             raise bad_request("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    if isinstance(body, dict | str) or _SURROGATE_ESCAPE.search(body):
+        _check_unicode(data)
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise bad_request(*_describe(error)) from None
+
+
+# JSON's escape for half of a UTF-16 surrogate pair, the only way raw JSON bytes can carry one
+# (UTF-8 cannot encode it: such bytes already fail to decode). Bodies without it skip the walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(data: dict[str, Any]) -> None:
+    """400 naming the first text (or object key) that holds a lone surrogate, such as JSON's
+    "\\ud800" without its pair: such text is not Unicode, and the tokenizer, the chat template
+    and the output file would each fail on it with a message the client cannot act on."""
+    path = _lone_surrogate_path(data)
+    if path is not None:
+        # The key itself may be the bad text: it is shown escaped, so the message is valid text.
+        param = ".".join(part.encode("utf-8", "backslashreplace").decode() for part in path)
+        raise bad_request(
+            f"{param} is not valid Unicode: it holds a lone surrogate (a \\ud800-\\udfff "
+            "escape without its pair)",
+            param,
+        )
+
+
+def _lone_surrogate_path(data: dict[str, Any]) -> list[str] | None:
+    # A walk with its own stack, in document order: a body may nest as deep as the JSON decoder
+    # allowed, which recursion here (called from deeper in the stack) might not.
+    stack: list[tuple[list[str], Any]] = [([], data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not is_unicode(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack.append(([*path, key], item))
+                stack.append(([*path, key], key))  # the key itself, checked before its value
+        elif isinstance(value, list):
+            for index in range(len(value) - 1, -1, -1):
+                # Only texts and containers: a long list of token ids costs no paths.
+                if isinstance(value[index], str | dict | list):
+                    stack.append(([*path, str(index)], value[index]))
+    return None
+
+
+def is_unicode(text: str) -> bool:
+    """False for text holding a lone surrogate (which no Unicode encoding can write)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _describe(error: ValidationError) -> tuple[str, str | None]:

@@ -7,6 +7,7 @@ files refuse the same requests with the same messages.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -156,7 +157,9 @@ def prepare_chat(
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
     check_messages(request.messages)
-    conversation = [_template_turn(message) for message in request.messages]
+    conversation = [
+        _template_turn(index, message) for index, message in enumerate(request.messages)
+    ]
     template_kwargs = dict(request.chat_template_kwargs or {})
     if tool_plan.tools is not None:
         template_kwargs["tools"] = tool_plan.tools
@@ -167,7 +170,8 @@ def prepare_chat(
             add_generation_prompt=request.add_generation_prompt is not False,
             **template_kwargs,
         )
-    except (TemplateError, ValueError, TypeError) as error:
+    # RecursionError: tool arguments or template kwargs nested deeper than tojson can write.
+    except (TemplateError, ValueError, TypeError, RecursionError) as error:
         problem = f"the chat template could not render messages: {error}"
         raise bad_request(problem, "messages") from None
     max_tokens_field = "max_tokens"
@@ -205,28 +209,43 @@ def prepare_chat(
     )
 
 
-def _template_turn(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: an earlier call's arguments as an object (OpenAI
-    sends them as JSON text; templates such as Qwen's write them out with tojson)."""
+def _template_turn(index: int, message: ChatMessage) -> dict[str, Any]:
+    """Message `index` as chat templates read it: an earlier call's arguments as an object
+    (OpenAI sends them as JSON text; templates such as Qwen's write them out with tojson)."""
+    where = f"messages.{index}"
     turn: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.name is not None:
         turn["name"] = message.name
     if message.tool_call_id is not None:
         turn["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
-        calls = []
-        for call in message.tool_calls:
-            function = dict(call.get("function") or {})
-            if isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError:
-                    raise bad_request(
-                        "an assistant tool call's arguments are not valid JSON", "messages"
-                    ) from None
-            calls.append({**call, "function": function})
-        turn["tool_calls"] = calls
+        turn["tool_calls"] = [
+            {**call, "function": _called_function(call.get("function"), where, call_index)}
+            for call_index, call in enumerate(message.tool_calls)
+        ]
     return turn
+
+
+def _called_function(function: Any, where: str, call_index: int) -> dict[str, Any]:
+    """An assistant's earlier call's "function", its arguments decoded; 400 for a malformed one
+    (`where` names the message)."""
+    param = f"{where}.tool_calls.{call_index}.function"
+    if function is None:
+        return {}
+    if not isinstance(function, Mapping):
+        raise bad_request(f'{param} must be an object with "name" and "arguments"', param)
+    decoded = dict(function)
+    if isinstance(decoded.get("arguments"), str):
+        try:
+            decoded["arguments"] = json.loads(decoded["arguments"])
+        except json.JSONDecodeError as error:
+            raise bad_request(f"{param}.arguments is not valid JSON: {error}", param) from None
+        except RecursionError:
+            # The decoder's depth limit (about 1,000 levels), far beyond any real call's.
+            raise bad_request(
+                f"{param}.arguments nests JSON arrays or objects too deeply", param
+            ) from None
+    return decoded
 
 
 def prepare_embedding(request: EmbeddingRequest) -> list[str | list[int]]:

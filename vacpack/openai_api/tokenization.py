@@ -38,7 +38,7 @@ def tokenize_body(
                 add_generation_prompt=request.add_generation_prompt is not False,
                 **(request.chat_template_kwargs or {}),
             )
-        except (TemplateError, ValueError, TypeError) as error:
+        except (TemplateError, ValueError, TypeError, RecursionError) as error:
             message = f"the chat template could not render messages: {error}"
             raise bad_request(message, "messages") from None
     return {

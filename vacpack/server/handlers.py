@@ -48,6 +48,7 @@ from vacpack.openai_api.responses import (
     new_response_id,
     now_s,
 )
+from vacpack.openai_api.served_model import check_model, check_n
 from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.openai_api.streaming import StreamState
 from vacpack.openai_api.tokenization import detokenize_body, tokenize_body
@@ -97,20 +98,10 @@ class OpenAIHandlers:
         return json_response({"object": "list", "data": [model]})
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves "
-                f"`{self.config.served_model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(model, self.config.served_model_name)
 
     def _check_n(self, n: int | None) -> None:
-        if n is not None and n > self.config.max_n:
-            raise bad_request(
-                f"n must be at most {self.config.max_n} on this server (--max-n), got {n}", "n"
-            )
+        check_n(n, self.config.max_n)
 
     def _require_generation(self) -> None:
         if not self.engine.serves_generation:

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from vacpack.openai_api.served_model import DEFAULT_MAX_N
 from vacpack.openai_api.tool_parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "VACPACK_API_KEY"
@@ -25,10 +26,8 @@ class ServerConfig:
     log_level: str = "info"
     # How tool calls are read from outputs: "auto" (from the chat template) or a parser's name.
     tool_call_parser: str = "auto"
-    # The most choices (n) one request may ask for: OpenAI's own bound. vLLM's bound
-    # (VLLM_MAX_N_SEQUENCES, 16,384) only guards memory; here a request's n sequences run
-    # together, so a much larger n would hold most of the engine's slots for one client.
-    max_n: int = 128
+    # The most choices (n) one request may ask for (served_model.DEFAULT_MAX_N says why).
+    max_n: int = DEFAULT_MAX_N
     # A larger request body gets 413, refused by its Content-Length before it is read.
     max_request_body_bytes: int = 32 << 20
 
@@ -80,7 +79,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "chat template)",
     )
     group.add_argument(
-        "--max-n", type=int, default=128, help="most choices (n) one request may ask for"
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help=f"most choices (n) one request may ask for (default {DEFAULT_MAX_N})",
     )
     group.add_argument(
         "--max-request-body-bytes",

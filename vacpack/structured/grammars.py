@@ -64,8 +64,15 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
 
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
+    laid_out = with_json_layout(schema)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(with_json_layout(schema)))
+        text = json.dumps(laid_out)
+    except RecursionError:
+        # The schema came from JSON the decoder took, but writing it out again here, deeper in
+        # the stack, can pass the interpreter's recursion limit.
+        raise GrammarError("the JSON schema nests too deeply") from None
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(text)
     except ValueError as error:
         raise GrammarError(f"the JSON schema is not usable: {error}") from None
 
@@ -73,8 +80,13 @@ def json_schema_grammar(schema: Mapping[str, Any]) -> str:
 def with_json_layout(schema: Mapping[str, Any]) -> dict[str, Any]:
     """The schema with llguidance's layout options set to JSON_LAYOUT (where the schema does
     not set them itself), for schemas embedded in a Lark grammar as well."""
-    layout = {**JSON_LAYOUT, **schema.get("x-guidance", {})}
-    return {**schema, "x-guidance": layout}
+    options = schema.get("x-guidance", {})
+    if not isinstance(options, Mapping):
+        raise GrammarError(
+            f'the JSON schema\'s "x-guidance" must be an object of llguidance options, got '
+            f"{type(options).__name__}"
+        )
+    return {**schema, "x-guidance": {**JSON_LAYOUT, **options}}
 
 
 def lark_grammar(lark: str, description: str) -> GrammarSpec:

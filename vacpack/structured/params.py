@@ -54,7 +54,10 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{field_name} must be a non-empty string")
         if self.choice is not None:
             choices = self.choice
-            if isinstance(choices, str) or not all(isinstance(c, str) for c in choices):
+            # A sequence, not just any iterable: a JSON object would iterate as its keys, and a
+            # number (from a request's JSON) not at all.
+            is_list = isinstance(choices, Sequence) and not isinstance(choices, str)
+            if not is_list or not all(isinstance(c, str) for c in choices):
                 raise ValueError("structured_outputs.choice must be a list of strings")
             if not choices or any(c == "" for c in choices):
                 raise ValueError(
@@ -90,6 +93,11 @@ def _as_schema(schema: str | Mapping[str, Any]) -> dict[str, Any]:
             schema = json_module.loads(schema)
         except json_module.JSONDecodeError as error:
             raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+        except RecursionError:
+            # The decoder's depth limit (about 1,000 levels), far beyond any real schema's.
+            raise ValueError(
+                "structured_outputs.json nests JSON arrays or objects too deeply"
+            ) from None
     if not isinstance(schema, Mapping):
         raise ValueError(
             "structured_outputs.json must be a JSON schema: an object or its JSON text, "
