@@ -1,18 +1,23 @@
 """The server's engine thread (vacpack/server/async_engine.py) on a real engine: requests
 stream their tokens, and a step that fails (an error no single request can be blamed for)
-fails the requests in flight with a 500 while the thread carries on with the next ones."""
+fails the requests in flight with a 500 while the thread carries on with the next ones; a
+pooling request that fails alone spares those packed with it."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from vacpack import LLM, SamplingParams
 from vacpack.engine.engine import LLMEngine
 from vacpack.openai_api.errors import APIError
-from vacpack.openai_api.serving import generation_engine
+from vacpack.openai_api.pooling import prepare_embeddings, run_pooling_apart_on_failure
+from vacpack.openai_api.protocol import EmbeddingRequest
+from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.outputs import RequestOutput
 from vacpack.server.async_engine import AsyncEngine, EngineRequest
 from vacpack.server.metrics import ServerMetrics
@@ -80,3 +85,38 @@ def test_a_failed_step_fails_the_requests_in_it_and_the_thread_goes_on(
     # the first did.
     assert after == alone
     assert not engine.has_unfinished_requests()
+
+
+def test_a_pooling_request_that_fails_alone_spares_those_packed_with_it(tiny_checkpoint) -> None:
+    # The server's and run-batch's pooling turn: requests that arrived together run as one
+    # packed job; where that raises (a bug, a device fault: not a bad input, which is a 400),
+    # each runs again alone and only the one that fails alone gets the 500.
+    llm = LLM(str(tiny_checkpoint("qwen2")), dtype="float32", max_model_len=128)
+    functions = pooling_functions(llm)
+    assert functions.embed is not None
+    embed = functions.embed
+    calls: list[list[Any]] = []
+
+    def embed_failing_on_poison(inputs: list[Any], dimensions: int | None) -> list[Any]:
+        calls.append(list(inputs))
+        if "poison" in inputs:
+            raise RuntimeError("a device fault")
+        return embed(inputs, dimensions)
+
+    functions = dataclasses.replace(functions, embed=embed_failing_on_poison)
+    prepared = [
+        prepare_embeddings(EmbeddingRequest(input=text), functions, "tiny")
+        for text in ("a fine text", "poison", "another fine text")
+    ]
+    failures: list[int] = []
+
+    def failure(index: int, error: Exception) -> APIError:
+        failures.append(index)
+        return APIError(500, f"the job failed: {error}")
+
+    results = run_pooling_apart_on_failure(functions, prepared, failure)
+    assert calls[0] == ["a fine text", "poison", "another fine text"]  # packed first
+    assert failures == [1]
+    assert isinstance(results[1], APIError) and results[1].status_code == 500
+    for result in (results[0], results[2]):
+        assert isinstance(result, dict) and len(result["data"][0]["embedding"]) > 0

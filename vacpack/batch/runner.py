@@ -30,7 +30,7 @@ from vacpack.openai_api.pooling import (
     prepare_embeddings,
     prepare_rerank,
     prepare_score,
-    run_pooling,
+    run_pooling_apart_on_failure,
 )
 from vacpack.openai_api.protocol import (
     ChatCompletionRequest,
@@ -299,16 +299,14 @@ class BatchRunner:
             self._write_response(ready.line.custom_id, ready.response_id, status, body)
 
     def _run_pooling(self, buffer: list[_Ready]) -> list[dict[str, Any] | APIError]:
-        """Each buffered line's response body or error. A bad input is a 400 from run_pooling;
-        anything else the packed jobs raise is retried line by line, so that only the line
-        that raises it alone gets a 500 and the others their answers."""
+        """Each buffered line's response body, or its 400, or a 500 for a line that fails
+        alone (the others still get their answers)."""
         prepared = [ready.pooling for ready in buffer if ready.pooling is not None]
-        try:
-            return run_pooling(self._pooling, prepared)
-        except Exception as error:
-            if len(buffer) == 1:
-                return [_unexpected_error(buffer[0].line, "running", error)]
-        return [result for ready in buffer for result in self._run_pooling([ready])]
+        return run_pooling_apart_on_failure(
+            self._pooling,
+            prepared,
+            lambda index, error: _unexpected_error(buffer[index].line, "running", error),
+        )
 
     def _on_output(self, output: RequestOutput) -> None:
         pending, index = self._pending.pop(output.request_id)

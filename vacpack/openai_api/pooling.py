@@ -120,6 +120,28 @@ def run_pooling(
     return [results[index] for index in range(len(prepared))]
 
 
+def run_pooling_apart_on_failure(
+    functions: PoolingFunctions,
+    prepared: Sequence[PreparedPooling],
+    failure: Callable[[int, Exception], APIError],
+) -> list[dict[str, Any] | APIError]:
+    """run_pooling, but where the packed jobs raise (not a bad input, which is a 400: a bug or
+    a device fault), each request runs again alone, so that only a request that fails alone
+    gets `failure(its index, the error)` and the others their answers."""
+    try:
+        return run_pooling(functions, prepared)
+    except Exception as error:
+        if len(prepared) == 1:
+            return [failure(0, error)]
+    results: list[dict[str, Any] | APIError] = []
+    for index, request in enumerate(prepared):
+        try:
+            results.extend(run_pooling(functions, [request]))
+        except Exception as error:
+            results.append(failure(index, error))
+    return results
+
+
 def score_body(
     response_id: str, model_name: str, created: int, outputs: Sequence[ScoringRequestOutput]
 ) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from vacpack.engine.engine import LLMEngine
 from vacpack.openai_api.errors import APIError, bad_request
-from vacpack.openai_api.pooling import PreparedPooling, run_pooling
+from vacpack.openai_api.pooling import PreparedPooling, run_pooling_apart_on_failure
 from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.outputs import RequestOutput
 from vacpack.sampling import SamplingParams
@@ -286,14 +286,16 @@ class AsyncEngine:
             self._deliver(stream, error)
 
     def _run_pool_jobs(self, commands: list[_Pool]) -> None:
-        """Pooling requests that arrived together run as packed jobs, one per kind of job."""
-        results: list[Any]
-        try:
-            assert self._pooling is not None, "requests are prepared with the model's functions"
-            results = run_pooling(self._pooling, [command.prepared for command in commands])
-        except Exception as error:
-            logger.exception("a pooling job failed")
-            results = [APIError(500, f"the job failed: {error}")] * len(commands)
+        """Pooling requests that arrived together run as packed jobs, one per kind of job;
+        where those fail, each runs alone, so that only a request that fails alone gets a 500."""
+        assert self._pooling is not None, "requests are prepared with the model's functions"
+
+        def failure(index: int, error: Exception) -> APIError:
+            logger.error("a pooling request failed", exc_info=error)
+            return APIError(500, f"the job failed: {error}")
+
+        prepared = [command.prepared for command in commands]
+        results = run_pooling_apart_on_failure(self._pooling, prepared, failure)
         self._settle_pool_jobs(commands, results)
 
     def _settle_pool_jobs(self, commands: list[_Pool], results: list[Any]) -> None:
