@@ -36,6 +36,15 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 
 
+class RequestFieldError(ValueError):
+    """A request the engine refuses for one of its fields (an API error's `param`), found only
+    where the model is known, such as a token id past its vocabulary."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 _ERRNO_EXIT_CODES = {
     errno.ENOENT: ExitCode.FILE_NOT_FOUND,
     errno.ENOTDIR: ExitCode.FILE_NOT_FOUND,

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from vacpack.corpus.input_fields import parse_json_object
 from vacpack.llm import LLM
-from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.errors import APIError, bad_request, refused_by_engine
 from vacpack.openai_api.protocol import CompletionRequest, parse_body
 from vacpack.openai_api.requests import PreparedGeneration, prepare_completion
 from vacpack.openai_api.served_model import DEFAULT_MAX_N, check_n
@@ -254,7 +254,7 @@ class PromptFileRunner:
             try:
                 self._engine.add_request(request_id, prompt.token_ids, prepared.params, prompt.text)
             except ValueError as error:
-                raise bad_request(str(error), "prompt") from None
+                raise refused_by_engine(error) from None
         except APIError as error:
             self._write_error(line, f"{_where(line)}{error.message}")
             return

@@ -23,7 +23,7 @@ from vacpack.batch.options import BatchOptions
 from vacpack.batch.records import line_error_record, response_record
 from vacpack.batch.result_file import AnsweredSet, open_batch_output
 from vacpack.llm import LLM
-from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.errors import APIError, bad_request, refused_by_engine
 from vacpack.openai_api.logprobs import token_decoder
 from vacpack.openai_api.pooling import (
     PreparedPooling,
@@ -272,7 +272,7 @@ class BatchRunner:
                     self._write_unexpected(ready.line, ready.response_id, "adding", error)
                     return
                 where = f"prompt {index}: " if len(prompts) > 1 else ""
-                body = bad_request(f"{where}{error}", "prompt").to_body()
+                body = refused_by_engine(error, where).to_body()
                 self._write_response(ready.line.custom_id, ready.response_id, 400, body)
                 return
             added.append(request_id)

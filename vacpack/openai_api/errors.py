@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vacpack.errors import RequestFieldError
+
 # Status -> OpenAI's error "type" for it.
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -52,3 +54,10 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def refused_by_engine(error: ValueError, where: str = "") -> APIError:
+    """The 400 for a request the engine refused when it was added (`where` leads the message,
+    e.g. which of a request's prompts): its field where the error names one, else the prompt."""
+    param = error.field if isinstance(error, RequestFieldError) else "prompt"
+    return bad_request(f"{where}{error}", param)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vacpack.engine.engine import LLMEngine
-from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.errors import APIError, bad_request, refused_by_engine
 from vacpack.openai_api.pooling import PreparedPooling, run_pooling_apart_on_failure
 from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.outputs import RequestOutput
@@ -253,7 +253,7 @@ class AsyncEngine:
                     )
                 except ValueError as error:
                     where = f"prompt {index}: " if len(command.requests) > 1 else ""
-                    raise bad_request(f"{where}{error}", "prompt") from None
+                    raise refused_by_engine(error, where) from None
                 added.append(request.request_id)
         except Exception as error:
             for request_id in added:

@@ -35,6 +35,7 @@ import llguidance.numpy
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from vacpack.errors import RequestFieldError
 from vacpack.sampling import SamplingParams
 from vacpack.structured.compiler import GRAMMAR_CACHE_SIZE, GrammarCompiler
 from vacpack.structured.constraints import SequenceConstraints, allowed_tokens_mask
@@ -93,9 +94,10 @@ class StructuredOutputManager:
         ):
             bad = [t for t in token_ids if t >= self.vocab_size]
             if bad:
-                raise ValueError(
+                raise RequestFieldError(
+                    field_name,
                     f"{field_name} names token ids outside the vocabulary [0, {self.vocab_size}): "
-                    f"{bad[:5]}"
+                    f"{bad[:5]}",
                 )
         structured = params.structured_outputs
         if structured is None:
