@@ -128,6 +128,17 @@ BAD_REQUESTS = [
         "messages.0.content", "string",
     ),
     (
+        "an image part",
+        "POST", CHAT,
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400, "messages.0.content", "images and other kinds of part are not read",
+    ),
+    (
+        # A logit_bias key that is also a field's name ("stop") is not taken for that field.
+        "logit_bias value not a number",
+        "POST", C, _completion(logit_bias={"stop": "x"}), 400, "logit_bias.stop", "number",
+    ),
+    (
         "top_logprobs without logprobs",
         "POST", CHAT, _chat(top_logprobs=2), 400, "top_logprobs", "logprobs",
     ),

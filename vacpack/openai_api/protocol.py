@@ -25,7 +25,8 @@ _FIELD_SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "input": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "content": "a string or a list of content parts",
+    "content": 'a string or a list of text parts ({"type": "text", "text": ...}: images and '
+    "other kinds of part are not read)",
     "tool_choice": 'one of "none", "auto", "required", or {"type": "function", "function": '
     '{"name": ...}}',
     "text_1": "a string or a list of strings",
@@ -267,6 +268,12 @@ def is_unicode(text: str) -> bool:
     return True
 
 
+def _is_field(path: list[str]) -> bool:
+    """Whether the location names a request field (or a message's content), not a key inside
+    a mapping such as logit_bias, which may happen to share a field's name ("stop")."""
+    return len(path) == 1 or (len(path) == 3 and path[0] == "messages" and path[2] == "content")
+
+
 def _describe(error: ValidationError) -> tuple[str, str | None]:
     """(message, param) for the first field at fault."""
     first = error.errors(include_url=False)[0]
@@ -276,7 +283,7 @@ def _describe(error: ValidationError) -> tuple[str, str | None]:
     path: list[str] = []
     for part in first["loc"]:
         path.append(str(part))
-        if part in _FIELD_SHAPES:
+        if part in _FIELD_SHAPES and _is_field(path):
             # A union field: the rest of the location names union branches, noise to a client.
             param = ".".join(path)
             return f"{param} must be {_FIELD_SHAPES[str(part)]}", param
