@@ -19,7 +19,7 @@ from vacpack.openai_api.pooling import prepare_embeddings, run_pooling_apart_on_
 from vacpack.openai_api.protocol import EmbeddingRequest
 from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.outputs import RequestOutput
-from vacpack.server.async_engine import AsyncEngine, EngineRequest
+from vacpack.server.async_engine import UNHEALTHY_AFTER_FAILED_STEPS, AsyncEngine, EngineRequest
 from vacpack.server.metrics import ServerMetrics
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -120,3 +120,44 @@ def test_a_pooling_request_that_fails_alone_spares_those_packed_with_it(tiny_che
     assert isinstance(results[1], APIError) and results[1].status_code == 500
     for result in (results[0], results[2]):
         assert isinstance(result, dict) and len(result["data"][0]["embedding"]) > 0
+
+
+def test_health_turns_503_after_steps_keep_failing_and_back_after_one_succeeds(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fault that outlives its step (a CUDA device assert poisons the context) fails every
+    # step after it: /health then says so, for whatever replaces replicas; one success heals.
+    real_step = engine.step
+    broken = [True]
+
+    def step() -> list[RequestOutput]:
+        outputs = real_step()
+        if broken[0]:
+            raise RuntimeError("device-side assert triggered")
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def scenario() -> list[str | None]:
+        async_engine = AsyncEngine(engine, ServerMetrics("tiny"))
+        async_engine.start()
+        health = [async_engine.health_problem]
+        try:
+            for attempt in range(UNHEALTHY_AFTER_FAILED_STEPS):
+                with pytest.raises(APIError):
+                    await _tokens(async_engine, _request(f"r{attempt}", 5))
+                health.append(async_engine.health_problem)
+            broken[0] = False
+            await _tokens(async_engine, _request("healed", 5))
+            health.append(async_engine.health_problem)
+        finally:
+            async_engine.stop()
+        return health
+
+    health = asyncio.run(scenario())
+    assert health[0] is None and health[-1] is None
+    assert health[1:-2] == [None] * (UNHEALTHY_AFTER_FAILED_STEPS - 1)
+    assert health[-2] == (
+        f"the last {UNHEALTHY_AFTER_FAILED_STEPS} engine steps failed: "
+        "RuntimeError: device-side assert triggered"
+    )

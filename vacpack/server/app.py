@@ -135,8 +135,9 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_alive:
-            return error_response(APIError(503, "the engine thread is not running"))
+        problem = engine.health_problem
+        if problem is not None:
+            return error_response(APIError(503, problem))
         return Response(status_code=200)
 
     @app.get("/metrics")

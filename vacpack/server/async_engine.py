@@ -34,6 +34,12 @@ from vacpack.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+# After this many engine steps in a row have failed, /health reports the engine unhealthy, so
+# that what watches it (a load balancer, Ray Serve, Kubernetes) can replace this replica: a
+# fault that outlives its step (a CUDA device assert poisons the context) fails every step
+# after it, while one failed step alone says little.
+UNHEALTHY_AFTER_FAILED_STEPS = 3
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -141,6 +147,9 @@ class AsyncEngine:
         self._timings: dict[str, _Timing] = {}
         # What this turn of the loop sends to streams: handed over in one call per turn.
         self._deliveries: list[tuple[RequestStream, Any]] = []
+        # Written by the engine thread, read by /health (an int and a str: atomic to read).
+        self._failed_steps_in_a_row = 0
+        self._last_step_error = ""
 
     @property
     def serves_generation(self) -> bool:
@@ -149,6 +158,16 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (for /health's 503), or None while it can."""
+        if not self.is_alive:
+            return "the engine thread is not running"
+        failed = self._failed_steps_in_a_row
+        if failed >= UNHEALTHY_AFTER_FAILED_STEPS:
+            return f"the last {failed} engine steps failed: {self._last_step_error}"
+        return None
 
     # ------------------------------------------------------------ the event loop's side
     def start(self) -> None:
@@ -312,8 +331,11 @@ class AsyncEngine:
             logger.exception(
                 "engine step failed; failing the %d requests in it", len(self._streams)
             )
+            self._last_step_error = f"{type(error).__name__}: {error}"
+            self._failed_steps_in_a_row += 1
             self._abort_all(APIError(500, f"the engine failed while running the request: {error}"))
             return
+        self._failed_steps_in_a_row = 0
         now = time.perf_counter()
         metrics = self._metrics
         for output in outputs:
