@@ -9,7 +9,7 @@ asyncio.Queue, so a slow client never holds up the engine or another request.
 
 Anything a request does wrong is caught on the engine thread and sent to that request only; an
 error inside a step (which cannot be pinned on one request) fails the requests in flight, and
-the loop carries on.
+the loop carries on (health_problem says when steps keep failing).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from vacpack.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 # After this many engine steps in a row have failed, /health reports the engine unhealthy, so
-# that what watches it (a load balancer, Ray Serve, Kubernetes) can replace this replica: a
+# that what watches it (a load balancer, Kubernetes' probes) can replace this server: a
 # fault that outlives its step (a CUDA device assert poisons the context) fails every step
 # after it, while one failed step alone says little.
 UNHEALTHY_AFTER_FAILED_STEPS = 3
