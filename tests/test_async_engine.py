@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from vacpack.openai_api.pooling import prepare_embeddings, run_pooling_apart_on_
 from vacpack.openai_api.protocol import EmbeddingRequest
 from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.outputs import RequestOutput
+from vacpack.ray.serve import VacpackServer
 from vacpack.server.async_engine import UNHEALTHY_AFTER_FAILED_STEPS, AsyncEngine, EngineRequest
 from vacpack.server.metrics import ServerMetrics
 
@@ -138,8 +141,14 @@ def test_health_turns_503_after_steps_keep_failing_and_back_after_one_succeeds(
 
     monkeypatch.setattr(engine, "step", step)
 
+    # A Ray Serve replica asks the same engine (its check_health raising has Serve replace it).
+    replica = SimpleNamespace(_engine=None)
+    replica_check = functools.partial(VacpackServer.check_health, replica)
+
     async def scenario() -> list[str | None]:
         async_engine = AsyncEngine(engine, ServerMetrics("tiny"))
+        replica._engine = async_engine
+        replica_check()  # not started yet: nothing to check
         async_engine.start()
         health = [async_engine.health_problem]
         try:
@@ -147,9 +156,12 @@ def test_health_turns_503_after_steps_keep_failing_and_back_after_one_succeeds(
                 with pytest.raises(APIError):
                     await _tokens(async_engine, _request(f"r{attempt}", 5))
                 health.append(async_engine.health_problem)
+            with pytest.raises(RuntimeError, match="unhealthy: the last 3 engine steps failed"):
+                replica_check()
             broken[0] = False
             await _tokens(async_engine, _request("healed", 5))
             health.append(async_engine.health_problem)
+            replica_check()
         finally:
             async_engine.stop()
         return health

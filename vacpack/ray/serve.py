@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vacpack.llm import LLM
 from vacpack.ray.figures import replica_label, this_replica
+from vacpack.server.async_engine import AsyncEngine
 from vacpack.server.launch import build_server_app
 from vacpack.server.options import ServerConfig
 
@@ -66,8 +67,21 @@ class VacpackServer:
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         app = build_server_app(self._llm, self._config)
+        self._engine: AsyncEngine = app.state.async_engine
         app.add_middleware(ReplicaHeader, replica=replica_label(*this_replica()))
         return app
+
+    def check_health(self) -> None:
+        """Serve's periodic check of the replica: raising has Serve replace it. Where the
+        engine thread has ended, or its steps keep failing (a fault that outlives its step,
+        such as a CUDA device assert), the replica cannot serve again (AsyncEngine.
+        health_problem); until the app has started its engine there is nothing to check."""
+        engine: AsyncEngine | None = getattr(self, "_engine", None)
+        if engine is None or not engine.started:
+            return
+        problem = engine.health_problem
+        if problem is not None:
+            raise RuntimeError(f"vacpack replica unhealthy: {problem}")
 
 
 VacpackDeployment = serve.deployment(

@@ -35,9 +35,9 @@ from vacpack.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 # After this many engine steps in a row have failed, /health reports the engine unhealthy, so
-# that what watches it (a load balancer, Kubernetes' probes) can replace this server: a
-# fault that outlives its step (a CUDA device assert poisons the context) fails every step
-# after it, while one failed step alone says little.
+# that what watches it (a load balancer, Kubernetes' probes, Ray Serve's check_health) can
+# replace this server: a fault that outlives its step (a CUDA device assert poisons the
+# context) fails every step after it, while one failed step alone says little.
 UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
@@ -158,6 +158,10 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
     @property
     def health_problem(self) -> str | None:

@@ -55,7 +55,10 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
         revision=llm.config.revision,
     )
     handlers = OpenAIHandlers(config, async_engine, tokenizer, loaded.max_model_len, pooling)
-    return build_app(handlers, metrics)
+    app = build_app(handlers, metrics)
+    # For a host's own health checks of the engine (Ray Serve's check_health).
+    app.state.async_engine = async_engine
+    return app
 
 
 def serve(model: str, engine_kwargs: dict[str, Any], config: ServerConfig) -> int:
