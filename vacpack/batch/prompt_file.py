@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from vacpack.corpus.input_fields import parse_json_object
 from vacpack.llm import LLM
-from vacpack.openai_api.errors import APIError, bad_request, refused_by_engine
+from vacpack.openai_api.errors import APIError, bad_request, internal_error, refused_by_engine
 from vacpack.openai_api.protocol import CompletionRequest, parse_body
 from vacpack.openai_api.requests import PreparedGeneration, prepare_completion
 from vacpack.openai_api.served_model import DEFAULT_MAX_N, check_n
@@ -262,9 +262,7 @@ class PromptFileRunner:
             # A bug this line's content hit: an error record for it, and the run goes on;
             # ending it would lose the records of every prompt in flight.
             logger.exception("line %s: unexpected error preparing it", line.line_number)
-            self._write_error(
-                line, f"{_where(line)}internal error: {type(error).__name__}: {error}"
-            )
+            self._write_error(line, f"{_where(line)}{internal_error(error).message}")
             return
         self._pending[request_id] = line
 

@@ -23,7 +23,7 @@ from vacpack.batch.options import BatchOptions
 from vacpack.batch.records import line_error_record, response_record
 from vacpack.batch.result_file import AnsweredSet, open_batch_output
 from vacpack.llm import LLM
-from vacpack.openai_api.errors import APIError, bad_request, refused_by_engine
+from vacpack.openai_api.errors import APIError, bad_request, internal_error, refused_by_engine
 from vacpack.openai_api.logprobs import token_decoder
 from vacpack.openai_api.pooling import (
     PreparedPooling,
@@ -369,7 +369,7 @@ def _unexpected_error(line: BatchLine, doing: str, error: Exception) -> APIError
         doing,
         exc_info=error,
     )
-    return APIError(500, f"internal error: {type(error).__name__}: {error}")
+    return internal_error(error)
 
 
 def run_batch(llm: LLM, options: BatchOptions) -> BatchSummary:

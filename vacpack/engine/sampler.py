@@ -33,6 +33,11 @@ from vacpack.engine.truncation import apply_min_p, apply_top_k_top_p
 from vacpack.sampling import SamplingParams
 from vacpack.structured.token_masks import StepTokenMasks, bit_table
 
+# The sampler's float32 edges: the largest finite value (an overflowing logit is clamped to it)
+# and the smallest normal one (a smaller top_p is raised to it), read once, not per row.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
 # Rows of the per-row parameter matrix that goes to the device in a single copy.
 _TEMPERATURE, _TOP_P, _TOP_K, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(7)
 
@@ -287,7 +292,7 @@ class Sampler:
             [p.temperature if not p.is_greedy else 1.0 for p in params],
             # A top_p below float32's smallest normal value would round to 0 there, and drop
             # every token on the sorted path (which always keeps the first of a positive one).
-            [max(p.top_p, torch.finfo(torch.float32).tiny) for p in params],
+            [max(p.top_p, _FLOAT32_TINY) for p in params],
             top_k,
             [p.min_p for p in params],
             [p.repetition_penalty for p in params],
@@ -365,7 +370,7 @@ class Sampler:
             # A penalty below 1 divides a seen token's positive logit by it, and a small one
             # (then the temperature) can overflow float32: +inf would make the softmax nan.
             # The largest finite value keeps the token the likeliest, as it was meant to be.
-            logits = logits.clamp(max=torch.finfo(torch.float32).max)
+            logits = logits.clamp(max=_FLOAT32_MAX)
         if any(p.min_p > 0.0 for p in params):
             logits = apply_min_p(logits, row_params[_MIN_P])
         if any(p.top_k != 0 or p.top_p < 1.0 for p in params):

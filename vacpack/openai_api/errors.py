@@ -56,6 +56,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
 
 
+def internal_error(error: BaseException) -> APIError:
+    """The 500 for an exception no check expected (a bug), naming it."""
+    return APIError(500, f"internal error: {type(error).__name__}: {error}")
+
+
 def refused_by_engine(error: ValueError, where: str = "") -> APIError:
     """The 400 for a request the engine refused when it was added (`where` leads the message,
     e.g. which of a request's prompts): its field where the error names one, else the prompt."""

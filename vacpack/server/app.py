@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vacpack.openai_api.errors import APIError
+from vacpack.openai_api.errors import APIError, internal_error
 from vacpack.openai_api.responses import now_s
 from vacpack.server.handlers import ClientDisconnected, OpenAIHandlers, json_response
 from vacpack.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -131,7 +131,7 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, error: Exception) -> Response:
         logger.exception("unexpected error answering %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+        return error_response(internal_error(error))
 
     @app.get("/health")
     async def health() -> Response:
