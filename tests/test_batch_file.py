@@ -177,22 +177,35 @@ def test_a_line_naming_another_model_gets_a_404_as_from_the_server(
     assert answered["path"]["response"]["body"]["model"] == "tiny"
 
 
-def test_n_is_capped_as_on_the_server(llm: LLM, tmp_path: Path) -> None:
-    lines = [_completion_line("two", n=2), _completion_line("three", n=3)]
-    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines), max_n=2)
+def test_n_and_sequences_are_capped_as_on_the_server(llm: LLM, tmp_path: Path) -> None:
+    lines = [
+        _completion_line("two", n=2),
+        _completion_line("three", n=3),
+        _completion_line("two-by-two", prompt=["a", "b"], n=2),
+        _completion_line("three-by-two", prompt=["a", "b", "c"], n=2),
+    ]
+    input_path = _write_lines(tmp_path / "in.jsonl", lines)
+    options = _options(tmp_path, input_path, max_n=2, max_sequences_per_request=4)
     run_batch(llm, options)
-    assert _statuses(options.output_path) == {"two": 200, "three": 400}
-    error = _by_custom_id(options.output_path)["three"]["response"]["body"]["error"]
+    expected = {"two": 200, "three": 400, "two-by-two": 200, "three-by-two": 400}
+    assert _statuses(options.output_path) == expected
+    answered = _by_custom_id(options.output_path)
+    error = answered["three"]["response"]["body"]["error"]
     assert error["param"] == "n" and "n must be at most 2" in error["message"]
+    error = answered["three-by-two"]["response"]["body"]["error"]
+    assert error["param"] == "prompt"
+    assert "3 prompt(s) x n=2 = 6 sequences; at most 4" in error["message"]
 
 
 def test_run_batch_flags_for_the_model_name_and_n() -> None:
     argv = ["run-batch", "--model", "m", "-i", "in.jsonl", "-o", "out.jsonl"]
     defaults = batch_options_from_args(build_parser().parse_args(argv))
     assert (defaults.served_model_name, defaults.max_n) == (None, 128)
-    flags = ["--served-model-name", "tiny", "--max-n", "4"]
+    assert defaults.max_sequences_per_request == 4096
+    flags = ["--served-model-name", "tiny", "--max-n", "4", "--max-sequences-per-request", "8"]
     options = batch_options_from_args(build_parser().parse_args([*argv, *flags]))
     assert (options.served_model_name, options.max_n) == ("tiny", 4)
+    assert options.max_sequences_per_request == 8
 
 
 def _run_batch_command(checkpoint: Path, input_path: Path, output_path: Path) -> list[str]:

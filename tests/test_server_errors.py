@@ -23,6 +23,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 1024
 LONG_PROMPT_IDS = [5] * (MAX_MODEL_LEN + 10)
 MAX_N = 16
+MAX_SEQUENCES = 64  # the 64 concurrent streams test sends 64 prompts in one request
 MAX_BODY_BYTES = 4 << 20
 NESTED_100K = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 NESTED_TEXT = "[" * 100_000 + "]" * 100_000  # JSON text, nested 100,000 deep
@@ -40,6 +41,7 @@ def server(tiny_checkpoint) -> Iterator[ServerProcess]:
         "--kv-cache-memory-bytes", str(8 << 20),
         "--served-model-name", "tiny",
         "--max-n", str(MAX_N),
+        "--max-sequences-per-request", str(MAX_SEQUENCES),
         "--max-request-body-bytes", str(MAX_BODY_BYTES),
         env={"VACPACK_API_KEY": API_KEY},
     ) as process:  # fmt: skip
@@ -158,6 +160,16 @@ BAD_REQUESTS = [
     ),
     ("n above --max-n", "POST", C, _completion(n=MAX_N + 1), 400, "n", f"at most {MAX_N}"),
     ("n = 5000", "POST", CHAT, _chat(n=5000), 400, "n", f"at most {MAX_N}"),
+    (
+        "prompts x n above --max-sequences-per-request",
+        "POST", C, _completion(prompt=["a"] * 5, n=MAX_N), 400, "prompt",
+        f"5 prompt(s) x n={MAX_N} = {5 * MAX_N} sequences; at most {MAX_SEQUENCES}",
+    ),
+    (
+        "100,000 token-id prompts",
+        "POST", C, _completion(prompt=[[7]] * 100_000), 400, "prompt",
+        f"100000 prompt(s) x n=1 = 100000 sequences; at most {MAX_SEQUENCES}",
+    ),
     (
         "unknown role",
         "POST", CHAT, _chat(messages=[{"role": "wizard", "content": "hi"}]), 400,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ def server(tiny_checkpoint) -> Iterator[ServerProcess]:
         "--kv-cache-memory-bytes", str(8 << 20),
         "--served-model-name", "tiny",
         "--max-num-batched-tokens", "64",  # prompts over 64 tokens are prefilled in chunks
+        "--log-level", "info",
     ) as process:  # fmt: skip
         yield process
 
@@ -54,6 +56,14 @@ def _streamed_chat(client: openai.OpenAI, **kwargs) -> tuple[dict[int, str], dic
             if choice.finish_reason:
                 finish[choice.index] = choice.finish_reason
     return texts, finish
+
+
+def test_the_server_froze_its_start_up_objects(server: ServerProcess) -> None:
+    # The model's and libraries' objects, out of the garbage collector's walks for good
+    # (python_heap.py says why); a tiny model brings as many as a large one.
+    frozen = re.search(r"(\d+) start-up objects frozen out of garbage collection", server.log())
+    assert frozen is not None, server.log()
+    assert int(frozen.group(1)) > 50_000
 
 
 def test_models_lists_the_served_name(client: openai.OpenAI) -> None:

@@ -7,7 +7,7 @@ device op where the culprit request can no longer be told apart from the others.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import numbers
 from collections.abc import Mapping, Sequence
@@ -303,4 +303,10 @@ class SamplingParams:
             seed = self.seed + child_index
             if seed > _MAX_SEED:
                 seed -= _MAX_SEED - _MIN_SEED + 1
-        return dataclasses.replace(self, n=1, seed=seed)
+        # A shallow copy, not dataclasses.replace: these values were checked and normalised
+        # when self was made, and checking them again for each of n samples cost 150 us each
+        # (a request of 32 prompts x n=128 took 0.8 s to add, on the engine's thread).
+        child = copy.copy(self)
+        child._set("n", 1)
+        child._set("seed", seed)
+        return child

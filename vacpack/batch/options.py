@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from vacpack.openai_api.served_model import DEFAULT_MAX_N
+from vacpack.openai_api.served_model import DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,17 @@ class BatchOptions:
     served_model_name: str | None = None
     # The most choices (n) one line may ask for, as the server's --max-n.
     max_n: int = DEFAULT_MAX_N
+    # The most sequences (prompts x n) one line may start, as the server's
+    # --max-sequences-per-request.
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(
+                f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}"
+            )
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.fsync_interval_s < 0:
@@ -77,6 +84,13 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_N,
         help=f"most choices (n) one line may ask for (default {DEFAULT_MAX_N})",
     )
+    group.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="most sequences (prompts x n) one line may start "
+        f"(default {DEFAULT_MAX_SEQUENCES_PER_REQUEST})",
+    )
     group.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -90,4 +104,5 @@ def batch_options_from_args(args: argparse.Namespace) -> BatchOptions:
         overwrite=args.overwrite,
         served_model_name=args.served_model_name,
         max_n=args.max_n,
+        max_sequences_per_request=args.max_sequences_per_request,
     )

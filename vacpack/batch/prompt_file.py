@@ -31,6 +31,7 @@ from vacpack.openai_api.requests import PreparedGeneration, prepare_completion
 from vacpack.openai_api.served_model import DEFAULT_MAX_N, check_n
 from vacpack.output_file import RecordSink, StreamWriter, check_input_file, open_output
 from vacpack.outputs import RequestOutput, RequestOutputKind
+from vacpack.python_heap import freeze_startup_objects
 from vacpack.sampling import SamplingParams
 from vacpack.structured.params import StructuredOutputsParams
 
@@ -334,7 +335,9 @@ def run_generate_command(
     writer, answered = open_generate_output(source, options)
     try:
         llm = LLM(model, **engine_kwargs)
-        summary = PromptFileRunner(llm, defaults, options).run(source, writer, answered)
+        runner = PromptFileRunner(llm, defaults, options)
+        freeze_startup_objects()  # the process answers these prompts and exits
+        summary = runner.run(source, writer, answered)
     finally:
         writer.close()
     rate = summary.num_output_tokens / max(summary.elapsed_s, 1e-9)

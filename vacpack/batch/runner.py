@@ -53,10 +53,11 @@ from vacpack.openai_api.responses import (
     new_response_id,
     now_s,
 )
-from vacpack.openai_api.served_model import check_model, check_n
+from vacpack.openai_api.served_model import check_model, check_n, check_num_sequences
 from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.output_file import RecordSink, check_input_file
 from vacpack.outputs import RequestOutput, RequestOutputKind
+from vacpack.python_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ class BatchRunner:
         if isinstance(request, EmbeddingRequest | ScoreRequest | RerankRequest):
             return _Ready(line, response_id, pooling=self._prepare_pooling(request, response_id))
         check_n(request.n, self._options.max_n)
+        check_num_sequences(request.num_prompts, request.n, self._options.max_sequences_per_request)
         if self._engine is None:
             raise bad_request("this model does not generate text: it has no LM head", "model")
         kind = RequestOutputKind.FINAL_ONLY  # one output per request: nothing built per step
@@ -390,7 +392,9 @@ def run_batch_command(model: str, engine_kwargs: dict[str, Any], options: BatchO
     writer, answered = open_batch_output(options)
     try:
         llm = LLM(model, **engine_kwargs)
-        summary = BatchRunner(llm, options).run(writer, answered)
+        runner = BatchRunner(llm, options)
+        freeze_startup_objects()  # the process runs this file and exits
+        summary = runner.run(writer, answered)
     finally:
         writer.close()
     print(

@@ -89,6 +89,10 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def num_prompts(self) -> int:
+        return len(split_prompt_input(self.prompt))
+
 
 class TextContentPart(_Body):
     type: Literal["text"]
@@ -121,6 +125,10 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        return 1  # the conversation
 
 
 def split_prompt_input(given: PromptInput) -> list[str | list[int]]:

@@ -20,6 +20,7 @@ from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vacpack.llm import LLM
+from vacpack.python_heap import freeze_startup_objects
 from vacpack.ray.figures import replica_label, this_replica
 from vacpack.server.async_engine import AsyncEngine
 from vacpack.server.launch import build_server_app
@@ -67,6 +68,7 @@ class VacpackServer:
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         app = build_server_app(self._llm, self._config)
+        freeze_startup_objects()  # a replica serves this model until Serve stops it
         self._engine: AsyncEngine = app.state.async_engine
         app.add_middleware(ReplicaHeader, replica=replica_label(*this_replica()))
         return app

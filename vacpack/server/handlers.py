@@ -48,7 +48,7 @@ from vacpack.openai_api.responses import (
     new_response_id,
     now_s,
 )
-from vacpack.openai_api.served_model import check_model, check_n
+from vacpack.openai_api.served_model import check_model, check_n, check_num_sequences
 from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.openai_api.streaming import StreamState
 from vacpack.openai_api.tokenization import detokenize_body, tokenize_body
@@ -128,6 +128,7 @@ class OpenAIHandlers:
         request = parse_generation(kind, body)
         self._check_model(request.model)
         self._check_n(request.n)
+        check_num_sequences(request.num_prompts, request.n, self.config.max_sequences_per_request)
         self._require_generation()
         output_kind = RequestOutputKind.DELTA
         return prepare_generation(

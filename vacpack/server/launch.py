@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from vacpack.llm import LLM
 from vacpack.openai_api.serving import generation_engine, pooling_functions
+from vacpack.python_heap import freeze_startup_objects
 from vacpack.server.app import build_app
 from vacpack.server.async_engine import AsyncEngine
 from vacpack.server.handlers import OpenAIHandlers
@@ -67,6 +68,7 @@ def serve(model: str, engine_kwargs: dict[str, Any], config: ServerConfig) -> in
     )
     llm = LLM(model, **engine_kwargs)
     app = build_server_app(llm, config)
+    freeze_startup_objects()  # the process serves this model until it exits
     server = uvicorn.Server(
         uvicorn.Config(
             app,

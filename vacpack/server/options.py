@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from vacpack.openai_api.served_model import DEFAULT_MAX_N
+from vacpack.openai_api.served_model import DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from vacpack.openai_api.tool_parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "VACPACK_API_KEY"
@@ -28,12 +28,18 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     # The most choices (n) one request may ask for (served_model.DEFAULT_MAX_N says why).
     max_n: int = DEFAULT_MAX_N
+    # The most sequences (prompts x n) one request may start (served_model says why).
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     # A larger request body gets 413, refused by its Content-Length before it is read.
     max_request_body_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(
+                f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}"
+            )
         if self.max_request_body_bytes < 1:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}"
@@ -85,6 +91,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"most choices (n) one request may ask for (default {DEFAULT_MAX_N})",
     )
     group.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="most sequences (prompts x n) one request may start "
+        f"(default {DEFAULT_MAX_SEQUENCES_PER_REQUEST})",
+    )
+    group.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=32 << 20,
@@ -103,5 +116,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
         max_n=args.max_n,
+        max_sequences_per_request=args.max_sequences_per_request,
         max_request_body_bytes=args.max_request_body_bytes,
     )
