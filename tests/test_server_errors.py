@@ -161,6 +161,11 @@ BAD_REQUESTS = [
     ("n above --max-n", "POST", C, _completion(n=MAX_N + 1), 400, "n", f"at most {MAX_N}"),
     ("n = 5000", "POST", CHAT, _chat(n=5000), 400, "n", f"at most {MAX_N}"),
     (
+        "echo alone of a prompt filling the context",
+        "POST", C, _completion(prompt=[5] * MAX_MODEL_LEN, max_tokens=0, echo=True), 400,
+        "prompt", f"at most {MAX_MODEL_LEN - 1} prompt tokens leave room",
+    ),
+    (
         "prompts x n above --max-sequences-per-request",
         "POST", C, _completion(prompt=["a"] * 5, n=MAX_N), 400, "prompt",
         f"5 prompt(s) x n={MAX_N} = {5 * MAX_N} sequences; at most {MAX_SEQUENCES}",

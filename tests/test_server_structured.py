@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -33,7 +34,12 @@ Call one as <tool_call>
 </tool_call><|im_end|>
 {% endif %}
 {%- for message in messages %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
+{{ message.content }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
 {% endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
@@ -191,6 +197,55 @@ def test_tools_reach_the_chat_template(client: openai.OpenAI) -> None:
     # The template writes the tools' signatures into the prompt; "none" parses nothing.
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 40
     assert with_tools.choices[0].message.tool_calls is None
+
+
+def _tokenize(client: openai.OpenAI, **body: Any) -> list[int]:
+    server_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    response = httpx.post(f"{server_url}/tokenize", json=body, timeout=30.0)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def _conversation(arguments: str | None, user_content: Any = "And in Rome?") -> list[dict]:
+    call: dict[str, Any] = {"name": "get_time"}
+    if arguments is not None:
+        call["arguments"] = arguments
+    return [
+        *MESSAGES,
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": call}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+        {"role": "user", "content": user_content},
+    ]
+
+
+def test_tokenize_renders_messages_and_tools_as_chat_does(client: openai.OpenAI) -> None:
+    messages = _conversation('{"tz": "UTC"}')
+    chat = _chat(client, messages=messages, tools=TOOLS, max_tokens=1)
+    with_tools = _tokenize(client, messages=messages, tools=TOOLS)
+    assert len(with_tools) == chat.usage.prompt_tokens
+    # The tools' signatures and the earlier call are in both.
+    assert len(_tokenize(client, messages=messages)) < len(with_tools) - 40
+    no_arguments = _tokenize(client, messages=_conversation("{}"))
+    assert len(no_arguments) < len(_tokenize(client, messages=messages))
+
+
+@pytest.mark.parametrize(
+    "arguments", ["", "  ", "null", None], ids=["empty", "blank", "null", "absent"]
+)
+def test_an_earlier_call_without_arguments_reads_as_empty_arguments(
+    client: openai.OpenAI, arguments: str | None
+) -> None:
+    # As vLLM reads them: some clients write a call without parameters so, and resend it.
+    expected = _chat(client, messages=_conversation("{}"), max_tokens=1).usage.prompt_tokens
+    given = _chat(client, messages=_conversation(arguments), max_tokens=1)
+    assert given.usage.prompt_tokens == expected
+
+
+def test_text_parts_are_joined_one_per_line(client: openai.OpenAI) -> None:
+    parts = [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]
+    as_parts = _tokenize(client, messages=[{"role": "user", "content": parts}])
+    as_lines = _tokenize(client, messages=[{"role": "user", "content": "Line one.\nLine two."}])
+    assert as_parts == as_lines
 
 
 def test_bad_schema_and_bad_tool_choice_get_a_400_naming_the_problem(

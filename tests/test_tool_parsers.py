@@ -58,6 +58,17 @@ def test_llama3_json_calls(llama3: ToolParser) -> None:
     assert llama3.parse("Hello there").content == "Hello there"
 
 
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_json_nested_past_the_stack_is_content(bpe, parser_name: str) -> None:
+    # A model looping on '[' until max_tokens: json raises RecursionError, not a decode error.
+    text = {"hermes": "<tool_call>\n", "llama3_json": "<|python_tag|>"}[parser_name] + "[" * 100_000
+    parser = tool_parser(parser_name, bpe)
+    parsed = parser.parse(text)
+    assert (parsed.content, parsed.tool_calls) == (text, [])
+    closed = text + "\n</tool_call>" if parser_name == "hermes" else text
+    assert parser.settled(closed)[1] == []
+
+
 @pytest.mark.parametrize(
     ("parser_name", "text"),
     [("hermes", HERMES_TEXT), ("llama3_json", LLAMA3_TEXT), ("hermes", "plain <tool_ text")],

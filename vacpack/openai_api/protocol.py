@@ -111,7 +111,8 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        # One part per line, as vLLM joins them: parts are often paragraphs or sections.
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -182,11 +183,13 @@ class RerankRequest(_Body):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+    """vLLM's /tokenize: a `prompt`, or chat `messages` (and `tools`) rendered by the chat
+    template, as chat completions render them."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.message_checks import check_messages
 from vacpack.openai_api.output_constraints import (
+    ToolPlan,
     plan_tools,
     structured_outputs,
     token_controls,
@@ -150,30 +151,9 @@ def prepare_chat(
 ) -> PreparedGeneration:
     """tool_call_parser: a name from tool_parsers.TOOL_CALL_PARSERS ("auto": from the chat
     template)."""
-    parser = tool_parser(tool_call_parser, tokenizer) if request.tools else None
-    tool_plan = plan_tools(request, parser)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    if not request.messages:
-        raise bad_request("messages must not be empty", "messages")
-    check_messages(request.messages)
-    conversation = [
-        _template_turn(index, message) for index, message in enumerate(request.messages)
-    ]
-    template_kwargs = dict(request.chat_template_kwargs or {})
-    if tool_plan.tools is not None:
-        template_kwargs["tools"] = tool_plan.tools
-    try:
-        token_ids = apply_chat_template(
-            tokenizer,
-            conversation,
-            add_generation_prompt=request.add_generation_prompt is not False,
-            **template_kwargs,
-        )
-    # RecursionError: tool arguments or template kwargs nested deeper than tojson can write.
-    except (TemplateError, ValueError, TypeError, RecursionError) as error:
-        problem = f"the chat template could not render messages: {error}"
-        raise bad_request(problem, "messages") from None
+    token_ids, tool_plan = render_chat(request, tokenizer, tool_call_parser)
     max_tokens_field = "max_tokens"
     max_tokens = request.max_tokens
     if request.max_completion_tokens is not None:
@@ -209,6 +189,39 @@ def prepare_chat(
     )
 
 
+def render_chat(
+    request: ChatCompletionRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    tool_call_parser: str = "auto",
+) -> tuple[list[int], ToolPlan]:
+    """The token ids the chat template makes of a request's messages and tools, and how the
+    tools are to be used; 400 for malformed messages or tools, or a template that fails on them.
+    Chat completions and /tokenize both render through here, so that both count alike."""
+    parser = tool_parser(tool_call_parser, tokenizer) if request.tools else None
+    tool_plan = plan_tools(request, parser)
+    if not request.messages:
+        raise bad_request("messages must not be empty", "messages")
+    check_messages(request.messages)
+    conversation = [
+        _template_turn(index, message) for index, message in enumerate(request.messages)
+    ]
+    template_kwargs = dict(request.chat_template_kwargs or {})
+    if tool_plan.tools is not None:
+        template_kwargs["tools"] = tool_plan.tools
+    try:
+        token_ids = apply_chat_template(
+            tokenizer,
+            conversation,
+            add_generation_prompt=request.add_generation_prompt is not False,
+            **template_kwargs,
+        )
+    # RecursionError: tool arguments or template kwargs nested deeper than tojson can write.
+    except (TemplateError, ValueError, TypeError, RecursionError) as error:
+        problem = f"the chat template could not render messages: {error}"
+        raise bad_request(problem, "messages") from None
+    return token_ids, tool_plan
+
+
 def _template_turn(index: int, message: ChatMessage) -> dict[str, Any]:
     """Message `index` as chat templates read it: an earlier call's arguments as an object
     (OpenAI sends them as JSON text; templates such as Qwen's write them out with tojson)."""
@@ -235,7 +248,11 @@ def _called_function(function: Any, where: str, call_index: int) -> dict[str, An
     if not isinstance(function, Mapping):
         raise bad_request(f'{param} must be an object with "name" and "arguments"', param)
     decoded = dict(function)
-    if isinstance(decoded.get("arguments"), str):
+    arguments = decoded.get("arguments")
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        # A call without parameters, as some clients and servers write it: "", null or absent.
+        decoded["arguments"] = {}
+    elif isinstance(arguments, str):
         try:
             decoded["arguments"] = json.loads(decoded["arguments"])
         except json.JSONDecodeError as error:
@@ -245,6 +262,8 @@ def _called_function(function: Any, where: str, call_index: int) -> dict[str, An
             raise bad_request(
                 f"{param}.arguments nests JSON arrays or objects too deeply", param
             ) from None
+        if decoded["arguments"] is None:  # "null"
+            decoded["arguments"] = {}
     return decoded
 
 
@@ -269,7 +288,7 @@ def check_context(
     """400 unless the prompt plus the tokens asked for fit in the context, as OpenAI checks."""
     if num_prompt_tokens == 0:
         raise bad_request(f"{where} is empty: give at least one token", param)
-    if max_tokens is None:
+    if not max_tokens:  # none given, or 0 (echo alone): the engine still keeps one position
         if num_prompt_tokens >= max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {max_model_len} tokens, and {where} "

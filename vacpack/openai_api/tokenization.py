@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.openai_api.errors import bad_request
-from vacpack.openai_api.protocol import DetokenizeRequest, TokenizeRequest
-from vacpack.tokenizer import apply_chat_template
+from vacpack.openai_api.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from vacpack.openai_api.requests import render_chat
 
 
 def tokenize_body(
-    request: TokenizeRequest, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+    request: TokenizeRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    max_model_len: int,
+    tool_call_parser: str = "auto",
 ) -> dict[str, Any]:
-    """{"count", "max_model_len", "tokens", "token_strs"} for a prompt or chat messages."""
+    """{"count", "max_model_len", "tokens", "token_strs"} for a prompt or chat messages; the
+    messages' count is the prompt_tokens a chat completion of them reports."""
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("give either prompt or messages", "prompt")
     if request.prompt is not None:
@@ -28,19 +31,13 @@ def tokenize_body(
                 "tokens of messages",
                 "add_special_tokens",
             )
-        conversation = [
-            {"role": message.role, "content": message.text()} for message in request.messages or []
-        ]
-        try:
-            token_ids = apply_chat_template(
-                tokenizer,
-                conversation,
-                add_generation_prompt=request.add_generation_prompt is not False,
-                **(request.chat_template_kwargs or {}),
-            )
-        except (TemplateError, ValueError, TypeError, RecursionError) as error:
-            message = f"the chat template could not render messages: {error}"
-            raise bad_request(message, "messages") from None
+        chat = ChatCompletionRequest(
+            messages=request.messages or [],
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+        token_ids, _ = render_chat(chat, tokenizer, tool_call_parser)
     return {
         "count": len(token_ids),
         "max_model_len": max_model_len,

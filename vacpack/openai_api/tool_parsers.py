@@ -128,7 +128,7 @@ class HermesToolParser(ToolParser):
     def _call(block: str) -> ToolCall | None:
         try:
             return call_from_json(json.loads(block))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the stack
             return None
 
 
@@ -147,7 +147,7 @@ class Llama3JsonToolParser(ToolParser):
         while True:
             try:
                 value, end = decoder.raw_decode(body, position)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # text, not a call
                 return ParsedOutput(text, [])
             call = call_from_json(value)
             if call is None:

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from vacpack.openai_api.errors import APIError, bad_request
+from vacpack.openai_api.errors import APIError, bad_request, internal_error
 from vacpack.openai_api.logprobs import DecodeToken, token_decoder
 from vacpack.openai_api.pooling import (
     PreparedPooling,
@@ -203,6 +203,11 @@ class OpenAIHandlers:
         except APIError as error:
             # The status line has gone out already: the error travels as a last event.
             yield _sse(error.to_body()) + _SSE_DONE
+        except Exception as error:
+            # A bug this output hit: the client still gets an error event and the end of the
+            # stream, not a connection cut mid-body.
+            logger.exception("a streamed response failed")
+            yield _sse(internal_error(error).to_body()) + _SSE_DONE
         finally:
             # Reached on normal end, on an error, and when Starlette cancels us on disconnect.
             if not stream.finished:
@@ -249,7 +254,9 @@ class OpenAIHandlers:
     def _tokenize(self, body: bytes) -> dict[str, Any]:
         request = parse_body(TokenizeRequest, body)
         self._check_model(request.model)
-        return tokenize_body(request, self.tokenizer, self.max_model_len)
+        return tokenize_body(
+            request, self.tokenizer, self.max_model_len, self.config.tool_call_parser
+        )
 
     def _detokenize(self, body: bytes) -> dict[str, Any]:
         request = parse_body(DetokenizeRequest, body)
