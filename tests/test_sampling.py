@@ -242,6 +242,23 @@ def test_different_seeds_give_different_tokens() -> None:
     assert sampled[0] != sampled[1]
 
 
+@pytest.mark.parametrize(("seed", "other"), [(-1, 2**32 - 1), (0, 2**32), (5, 2**63 + 5)])
+def test_seeds_differing_only_in_high_bits_differ(seed: int, other: int) -> None:
+    # torch's CPU generator keeps a seed's low 32 bits; the request's whole seed must count.
+    draws = [
+        torch.rand(8, generator=make_request_generator(s, DEVICE), device=DEVICE).tolist()
+        for s in (seed, other, seed)
+    ]
+    assert draws[0] != draws[1] and draws[0] == draws[2]
+
+
+def test_a_seed_below_2_32_draws_what_torch_draws_with_it() -> None:
+    # Seeds a client used before keep their samples.
+    expected = torch.rand(8, generator=torch.Generator(DEVICE).manual_seed(1234), device=DEVICE)
+    drawn = torch.rand(8, generator=make_request_generator(1234, DEVICE), device=DEVICE)
+    assert torch.equal(drawn, expected)
+
+
 @pytest.mark.parametrize(
     ("params", "allowed"),
     [

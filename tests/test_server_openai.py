@@ -12,6 +12,7 @@ import openai
 import pytest
 from server_process import ServerProcess, running_server
 
+import vacpack
 from vacpack import LLM
 
 MAX_MODEL_LEN = 256
@@ -66,8 +67,15 @@ def test_the_server_froze_its_start_up_objects(server: ServerProcess) -> None:
     assert int(frozen.group(1)) > 50_000
 
 
-def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+def test_models_lists_and_retrieves_the_served_name(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
     assert [model.id for model in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("Qwen/Qwen2.5-0.5B")
+    version = httpx.get(f"{server.base_url}/version").json()["version"]
+    assert version == vacpack.__version__
 
 
 def test_completion_has_the_openai_shape(client: openai.OpenAI) -> None:

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vacpack import __version__
 from vacpack.openai_api.errors import APIError, internal_error
 from vacpack.openai_api.responses import now_s
 from vacpack.server.handlers import ClientDisconnected, OpenAIHandlers, json_response
@@ -144,9 +145,18 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": __version__})
+
     @app.get("/v1/models")
     async def models() -> Response:
         return handlers.models(created)
+
+    # The model's id may hold slashes (a hub name such as Qwen/Qwen2.5-0.5B).
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return handlers.model(model_id, created)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -88,14 +88,21 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------ small endpoints
     def models(self, created: int) -> Response:
-        model = {
+        return json_response({"object": "list", "data": [self._model_card(created)]})
+
+    def model(self, model_id: str, created: int) -> Response:
+        """The served model's card, or 404 model_not_found for any other id."""
+        self._check_model(model_id)
+        return json_response(self._model_card(created))
+
+    def _model_card(self, created: int) -> dict[str, Any]:
+        return {
             "id": self.config.served_model_name,
             "object": "model",
             "created": created,
             "owned_by": "vacpack",
             "max_model_len": self.max_model_len,
         }
-        return json_response({"object": "list", "data": [model]})
 
     def _check_model(self, model: str | None) -> None:
         check_model(model, self.config.served_model_name)
