@@ -44,6 +44,10 @@ class EngineConfig:
     """Reuse the KV pages of repeated prefixes."""
     seed: int = 0
     """Seed of the engine's random generator (requests may carry their own)."""
+    generation_config: str = "auto"
+    """Defaults for the sampling fields a request leaves out (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_tokens): auto (the model's generation_config.json), vllm (none:
+    the library's own defaults), or a folder holding a generation_config.json."""
     kv_cache_dtype: str = "auto"
     """The KV cache's dtype: auto (the weights': a bfloat16 checkpoint computed in float32 on a
     CPU keeps its cache bfloat16 too), bfloat16, float16 or float32: the model's dtype, or on a

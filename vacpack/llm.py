@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from vacpack.config import EngineConfig
 from vacpack.distributed.driver import Driver
 from vacpack.engine.engine import LLMEngine
+from vacpack.generation_defaults import sampling_defaults
 from vacpack.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -72,6 +73,15 @@ class LLM:
             )
         else:
             self.loaded = load(self.config)
+        self.sampling_defaults: Mapping[str, Any] = MappingProxyType(
+            sampling_defaults(self.config.generation_config, self.loaded.model_dir)
+        )
+        try:
+            self.get_default_sampling_params()
+        except ValueError as error:
+            raise ValueError(
+                f"the model's recommended sampling ({self.config.generation_config}): {error}"
+            ) from None
         self._engine: LLMEngine | None = None
         self._corpus_runner: CorpusRunner | None = None
         self._request_counter = itertools.count()
@@ -95,6 +105,11 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.loaded.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        recommended sampling (generation_config), else SamplingParams' defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (nothing to do for one process)."""
@@ -124,7 +139,10 @@ class LLM:
         others and leaves the engine ready for the next call.
         """
         batch = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(batch))
+        params_list = _as_params_list(
+            self.get_default_sampling_params() if sampling_params is None else sampling_params,
+            len(batch),
+        )
         encoded = [self._encode(prompt) for prompt in batch]
         for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list, strict=True)):
             try:
@@ -345,10 +363,8 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 def _as_params_list(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     params_list = list(sampling_params)

@@ -205,6 +205,7 @@ class PromptFileRunner:
         self._engine = llm.engine
         self._tokenizer = llm.get_tokenizer()
         self._max_model_len = llm.loaded.max_model_len
+        self._sampling_defaults = llm.sampling_defaults
         self._defaults = defaults
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
         self._show_progress = options.show_progress
@@ -271,7 +272,11 @@ class PromptFileRunner:
         request = parse_body(CompletionRequest, {**self._defaults, **(line.fields or {})})
         check_n(request.n, self._max_n)
         prepared = prepare_completion(
-            request, self._tokenizer, self._max_model_len, RequestOutputKind.FINAL_ONLY
+            request,
+            self._tokenizer,
+            self._max_model_len,
+            RequestOutputKind.FINAL_ONLY,
+            sampling_defaults=self._sampling_defaults,
         )
         if len(prepared.prompts) != 1:
             raise bad_request("give one prompt per line, not a list", "prompt")

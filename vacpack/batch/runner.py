@@ -126,6 +126,7 @@ class BatchRunner:
         self._tokenizer = llm.get_tokenizer()
         self._decode_token = token_decoder(self._tokenizer)
         self._max_model_len = llm.loaded.max_model_len
+        self._sampling_defaults = llm.sampling_defaults
         self._model_name = options.served_model_name or llm.config.model
         self._options = options
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
@@ -242,7 +243,13 @@ class BatchRunner:
         if self._engine is None:
             raise bad_request("this model does not generate text: it has no LM head", "model")
         kind = RequestOutputKind.FINAL_ONLY  # one output per request: nothing built per step
-        prepared = prepare_generation(request, self._tokenizer, self._max_model_len, kind)
+        prepared = prepare_generation(
+            request,
+            self._tokenizer,
+            self._max_model_len,
+            kind,
+            sampling_defaults=self._sampling_defaults,
+        )
         return _Ready(line, response_id, prepared=prepared)
 
     def _prepare_pooling(

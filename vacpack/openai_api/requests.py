@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any, Literal
 
 from jinja2 import TemplateError
@@ -37,6 +38,7 @@ from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template, decode_text
 
 _SAMPLING_FIELD_NAMES = {f.name for f in fields(SamplingParams)}
+NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 
 GenerationKind = Literal["completion", "chat"]
@@ -92,14 +94,23 @@ def prepare_generation(
     max_model_len: int,
     output_kind: RequestOutputKind,
     tool_call_parser: str = "auto",
+    sampling_defaults: Mapping[str, Any] = NO_DEFAULTS,
 ) -> PreparedGeneration:
     """What the engine runs for a parsed completions or chat request (tool_call_parser: see
-    prepare_chat)."""
+    prepare_chat; sampling_defaults: SamplingParams fields for those the request leaves out,
+    the model's recommended sampling, generation_defaults.py)."""
     if isinstance(request, ChatCompletionRequest):
         return prepare_chat(
-            request, tokenizer, max_model_len, output_kind, tool_call_parser=tool_call_parser
+            request,
+            tokenizer,
+            max_model_len,
+            output_kind,
+            tool_call_parser=tool_call_parser,
+            sampling_defaults=sampling_defaults,
         )
-    return prepare_completion(request, tokenizer, max_model_len, output_kind)
+    return prepare_completion(
+        request, tokenizer, max_model_len, output_kind, sampling_defaults=sampling_defaults
+    )
 
 
 def prepare_completion(
@@ -107,6 +118,7 @@ def prepare_completion(
     tokenizer: PreTrainedTokenizerBase,
     max_model_len: int,
     output_kind: RequestOutputKind,
+    sampling_defaults: Mapping[str, Any] = NO_DEFAULTS,
 ) -> PreparedGeneration:
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
@@ -127,6 +139,7 @@ def prepare_completion(
         output_kind=output_kind,
         renamed={"prompt_logprobs": "logprobs"},
         extra={"structured_outputs": structured_outputs(request)},
+        defaults=sampling_defaults,
     )
     for index, prompt in enumerate(prompts):
         where = f"prompt {index}" if len(prompts) > 1 else "the prompt"
@@ -148,6 +161,7 @@ def prepare_chat(
     max_model_len: int,
     output_kind: RequestOutputKind,
     tool_call_parser: str = "auto",
+    sampling_defaults: Mapping[str, Any] = NO_DEFAULTS,
 ) -> PreparedGeneration:
     """tool_call_parser: a name from tool_parsers.TOOL_CALL_PARSERS ("auto": from the chat
     template)."""
@@ -165,6 +179,7 @@ def prepare_chat(
         prompt_logprobs=None,
         output_kind=output_kind,
         renamed={"logprobs": "top_logprobs", "max_tokens": max_tokens_field},
+        defaults=sampling_defaults,
         extra={
             "structured_outputs": structured_outputs(request, tool_plan),
             # A tool call's markers may be special tokens: the parser must see them.
@@ -328,9 +343,10 @@ def _sampling_params(
     output_kind: RequestOutputKind,
     renamed: dict[str, str],
     extra: dict[str, Any],
+    defaults: Mapping[str, Any],
 ) -> SamplingParams:
-    """SamplingParams from the request (and `extra` fields); None fields keep SamplingParams'
-    defaults.
+    """SamplingParams from the request (and `extra` fields); a field it leaves out (None) takes
+    `defaults`' value (the model's recommended sampling), else SamplingParams' default.
 
     `renamed` maps a SamplingParams field to the request field it came from, so a 400 names
     the field the client actually sent.
@@ -357,6 +373,9 @@ def _sampling_params(
         **extra,
     }
     kwargs = {name: value for name, value in given.items() if value is not None}
+    kwargs = {**{k: v for k, v in defaults.items() if k != "max_tokens"}, **kwargs}
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     try:
         return SamplingParams(max_tokens=max_tokens, output_kind=output_kind, **kwargs)
     except ValueError as error:

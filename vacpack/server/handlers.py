@@ -11,7 +11,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -85,6 +85,8 @@ class OpenAIHandlers:
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     pooling: PoolingFunctions
+    # The model's recommended sampling, for fields a request leaves out (generation_defaults).
+    sampling_defaults: Mapping[str, Any]
 
     # ------------------------------------------------------------ small endpoints
     def models(self, created: int) -> Response:
@@ -144,6 +146,7 @@ class OpenAIHandlers:
             self.max_model_len,
             output_kind,
             tool_call_parser=self.config.tool_call_parser,
+            sampling_defaults=self.sampling_defaults,
         )
 
     async def _generate(

@@ -55,7 +55,9 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
         trust_remote_code=llm.config.trust_remote_code,
         revision=llm.config.revision,
     )
-    handlers = OpenAIHandlers(config, async_engine, tokenizer, loaded.max_model_len, pooling)
+    handlers = OpenAIHandlers(
+        config, async_engine, tokenizer, loaded.max_model_len, pooling, llm.sampling_defaults
+    )
     app = build_app(handlers, metrics)
     # For a host's own health checks of the engine (Ray Serve's check_health).
     app.state.async_engine = async_engine
