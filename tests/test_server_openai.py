@@ -214,7 +214,23 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     for entry in content:
         assert len(entry.top_logprobs) == 2
         assert entry.logprob == entry.top_logprobs[0].logprob
-        assert entry.bytes == list(entry.token.encode())
+        if "\ufffd" not in entry.token:  # whole characters: their text's bytes
+            assert entry.bytes == list(entry.token.encode())
+
+
+def test_chat_logprobs_bytes_rebuild_characters_split_across_tokens(client: openai.OpenAI) -> None:
+    text = "a 😀 b é"  # the emoji is several byte-level tokens here, each U+FFFD alone
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=32,
+        logprobs=True,
+        extra_body={"structured_outputs": {"choice": [text]}},
+    )
+    assert response.choices[0].message.content == text
+    content = response.choices[0].logprobs.content
+    assert any(entry.token == "\ufffd" for entry in content), "no character split in this test"
+    assert b"".join(bytes(entry.bytes) for entry in content) == text.encode()
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI) -> None:

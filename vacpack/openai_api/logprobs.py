@@ -7,24 +7,33 @@ candidates. JSON has no -inf, so an impossible token's logprob is sent as -9999.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from vacpack.openai_api.token_bytes import token_bytes_reader
 from vacpack.outputs import Logprob, PositionLogprobs
 from vacpack.tokenizer import decode_text
-
-# What a token id reads as, for positions whose Logprob carries no decoded text.
-DecodeToken = Callable[[int], str]
 
 _JSON_SAFE_MIN_LOGPROB = -9999.0
 
 
+class DecodeToken:
+    """What a token id reads as, for positions whose Logprob carries no decoded text: its own
+    text, decoded alone; and its own bytes (token_bytes.py)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self.token_bytes = token_bytes_reader(tokenizer)
+
+    def __call__(self, token_id: int) -> str:
+        return decode_text(self._tokenizer, [token_id])
+
+
 def token_decoder(tokenizer: PreTrainedTokenizerBase) -> DecodeToken:
-    """A token id's own text, decoded alone."""
-    return lambda token_id: decode_text(tokenizer, [token_id])
+    return DecodeToken(tokenizer)
 
 
 def json_safe(logprob: float) -> float:
@@ -121,7 +130,7 @@ def _chat_entry(token_id: int, logprob: Logprob | None, decode_token: DecodeToke
     return {
         "token": text,
         "logprob": json_safe(logprob.logprob) if logprob else _JSON_SAFE_MIN_LOGPROB,
-        "bytes": list(text.encode("utf-8")),
+        "bytes": list(decode_token.token_bytes(token_id, text)),
     }
 
 
