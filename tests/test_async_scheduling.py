@@ -156,6 +156,28 @@ def test_sampling_controls_identical_with_overlap_on_and_off(engines) -> None:
     _assert_no_leaks(overlapped)
 
 
+def test_a_prompt_only_request_launches_no_empty_step(engines, monkeypatch) -> None:
+    """max_tokens 0: once its last prompt chunk is in flight there is nothing left to compute,
+    and no step may be launched for it (an empty forward, a zero-length row for attention)."""
+    _, overlapped = engines
+    engine = overlapped.engine
+    chunk_sizes: list[list[int]] = []
+    prepare = engine.runner.prepare
+
+    def recording_prepare(chunks):
+        chunk_sizes.append([chunk.num_new_tokens for chunk in chunks])
+        return prepare(chunks)
+
+    monkeypatch.setattr(engine.runner, "prepare", recording_prepare)
+    prompt = _prompts(overlapped.loaded.config.vocab_size, [70], seed=5)
+    [output] = overlapped.generate(
+        prompt, SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False
+    )
+    assert len(output.prompt_logprobs) == 70
+    assert chunk_sizes == [[32], [32], [6]]  # the 32-token budget's chunks, nothing after
+    _assert_no_leaks(overlapped)
+
+
 def test_preemption_with_tokens_in_flight(model_dir, device) -> None:
     """A tiny KV cache forces preemptions of requests whose last token is still being sampled;
     outputs stay those of a roomy synchronous engine and nothing leaks."""

@@ -267,3 +267,15 @@ def test_delta_outputs_add_up_to_the_final_output(llm: LLM) -> None:
     assert texts == [text[: text.index(stop)]] * 2
     assert finish == ["stop", "stop"]
     assert token_ids[0] == token_ids[1] and len(logprobs[0]) == len(token_ids[0])
+
+
+def test_cumulative_outputs_keep_what_they_held_when_returned(llm: LLM) -> None:
+    # Each streamed output owns its lists: the engine keeps appending to the sequence's.
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    engine.add_request("cumulative", _random_prompts(llm, 1, seed=9)[0], params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [output.outputs[0] for output in engine.step()]
+    assert [len(output.token_ids) for output in outputs] == [1, 2, 3, 4, 5, 6]
+    assert [len(output.logprobs) for output in outputs] == [1, 2, 3, 4, 5, 6]

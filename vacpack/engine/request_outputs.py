@@ -56,7 +56,7 @@ def _cumulative_completion(index: int, sequence: Sequence) -> CompletionOutput:
         text=sequence.detokenizer.output_text,
         token_ids=sequence.output_token_ids,
         cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
-        logprobs=sequence.logprobs,
+        logprobs=_copy(sequence.logprobs),
         finish_reason=sequence.finish_reason,
         stop_reason=sequence.stop_reason,
     )
@@ -82,5 +82,5 @@ def _delta_completion(index: int, sequence: Sequence) -> CompletionOutput | None
 
 
 def _copy(prompt_logprobs: list | None) -> list | None:
-    """Outputs get their own list: the engine keeps appending to the request's."""
+    """Outputs get their own list: the engine keeps appending to the sequence's."""
     return None if prompt_logprobs is None else list(prompt_logprobs)

@@ -127,8 +127,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             sequence = self.running[index]
-            if sequence.all_tokens_scheduled:
-                index += 1  # finishes by length once its launched steps are read
+            # Finishes once its launched steps are read: by length, or a prompt-only request
+            # (max_tokens 0) whose last prompt chunk is in flight, with nothing left to compute.
+            if sequence.all_tokens_scheduled or sequence.num_tokens == sequence.num_computed_tokens:
+                index += 1
                 continue
             num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
             self.pages.release_dead_pages(sequence)
