@@ -89,7 +89,9 @@ class EmbeddingRequestOutput:
 
 @dataclass(frozen=True)
 class ClassificationOutput:
-    probs: list[float]  # one per label, summing to 1
+    # One per label: a softmax, or each label's sigmoid for one label (a cross-encoder's score)
+    # or multi-label classification, as transformers' text-classification pipeline.
+    probs: list[float]
     label: str  # the most probable label's name
     labels: list[str]  # the names of probs' entries, from the model config's id2label
 

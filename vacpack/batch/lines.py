@@ -22,6 +22,8 @@ ENDPOINTS = (
     "/score",
     "/v1/rerank",
     "/rerank",
+    "/v1/classify",
+    "/classify",
 )
 
 _COUNT_CHUNK_BYTES = 1 << 20

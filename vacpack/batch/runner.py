@@ -27,6 +27,7 @@ from vacpack.openai_api.errors import APIError, bad_request, internal_error, ref
 from vacpack.openai_api.logprobs import token_decoder
 from vacpack.openai_api.pooling import (
     PreparedPooling,
+    prepare_classify,
     prepare_embeddings,
     prepare_rerank,
     prepare_score,
@@ -34,6 +35,7 @@ from vacpack.openai_api.pooling import (
 )
 from vacpack.openai_api.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
     RerankRequest,
@@ -68,17 +70,20 @@ _RESPONSE_ID_PREFIXES = {
     "/score": "score",
     "/v1/rerank": "rerank",
     "/rerank": "rerank",
+    "/v1/classify": "classify",
+    "/classify": "classify",
 }
-_POOLING_REQUESTS: dict[str, type[EmbeddingRequest | ScoreRequest | RerankRequest]] = {
+_PoolingRequest = EmbeddingRequest | ScoreRequest | RerankRequest | ClassificationRequest
+_POOLING_REQUESTS: dict[str, type[_PoolingRequest]] = {
     "/v1/embeddings": EmbeddingRequest,
     "/v1/score": ScoreRequest,
     "/score": ScoreRequest,
     "/v1/rerank": RerankRequest,
     "/rerank": RerankRequest,
+    "/v1/classify": ClassificationRequest,
+    "/classify": ClassificationRequest,
 }
-_BatchRequest = (
-    CompletionRequest | ChatCompletionRequest | EmbeddingRequest | ScoreRequest | RerankRequest
-)
+_BatchRequest = CompletionRequest | ChatCompletionRequest | _PoolingRequest
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ class BatchRunner:
         """The line checked as the server checks a request, in the same order."""
         request = _parse_request(line)
         check_model(request.model, self._model_name)
-        if isinstance(request, EmbeddingRequest | ScoreRequest | RerankRequest):
+        if isinstance(request, _PoolingRequest):
             return _Ready(line, response_id, pooling=self._prepare_pooling(request, response_id))
         check_n(request.n, self._options.max_n)
         check_num_sequences(request.num_prompts, request.n, self._options.max_sequences_per_request)
@@ -252,12 +257,12 @@ class BatchRunner:
         )
         return _Ready(line, response_id, prepared=prepared)
 
-    def _prepare_pooling(
-        self, request: EmbeddingRequest | ScoreRequest | RerankRequest, response_id: str
-    ) -> PreparedPooling:
+    def _prepare_pooling(self, request: _PoolingRequest, response_id: str) -> PreparedPooling:
         name, functions = self._model_name, self._pooling
         if isinstance(request, EmbeddingRequest):
             return prepare_embeddings(request, functions, name)
+        if isinstance(request, ClassificationRequest):
+            return prepare_classify(request, functions, name, response_id)
         if isinstance(request, ScoreRequest):
             return prepare_score(request, functions, name, response_id)
         return prepare_rerank(request, functions, name, response_id)

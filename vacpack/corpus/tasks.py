@@ -264,13 +264,18 @@ class ClassifyTask(WholeTextTask):
         id2label = getattr(loaded.config, "id2label", None) or {}
         num_labels = int(getattr(loaded.config, "num_labels", len(id2label)))
         self.labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(num_labels)]
+        # As transformers' text-classification pipeline: each label its own sigmoid where one
+        # label is a score (a cross-encoder) or labels are not exclusive; else a softmax.
+        problem_type = getattr(loaded.hf_config, "problem_type", None)
+        self.independent_labels = num_labels == 1 or problem_type == "multi_label_classification"
 
     def process(
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
     ) -> list[ClassificationRequestOutput]:
         model = self.loaded.model
         assert isinstance(model, SequenceClassifier), "checked when the task was made"
-        probs = torch.softmax(model.classify(hidden, seq_lens).float(), dim=-1)
+        logits = model.classify(hidden, seq_lens).float()
+        probs = torch.sigmoid(logits) if self.independent_labels else torch.softmax(logits, -1)
         results = []
         for doc, row in zip(documents, probs.cpu().tolist(), strict=True):
             best = max(range(len(row)), key=row.__getitem__)

@@ -1,4 +1,5 @@
-"""Embedding, score and rerank requests: checked, run in packed jobs, answered in vLLM's shapes.
+"""Embedding, score, rerank and classify requests: checked, run in packed jobs, answered in
+vLLM's shapes.
 
 The server and batch files both prepare a request here (every 400 a request can earn before it
 runs), then run many prepared requests at once with `run_pooling`: requests that can share a
@@ -18,6 +19,7 @@ from vacpack.corpus.scoring import TextPair, pair_inputs
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.protocol import (
     SCORE_FIELD_PAIRS,
+    ClassificationRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
@@ -25,14 +27,15 @@ from vacpack.openai_api.protocol import (
 from vacpack.openai_api.requests import prepare_embedding
 from vacpack.openai_api.responses import embedding_body, now_s
 from vacpack.openai_api.serving import PoolingFunctions, run_grouped
-from vacpack.outputs import ScoringRequestOutput
+from vacpack.outputs import ClassificationRequestOutput, ScoringRequestOutput
 
 
 @dataclass(frozen=True)
 class PreparedPooling:
     """A request ready to run: its inputs, which job it may share, how to answer it."""
 
-    # ("embed", dimensions) or ("score", use_activation): requests with equal keys share a job.
+    # ("embed", dimensions), ("score", use_activation) or ("classify", None): requests with
+    # equal keys share a job.
     job_key: tuple[str, Any]
     inputs: list[Any]  # texts or token ids to embed, or (text_1, text_2) pairs
     finish: Callable[[list[Any]], dict[str, Any]]  # the job's outputs -> the response body
@@ -54,6 +57,19 @@ def prepare_embeddings(
         job_key=("embed", request.dimensions),
         inputs=prepare_embedding(request),
         finish=partial(_embeddings_finish, model_name, encoding_format),
+        error_param="input",
+    )
+
+
+def prepare_classify(
+    request: ClassificationRequest, functions: PoolingFunctions, model_name: str, response_id: str
+) -> PreparedPooling:
+    if functions.classify is None:
+        raise bad_request(functions.no_classify_reason, "model")
+    return PreparedPooling(
+        job_key=("classify", None),
+        inputs=prepare_embedding(request),
+        finish=partial(classification_body, response_id, model_name, now_s()),
         error_param="input",
     )
 
@@ -159,6 +175,31 @@ def score_body(
     }
 
 
+def classification_body(
+    response_id: str,
+    model_name: str,
+    created: int,
+    outputs: Sequence[ClassificationRequestOutput],
+) -> dict[str, Any]:
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {
+        "id": response_id,
+        "object": "list",
+        "created": created,
+        "model": model_name,
+        "data": [
+            {
+                "index": index,
+                "label": output.outputs.label,
+                "probs": list(output.outputs.probs),
+                "num_classes": len(output.outputs.probs),
+            }
+            for index, output in enumerate(outputs)
+        ],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+    }
+
+
 def rerank_body(
     response_id: str,
     model_name: str,
@@ -192,6 +233,9 @@ def _job_function(
     functions: PoolingFunctions, key: tuple[str, Any]
 ) -> Callable[[list[Any]], list[Any]]:
     kind, option = key
+    if kind == "classify":
+        assert functions.classify is not None, "prepare_classify refuses it"
+        return functions.classify
     function = functions.embed if kind == "embed" else functions.score
     assert function is not None, "prepare_* refuses requests the model does not serve"
     return partial(function, **{"dimensions" if kind == "embed" else "use_activation": option})

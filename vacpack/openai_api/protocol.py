@@ -150,6 +150,14 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
 
+class ClassificationRequest(_Body):
+    """vLLM's /classify: label probabilities of each input, from a sequence classifier."""
+
+    model: str | None = None
+    input: PromptInput
+    user: str | None = None
+
+
 # vLLM's /score takes its two sides under any of these pairs of names.
 SCORE_FIELD_PAIRS = (
     ("text_1", "text_2"),

@@ -26,6 +26,7 @@ from vacpack.openai_api.output_constraints import (
 from vacpack.openai_api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
     PromptInput,
@@ -282,8 +283,10 @@ def _called_function(function: Any, where: str, call_index: int) -> dict[str, An
     return decoded
 
 
-def prepare_embedding(request: EmbeddingRequest) -> list[str | list[int]]:
-    """The inputs to embed, as texts or token-id lists (the embedding job tokenizes text)."""
+def prepare_embedding(
+    request: EmbeddingRequest | ClassificationRequest,
+) -> list[str | list[int]]:
+    """The inputs to embed or classify, as texts or token-id lists (the job tokenizes text)."""
     inputs = split_prompt_input(request.input)
     if not inputs:
         raise bad_request("input must not be an empty list", "input")

@@ -6,6 +6,8 @@
   last token, normalized, unless sentence-transformers files say otherwise).
 - Scores (/score, /rerank): a cross-encoder (a classifier with one label) scores each pair
   whole; any embedding-capable model scores the cosine similarity of the two embeddings.
+- Classification (/classify): a sequence classifier's label probabilities, for any number of
+  labels.
 Requests of a kind a model does not serve get a 400 naming the reason.
 """
 
@@ -20,7 +22,11 @@ from vacpack.engine.engine import LLMEngine
 from vacpack.llm import LLM
 from vacpack.models.base import SequenceClassifier
 from vacpack.models.pooling import check_dimensions
-from vacpack.outputs import EmbeddingRequestOutput, ScoringRequestOutput
+from vacpack.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    ScoringRequestOutput,
+)
 
 EmbedInput = str | list[int]
 # Texts or token-id lists in (and the Matryoshka dimensions, None for all), one output per
@@ -28,6 +34,8 @@ EmbedInput = str | list[int]
 EmbedFunction = Callable[[list[EmbedInput], int | None], list[EmbeddingRequestOutput]]
 # (text_1, text_2) pairs in (and whether a cross-encoder's sigmoid applies), one score each out.
 ScoreFunction = Callable[[list[TextPair], bool], list[ScoringRequestOutput]]
+# Texts or token-id lists in, their label probabilities out, in order.
+ClassifyFunction = Callable[[list[EmbedInput]], list[ClassificationRequestOutput]]
 
 
 @dataclass(frozen=True)
@@ -36,9 +44,11 @@ class PoolingFunctions:
 
     embed: EmbedFunction | None
     score: ScoreFunction | None
+    classify: ClassifyFunction | None
     check_dimensions: Callable[[int], None]  # ValueError if embeddings may not be cut to it
     no_embed_reason: str
     no_score_reason: str
+    no_classify_reason: str
 
 
 def generation_engine(llm: LLM) -> LLMEngine | None:
@@ -60,6 +70,9 @@ def pooling_functions(llm: LLM) -> PoolingFunctions:
         texts_1, texts_2 = [a for a, _ in pairs], [b for _, b in pairs]
         return llm.score(texts_1, texts_2, use_activation=use_activation, use_tqdm=False)
 
+    def classify(inputs: list[EmbedInput]) -> list[ClassificationRequestOutput]:
+        return llm.classify(inputs, use_tqdm=False)
+
     def check(dimensions: int) -> None:
         check_dimensions(dimensions, config.hidden_size, loaded.hf_config)
 
@@ -67,6 +80,7 @@ def pooling_functions(llm: LLM) -> PoolingFunctions:
     return PoolingFunctions(
         embed=None if is_classifier else embed,
         score=score if serves_score else None,
+        classify=classify if is_classifier else None,
         check_dimensions=check,
         no_embed_reason=(
             f"this model does not serve embeddings: {architecture} is a classifier"
@@ -75,6 +89,10 @@ def pooling_functions(llm: LLM) -> PoolingFunctions:
         no_score_reason=(
             f"this model does not serve scores: {architecture} has {num_labels} labels, and "
             "scoring needs a cross-encoder with one label or an embedding model"
+        ),
+        no_classify_reason=(
+            f"this model does not classify: {architecture} has no classification head (a "
+            "*ForSequenceClassification checkpoint has one)"
         ),
     )
 

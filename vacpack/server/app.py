@@ -181,6 +181,12 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     async def rerank(request: Request) -> Response:
         return await handlers.rerank(request)
 
+    # vLLM's path, and with /v1 as the other pooling endpoints have it.
+    @app.post("/v1/classify")
+    @app.post("/classify")
+    async def classify(request: Request) -> Response:
+        return await handlers.classify(request)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await handlers.tokenize(request)

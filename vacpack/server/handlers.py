@@ -23,11 +23,13 @@ from vacpack.openai_api.errors import APIError, bad_request, internal_error
 from vacpack.openai_api.logprobs import DecodeToken, token_decoder
 from vacpack.openai_api.pooling import (
     PreparedPooling,
+    prepare_classify,
     prepare_embeddings,
     prepare_rerank,
     prepare_score,
 )
 from vacpack.openai_api.protocol import (
+    ClassificationRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     RerankRequest,
@@ -233,6 +235,9 @@ class OpenAIHandlers:
     async def rerank(self, raw: Request) -> Response:
         return await self._pool(raw, self._prepare_rerank)
 
+    async def classify(self, raw: Request) -> Response:
+        return await self._pool(raw, self._prepare_classify)
+
     async def _pool(self, raw: Request, prepare: Callable[[bytes], PreparedPooling]) -> Response:
         prepared = await asyncio.to_thread(prepare, await raw.body())
         return json_response(await _unless_disconnected(self.engine.pool(prepared), raw))
@@ -253,6 +258,12 @@ class OpenAIHandlers:
         self._check_model(request.model)
         name = self.config.served_model_name
         return prepare_rerank(request, self.pooling, name, new_response_id("rerank"))
+
+    def _prepare_classify(self, body: bytes) -> PreparedPooling:
+        request = parse_body(ClassificationRequest, body)
+        self._check_model(request.model)
+        name = self.config.served_model_name
+        return prepare_classify(request, self.pooling, name, new_response_id("classify"))
 
     # ------------------------------------------------------------ tokenizer
     async def tokenize(self, raw: Request) -> Response:
