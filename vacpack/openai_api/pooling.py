@@ -161,18 +161,11 @@ def run_pooling_apart_on_failure(
 def score_body(
     response_id: str, model_name: str, created: int, outputs: Sequence[ScoringRequestOutput]
 ) -> dict[str, Any]:
-    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    return {
-        "id": response_id,
-        "object": "list",
-        "created": created,
-        "model": model_name,
-        "data": [
-            {"index": index, "object": "score", "score": output.outputs.score}
-            for index, output in enumerate(outputs)
-        ],
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
-    }
+    data = [
+        {"index": index, "object": "score", "score": output.outputs.score}
+        for index, output in enumerate(outputs)
+    ]
+    return _list_body(response_id, model_name, created, data, outputs)
 
 
 def classification_body(
@@ -181,21 +174,33 @@ def classification_body(
     created: int,
     outputs: Sequence[ClassificationRequestOutput],
 ) -> dict[str, Any]:
+    data = [
+        {
+            "index": index,
+            "label": output.outputs.label,
+            "probs": list(output.outputs.probs),
+            "num_classes": len(output.outputs.probs),
+        }
+        for index, output in enumerate(outputs)
+    ]
+    return _list_body(response_id, model_name, created, data, outputs)
+
+
+def _list_body(
+    response_id: str,
+    model_name: str,
+    created: int,
+    data: list[dict[str, Any]],
+    outputs: Sequence[ScoringRequestOutput | ClassificationRequestOutput],
+) -> dict[str, Any]:
+    """vLLM's list response of one entry per input, with the prompt tokens the inputs took."""
     num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {
         "id": response_id,
         "object": "list",
         "created": created,
         "model": model_name,
-        "data": [
-            {
-                "index": index,
-                "label": output.outputs.label,
-                "probs": list(output.outputs.probs),
-                "num_classes": len(output.outputs.probs),
-            }
-            for index, output in enumerate(outputs)
-        ],
+        "data": data,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
     }
 
