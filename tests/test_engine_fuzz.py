@@ -1,28 +1,29 @@
 """Differential fuzz of the generation engine: a batch equals each of its requests run alone.
 
-Each round draws, from its seed, an engine configuration (page size, a token budget small enough
-to chunk every prefill, max_num_seqs, prefix caching, async scheduling, attention backend, and
-for the rounds marked "tight" a KV pool barely over one sequence, so requests are preempted)
-and a batch of greedy requests built to meet the scheduler's corner cases: prompts that share
-prefixes cut on and next to page boundaries, duplicates, n > 1, stop tokens and strings drawn
-from what the request really generates (so they fire), min_tokens, ignore_eos, prompt-only
-requests with prompt logprobs, logprobs. Whatever the schedule, greedy decoding makes each
-request's output (tokens, finish and stop reason, text, logprobs) a function of the request
-alone, so it must equal the same request run by itself on a roomy reference engine (one
-sequence at a time, the whole prompt in one chunk, no prefix cache); greedy n > 1 samples must
-equal each other; after each round every KV page is back in the pool. The scheduler, the page
-pool, the prefix cache, preemption, sliding-window page release and async scheduling all have to
-be right for that to hold, and no hand-written expected output could cover their combinations.
+Greedy decoding makes a request's output (tokens, finish and stop reason, text, logprobs) a
+function of that request alone, whatever else shares its batches. So each round here runs a
+random batch on a randomly configured engine and requires every request's output to equal the
+same request run by itself on a roomy reference engine (one sequence at a time, the whole
+prompt in one chunk, no prefix cache); greedy n > 1 samples to equal each other; and every KV
+page to be back in the pool afterwards. The scheduler, the page pool, the prefix cache,
+chunked prefill, preemption, sliding-window page release and async scheduling must all be
+right for that to hold, in combinations no hand-written expected output would cover.
 
-Rounds run on Qwen3 (full attention) and on Mistral with a sliding window shorter than most
-prompts, so pages behind the window go back to the pool mid-sequence. The seed is in each
-test's id: `pytest tests/test_engine_fuzz.py -k seed3` replays a round.
+Each round draws from its seed an engine (page size, a token budget below most prompts'
+lengths so that prefills are chunked, max_num_seqs, prefix caching, async scheduling,
+attention backend; the rounds marked "tight" get a KV pool barely over one sequence and must
+preempt) and requests aimed at the scheduler's corner cases: prompts sharing prefixes cut on
+and next to page boundaries, duplicates, n > 1, stop tokens and strings taken from what the
+request generates (so they fire), min_tokens, ignore_eos, prompt-only requests with prompt
+logprobs, logprobs. Rounds run on Qwen3 (full attention) and on Mistral with a sliding window
+shorter than most prompts, so pages behind the window go back to the pool mid-sequence. The
+seed is in each test id: `pytest tests/test_engine_fuzz.py -k seed3` replays that round.
 
 A random model can put two tokens within float noise of each other, and then the argmax may
-flip between batch shapes (different kernels, different summation orders) with nothing wrong.
-As the fuzzer this test came from did, a divergence is accepted only when the reference
-engine's own logits of the two tokens at that position are within TIE_MARGIN; any other is a
-failure. With TINY_WEIGHT_INIT's spread logits none occurs on these seeds.
+flip between batch shapes (other kernels, other summation orders) with nothing wrong. As in
+the fuzzer this test comes from, a divergence passes only where the reference engine's own
+logits of the two tokens at that position are within TIE_MARGIN; any other fails. With
+TINY_WEIGHT_INIT's widely spread logits no such tie occurs on these seeds.
 """
 
 from __future__ import annotations
@@ -30,29 +31,39 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from vacpack import LLM, SamplingParams
 from vacpack.engine.engine import LLMEngine
+from vacpack.engine.model_runner import PreparedStep
 from vacpack.engine.step import ScheduledChunk
 from vacpack.engine.window_pages import RELEASED_PAGE
 from vacpack.outputs import CompletionOutput, PositionLogprobs, RequestOutput, RequestOutputKind
 
 MAX_MODEL_LEN = 64
-MAX_PROMPT_LEN = 44  # leaves room for outputs; a few prompts run up to MAX_MODEL_LEN on purpose
+MAX_PROMPT_LEN = 44  # leaves room for outputs
+NEAR_LIMIT_PROMPT_LEN = MAX_MODEL_LEN - 8  # a few prompts this long or longer end by max_model_len
 SLIDING_WINDOW = 12  # shorter than most prompts: Mistral's dead pages go back mid-sequence
 FAMILY_OVERRIDES: dict[str, dict[str, int]] = {
     "qwen3": {},
     "mistral": {"sliding_window": SLIDING_WINDOW},
 }
-# Logit gap (nats) under which two tokens count as tied: float noise between kernels is ~1e-5.
+# Logit gap under which two tokens count as tied: far above float32 noise between kernels.
 TIE_MARGIN = 1e-3
 # Logprobs computed in another batch shape differ by float noise, far below this.
 LOGPROB_TOLERANCE = 2e-3
+# A round takes a few hundred steps; far more means requests wait for pages that never come
+# back (a leak), and the test would otherwise hang instead of failing.
+MAX_STEPS_PER_ENGINE = 3000
+REFERENCE_PAGE_SIZE = 16
+# The aborted request of a step round asks for this many tokens and is aborted after 1 to 8.
+VICTIM_MAX_TOKENS = 16
 
 TinyCheckpointFactory = Callable[..., Path]
 
@@ -67,17 +78,31 @@ class FuzzRound:
         return f"{self.family}-{'tight' if self.tight_pool else 'roomy'}-seed{self.seed}"
 
 
+# Seeds picked so that between them the rounds draw page sizes 1, 2, 8 and 16, budgets of 3 to
+# 32 tokens, prefix caching and async scheduling each on and off (with a tight pool too), and
+# every request option above; not picked for passing: every seed tried passed.
 GENERATE_ROUNDS = [
-    FuzzRound("qwen3", 0, tight_pool=False),
-    FuzzRound("qwen3", 1, tight_pool=True),
-    FuzzRound("qwen3", 2, tight_pool=True),
-    FuzzRound("mistral", 3, tight_pool=False),
-    FuzzRound("mistral", 4, tight_pool=True),
+    FuzzRound("qwen3", 2, tight_pool=False),
+    FuzzRound("qwen3", 4, tight_pool=True),
+    FuzzRound("qwen3", 5, tight_pool=True),
+    FuzzRound("mistral", 19, tight_pool=False),
+    FuzzRound("mistral", 10, tight_pool=True),
 ]
 STEP_ROUNDS = [
-    FuzzRound("qwen3", 5, tight_pool=True),
-    FuzzRound("mistral", 6, tight_pool=False),
+    FuzzRound("qwen3", 26, tight_pool=True),
+    FuzzRound("mistral", 3, tight_pool=False),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread() -> Iterator[None]:
+    """The tiny model's ops are far too small to split across threads; on a machine shared
+    with other work, OpenMP threads spinning for a busy core made each step several times
+    slower. Set before any engine is built: the async worker thread copies it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 # ---------------------------------------------------------------- the reference
@@ -93,12 +118,13 @@ class AloneRuns:
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
         self.llm = LLM(
-            str(model_dir), dtype="float32", block_size=16, max_num_seqs=1,
+            str(model_dir), dtype="float32", block_size=REFERENCE_PAGE_SIZE, max_num_seqs=1,
             max_num_batched_tokens=MAX_MODEL_LEN, enable_prefix_caching=False,
             max_model_len=MAX_MODEL_LEN, async_scheduling=False,
         )  # fmt: skip
         engine = self.llm.engine
-        self.kv_bytes_per_token = engine.kv_cache.num_bytes // (engine.page_pool.num_pages * 16)
+        num_tokens = engine.page_pool.num_pages * REFERENCE_PAGE_SIZE
+        self.kv_bytes_per_token = engine.kv_cache.num_bytes // num_tokens
         self.vocab_size: int = self.llm.loaded.config.vocab_size
         self._outputs: dict[tuple[tuple[int, ...], SamplingParams], RequestOutput] = {}
 
@@ -160,12 +186,17 @@ def _draw_engine(rng: random.Random, fuzz_round: FuzzRound) -> EngineDraw:
         num_kv_pages = -(-MAX_MODEL_LEN // block_size) + rng.choice([0, 1, 2])
     # cpu_kernels refuses sliding windows up front (a ValueError when the engine is built).
     backends = ["auto", "torch_sdpa"] + ([] if fuzz_round.family == "mistral" else ["cpu_kernels"])
+    if fuzz_round.tight_pool:
+        # Several sequences running at once, each taking big chunks: a sliding window gives
+        # pages back as a sequence advances, so only whole chunks in flight fill the pool.
+        max_num_batched_tokens, max_num_seqs = rng.choice([16, 32]), rng.choice([4, 8])
+    else:
+        max_num_batched_tokens, max_num_seqs = rng.choice([3, 5, 8, 13, 32]), rng.randint(1, 8)
     return EngineDraw(
         block_size=block_size,
         # Below most prompts' lengths, so prefills are chunked, and some chunks end mid-page.
-        max_num_batched_tokens=rng.choice([3, 5, 8, 13, 16, 32]),
-        # A tight pool needs several sequences running at once to run out of pages.
-        max_num_seqs=rng.choice([3, 4, 8] if fuzz_round.tight_pool else [1, 2, 3, 4, 8]),
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
         enable_prefix_caching=rng.random() < 0.7,
         async_scheduling=rng.random() < 0.5,
         attention_backend=rng.choice(backends),
@@ -222,11 +253,12 @@ def _draw_prompts(
             prompt = prefix[:cut] + random_tokens(suffix_len)
         elif draw < 0.93:
             prompt = random_tokens(rng.randint(1, MAX_PROMPT_LEN))
-        else:  # near the context limit: the request ends by max_model_len
-            prompt = random_tokens(rng.randint(MAX_MODEL_LEN - 8, MAX_MODEL_LEN - 1))
+        else:
+            prompt = random_tokens(rng.randint(NEAR_LIMIT_PROMPT_LEN, MAX_MODEL_LEN - 1))
         if long and len(prompt) < 24:
             prompt += random_tokens(rng.randint(24, 36))
-        prompts.append(prompt[:MAX_PROMPT_LEN] if len(prompt) <= MAX_MODEL_LEN - 9 else prompt)
+        near_limit = len(prompt) >= NEAR_LIMIT_PROMPT_LEN
+        prompts.append(prompt if near_limit else prompt[:MAX_PROMPT_LEN])
     return prompts
 
 
@@ -237,8 +269,8 @@ def _draw_params(
     request generates run alone, so they fire (a random stop token almost never would)."""
     if rng.random() < 0.06:
         return SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=rng.choice([0, 2]))
-    max_tokens = rng.choice([16, 20, 24] if long else [1, 2, 5, 8, 12, 16, 24])
-    options: dict = {"temperature": 0.0, "max_tokens": max_tokens}
+    max_tokens = rng.choice([12, 16] if long else [1, 2, 5, 8, 12, 16])
+    options: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens}
     if rng.random() < 0.25:
         options["n"] = rng.choice([2, 3])
     options["ignore_eos"] = rng.random() < 0.5
@@ -250,7 +282,7 @@ def _draw_params(
         if wants_stop_token and free_run.token_ids:
             stop_at = rng.randrange(len(free_run.token_ids))
             options["stop_token_ids"] = [free_run.token_ids[stop_at]]
-            if rng.random() < 0.5:  # min_tokens past the stop token's first occurrence
+            if rng.random() < 0.5:  # from letting it stop there to suppressing it past there
                 options["min_tokens"] = rng.randint(stop_at, max_tokens)
         text = free_run.text
         if wants_stop_string and len(text) >= 2:
@@ -265,7 +297,7 @@ def _draw_params(
         options["logprobs"] = rng.choice([0, 1, 3])
     if rng.random() < 0.15:
         options["prompt_logprobs"] = rng.choice([0, 2])
-    if len(prompt) > MAX_MODEL_LEN - 9 and rng.random() < 0.5:
+    if len(prompt) >= NEAR_LIMIT_PROMPT_LEN and rng.random() < 0.5:
         options["max_tokens"] = None  # until the context is full
     return SamplingParams(**options)
 
@@ -274,8 +306,8 @@ def _draw_params(
 
 
 def _assert_logprobs_close(
-    got: list[PositionLogprobs | None] | None,
-    want: list[PositionLogprobs | None] | None,
+    got: Sequence[PositionLogprobs | None] | None,
+    want: Sequence[PositionLogprobs | None] | None,
     where: str,
 ) -> None:
     assert got is not None and want is not None, where
@@ -333,8 +365,8 @@ class RoundChecker:
         """Every sample equals the request run alone; an aborted request's samples stop early,
         on a prefix of it."""
         where = f"{where} {params}"
-        want = self.reference.run(prompt, params)
-        [wanted] = want.outputs
+        alone = self.reference.run(prompt, params)
+        [alone_sample] = alone.outputs
         assert output.prompt_token_ids == prompt, f"{self.context}\n{where}"
         if not aborted:
             assert len(output.outputs) == params.n, f"{self.context}\n{where}"
@@ -342,23 +374,25 @@ class RoundChecker:
         for sample in output.outputs:
             sample_where = f"{where} sample {sample.index}"
             same = self.tokens_match_or_tie(
-                prompt, sample.token_ids, wanted.token_ids, sample_where, prefix_only=aborted
+                prompt, sample.token_ids, alone_sample.token_ids, sample_where, prefix_only=aborted
             )
             if not same or aborted:
                 continue
             untied_samples.append(sample)
             got_result = (sample.finish_reason, sample.stop_reason, sample.text)
-            want_result = (wanted.finish_reason, wanted.stop_reason, wanted.text)
+            want_result = (alone_sample.finish_reason, alone_sample.stop_reason, alone_sample.text)
             assert got_result == want_result, f"{self.context}\n{sample_where}"
             if params.logprobs is not None:
                 _assert_logprobs_close(
-                    sample.logprobs, wanted.logprobs, f"{self.context}\n{sample_where} logprobs"
+                    sample.logprobs,
+                    alone_sample.logprobs,
+                    f"{self.context}\n{sample_where} logprobs",
                 )
                 assert sample.cumulative_logprob is not None
-                assert wanted.cumulative_logprob is not None
+                assert alone_sample.cumulative_logprob is not None
                 assert math.isclose(
                     sample.cumulative_logprob,
-                    wanted.cumulative_logprob,
+                    alone_sample.cumulative_logprob,
                     abs_tol=LOGPROB_TOLERANCE * max(1, len(sample.token_ids)),
                 ), f"{self.context}\n{sample_where} cumulative logprob"
         # Redundant with the above while nothing ties; stated because it is the n > 1 invariant.
@@ -366,7 +400,7 @@ class RoundChecker:
         if params.prompt_logprobs is not None and not aborted:
             _assert_logprobs_close(
                 output.prompt_logprobs,
-                want.prompt_logprobs,
+                alone.prompt_logprobs,
                 f"{self.context}\n{where} prompt logprobs",
             )
 
@@ -379,17 +413,25 @@ def _assert_every_page_back(engine: LLMEngine, context: str) -> None:
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting, context
 
 
-def _watch_page_writes(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Records, as each step is prepared, any write that could corrupt another sequence's keys
-    and values: into a page another sequence (or the prefix cache's reader) shares, into a page
-    already released behind the sliding window, into a page two sequences write in one step;
-    and any empty chunk or finished sequence scheduled. Outputs would often hide these: a
-    corrupted page may never be read again."""
+def _watch_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records, as each step is prepared, any write that could corrupt keys and values another
+    sequence reads: into a page other sequences share (a prefix-cache hit), into a page given
+    back behind the sliding window, into a page two sequences write in one step; and any empty
+    chunk or finished sequence scheduled. Outputs can hide these, as a corrupted page may
+    never be read again. Also fails an engine that steps without end (requests waiting for
+    pages that leaked), which would otherwise hang the test."""
     violations: list[str] = []
     pool, page_size = engine.page_pool, engine.page_pool.page_size
-    prepare = engine.runner.prepare
+    prepare, step = engine.runner.prepare, engine.step
+    num_steps = 0
 
-    def checked_prepare(chunks: list[ScheduledChunk]) -> object:
+    def counted_step() -> list[RequestOutput]:
+        nonlocal num_steps
+        num_steps += 1
+        assert num_steps <= MAX_STEPS_PER_ENGINE, f"no end after {num_steps} steps: {violations}"
+        return step()
+
+    def checked_prepare(chunks: list[ScheduledChunk]) -> PreparedStep:
         writer_by_page: dict[int, str] = {}
         for chunk in chunks:
             sequence = chunk.sequence
@@ -407,6 +449,7 @@ def _watch_page_writes(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> li
         return prepare(chunks)
 
     monkeypatch.setattr(engine.runner, "prepare", checked_prepare)
+    monkeypatch.setattr(engine, "step", counted_step)
     return violations
 
 
@@ -427,11 +470,11 @@ def test_a_random_batch_equals_each_request_run_alone(
     context = f"round {fuzz_round}: {draw}"
     checker = RoundChecker(reference, context)
     llm = _build_llm(reference, draw)
-    violations = _watch_page_writes(llm.engine, monkeypatch)
+    violations = _watch_steps(llm.engine, monkeypatch)
     previous_prompts: list[list[int]] = []
     for call in range(2):
         prompts = rng.sample(previous_prompts, min(2, len(previous_prompts))) + _draw_prompts(
-            rng, reference.vocab_size, draw.block_size, rng.randint(5, 8), fuzz_round.tight_pool
+            rng, reference.vocab_size, draw.block_size, rng.randint(3, 5), fuzz_round.tight_pool
         )
         params = [_draw_params(rng, reference, p, fuzz_round.tight_pool) for p in prompts]
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -439,7 +482,9 @@ def test_a_random_batch_equals_each_request_run_alone(
         for index, (prompt, request_params, output) in enumerate(
             zip(prompts, params, outputs, strict=True)
         ):
-            checker.matches_alone_run(prompt, request_params, output, f"call {call} request {index}")
+            checker.matches_alone_run(
+                prompt, request_params, output, f"call {call} request {index}"
+            )
         assert not violations, f"{context}\n{violations[:5]}"
         _assert_every_page_back(llm.engine, context)
         previous_prompts = prompts
@@ -448,6 +493,8 @@ def test_a_random_batch_equals_each_request_run_alone(
         assert stats.num_preemptions > 0, context  # else the round tested no preemption
     if draw.enable_prefix_caching:
         assert stats.num_prefix_hit_tokens > 0, context  # else it tested no cache hit
+    # A tie is rare (none on these seeds); several in one round would mean the tie rule is
+    # excusing a real divergence.
     assert len(checker.tolerated_ties) <= 1, f"{context}\n{checker.tolerated_ties}"
 
 
@@ -468,10 +515,12 @@ class StreamedRequest:
     )
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
+    aborted: bool = False
     held_outputs: list[RequestOutput] = field(default_factory=list)
 
     def add(self, output: RequestOutput) -> None:
         assert not self.finished, "an output after the request's final one"
+        assert not self.aborted, "an output after the request was aborted"
         self.finished = output.finished
         self.held_outputs.append(output)
         # A DELTA request's outputs during a chunked prefill each carry the prompt logprobs so
@@ -538,9 +587,11 @@ def _step_until_done(
         streamed = requests[victim]
         if not aborted and streamed.num_streamed_tokens >= abort_after_tokens:
             assert not streamed.finished, "the victim finished before it could be aborted"
+            # With async scheduling the next step, holding the victim, is running right now.
+            assert engine._in_flight is not None or not engine.async_scheduling
             engine.abort_request(f"r{victim}")
             assert f"r{victim}" not in engine.scheduler.requests
-            aborted = True
+            streamed.aborted = aborted = True
         step += 1
     assert aborted, "the victim was never aborted"
 
@@ -562,9 +613,9 @@ def test_requests_arriving_mid_run_and_an_abort_keep_each_request_equal_to_its_a
     checker = RoundChecker(reference, context)
     llm = _build_llm(reference, draw)
     engine = llm.engine
-    violations = _watch_page_writes(engine, monkeypatch)
+    violations = _watch_steps(engine, monkeypatch)
     prompts = _draw_prompts(
-        rng, reference.vocab_size, draw.block_size, rng.randint(6, 8), fuzz_round.tight_pool
+        rng, reference.vocab_size, draw.block_size, rng.randint(5, 7), fuzz_round.tight_pool
     )
     output_kinds = list(RequestOutputKind)
     requests = [
@@ -583,7 +634,7 @@ def test_requests_arriving_mid_run_and_an_abort_keep_each_request_equal_to_its_a
         prompts[victim][:MAX_PROMPT_LEN],
         SamplingParams(
             temperature=0.0,
-            max_tokens=16,
+            max_tokens=VICTIM_MAX_TOKENS,
             ignore_eos=True,
             logprobs=rng.choice([None, 1]),
             output_kind=rng.choice([RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA]),
@@ -602,14 +653,13 @@ def test_requests_arriving_mid_run_and_an_abort_keep_each_request_equal_to_its_a
         )
         if index != victim:
             assert request.finished, f"{context}\nr{index} never finished"
-        # A streamed CUMULATIVE output is the client's: the engine must not grow it later.
-        for held in request.held_outputs:
-            for sample in held.outputs:
-                if sample.logprobs is not None and request.params.output_kind is not (
-                    RequestOutputKind.DELTA
-                ):
-                    assert len(sample.logprobs) == len(sample.token_ids), context
-    assert requests[victim].num_streamed_tokens < 16, context
+        if request.params.output_kind is RequestOutputKind.CUMULATIVE:
+            # A streamed output is the client's: the engine must not grow it afterwards.
+            for held in request.held_outputs:
+                for sample in held.outputs:
+                    if sample.logprobs is not None:
+                        assert len(sample.logprobs) == len(sample.token_ids), context
+    assert requests[victim].num_streamed_tokens < VICTIM_MAX_TOKENS, context
     assert not violations, f"{context}\n{violations[:5]}"
     _assert_every_page_back(engine, context)
     # Afterwards the engine still answers right, partly from what the round left cached.
@@ -626,4 +676,6 @@ def test_requests_arriving_mid_run_and_an_abort_keep_each_request_equal_to_its_a
     _assert_every_page_back(engine, context)
     if fuzz_round.tight_pool:
         assert engine.stats.num_preemptions > 0, context
+    # A tie is rare (none on these seeds); several in one round would mean the tie rule is
+    # excusing a real divergence.
     assert len(checker.tolerated_ties) <= 1, f"{context}\n{checker.tolerated_ties}"
