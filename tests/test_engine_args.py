@@ -26,6 +26,7 @@ FLAG_VALUES = {
     "block_size": ("--block-size", "8", 8),
     "enable_prefix_caching": ("--no-enable-prefix-caching", None, False),
     "seed": ("--seed", "5", 5),
+    "generation_config": ("--generation-config", "vllm", "vllm"),
     "kv_cache_dtype": ("--kv-cache-dtype", "bfloat16", "bfloat16"),
     "kv_cache_memory_bytes": ("--kv-cache-memory-bytes", "1048576", 1 << 20),
     "gpu_memory_utilization": ("--gpu-memory-utilization", "0.5", 0.5),

@@ -26,7 +26,9 @@ LAYERS: list[set[str]] = [
     {"vacpack.attention"},
     {"vacpack.kvcache"},
     {"vacpack.structured"},  # grammars and token masks; their parameters are a leaf
-    {"vacpack.detokenizer", "vacpack.sampling", "vacpack.device"},
+    # The model's recommended sampling reads generation_config.json as the tokenizer module
+    # names it.
+    {"vacpack.detokenizer", "vacpack.sampling", "vacpack.device", "vacpack.generation_defaults"},
     {"vacpack.tuning"},
     {
         "vacpack.cpu_kernels",
@@ -34,6 +36,7 @@ LAYERS: list[set[str]] = [
         "vacpack.outputs",
         "vacpack.tokenizer",
         "vacpack.host_memory",
+        "vacpack.python_heap",
         "vacpack.huge_pages",
         "vacpack.pinned_staging",
         "vacpack.registry",
