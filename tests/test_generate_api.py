@@ -209,6 +209,38 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
     assert plain.outputs[0].token_ids == chat_output.outputs[0].token_ids
 
 
+def test_chat_reads_messages_as_the_server_does(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def prompt_ids(messages, **kwargs) -> list[int]:
+        return llm.chat(messages, params, use_tqdm=False, **kwargs)[0].prompt_token_ids
+
+    # Text parts, one per line; a template variable; a last message continued, not closed.
+    parts = [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]
+    joined = [{"role": "user", "content": "Line one.\nLine two."}]
+    assert prompt_ids([{"role": "user", "content": parts}]) == prompt_ids(joined)
+    template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    greeted = prompt_ids(joined, chat_template=template, chat_template_kwargs={"greeting": "Hi! "})
+    assert greeted == tokenizer.encode("Hi! Line one.\nLine two.")
+    unfinished = [*joined, {"role": "assistant", "content": "The answer is"}]
+    continued = prompt_ids(unfinished, add_generation_prompt=False, continue_final_message=True)
+    rendered = tokenizer.apply_chat_template(
+        unfinished, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert rendered.endswith("The answer is") and continued == tokenizer.encode(rendered)
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        prompt_ids(unfinished, continue_final_message=True)
+    with pytest.raises(ValueError, match="only text parts are read"):
+        prompt_ids([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+
+
+def test_multimodal_prompt_keys_are_refused_not_dropped(llm: LLM) -> None:
+    prompt = {"prompt": "describe this", "multi_modal_data": {"image": object()}}
+    with pytest.raises(ValueError, match=r"\['multi_modal_data'\] are not supported"):
+        llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 @pytest.mark.parametrize(
     ("prompts", "message"),
     [

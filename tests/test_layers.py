@@ -37,6 +37,7 @@ LAYERS: list[set[str]] = [
         "vacpack.tokenizer",
         "vacpack.host_memory",
         "vacpack.python_heap",
+        "vacpack.chat_turns",
         "vacpack.huge_pages",
         "vacpack.pinned_staging",
         "vacpack.registry",

@@ -241,6 +241,18 @@ def test_an_earlier_call_without_arguments_reads_as_empty_arguments(
     assert given.usage.prompt_tokens == expected
 
 
+def test_llm_chat_renders_earlier_calls_as_the_server_does(
+    client: openai.OpenAI, tools_llm: LLM
+) -> None:
+    # Arguments given as JSON text: decoded once, not written out by tojson as a string.
+    messages = _conversation('{"tz": "UTC"}')
+    params = SamplingParams(max_tokens=1)
+    [output] = tools_llm.chat(messages, params, use_tqdm=False, tools=TOOLS)
+    assert output.prompt_token_ids == _tokenize(client, messages=messages, tools=TOOLS)
+    [empty] = tools_llm.chat(_conversation(""), params, use_tqdm=False)
+    assert empty.prompt_token_ids == _tokenize(client, messages=_conversation("{}"))
+
+
 def test_text_parts_are_joined_one_per_line(client: openai.OpenAI) -> None:
     parts = [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]
     as_parts = _tokenize(client, messages=[{"role": "user", "content": parts}])

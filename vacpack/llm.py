@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from vacpack.chat_turns import template_turn
 from vacpack.config import EngineConfig
 from vacpack.distributed.driver import Driver
 from vacpack.engine.engine import LLMEngine
@@ -38,6 +39,8 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 Conversation = list[dict[str, Any]]
 
 _ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+# vLLM's prompt dict keys for inputs vacpack does not take: refused, not silently dropped.
+_UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "prompt_embeds"})
 
 
 class LLM:
@@ -160,22 +163,37 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered by the tokenizer's chat template, which
-        also gets `tools` (OpenAI function tools) when given."""
+        also gets `tools` (OpenAI function tools) when given, and `chat_template_kwargs` (such as
+        Qwen 3's enable_thinking). Messages are read as the server reads them (chat_turns.py):
+        text parts joined, earlier calls' arguments decoded. `continue_final_message` leaves the
+        last (assistant) message open for the model to continue, instead of a new turn."""
         conversations: list[Conversation]
         if messages and isinstance(messages[0], Mapping):
             conversations = [cast(Conversation, messages)]
         else:
             conversations = list(cast(Sequence[Conversation], messages))
+        template_kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            template_kwargs["tools"] = tools
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message continues the last message: pass "
+                    "add_generation_prompt=False with it"
+                )
+            template_kwargs["continue_final_message"] = True
         prompts = [
             {
                 "prompt_token_ids": apply_chat_template(
                     self.loaded.tokenizer,
-                    list(conversation),
+                    [template_turn(message, index) for index, message in enumerate(conversation)],
                     add_generation_prompt=add_generation_prompt,
                     chat_template=chat_template,
-                    **({"tools": tools} if tools else {}),
+                    **template_kwargs,
                 )
             }
             for conversation in conversations
@@ -305,6 +323,12 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.loaded.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping):
+            unread = set(prompt) & _UNSUPPORTED_PROMPT_KEYS
+            if unread:
+                raise ValueError(
+                    f"prompt keys {sorted(unread)} are not supported: vacpack reads text and "
+                    "token ids only (no images, audio or prompt embeddings)"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:

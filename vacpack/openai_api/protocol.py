@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from vacpack.chat_turns import join_text_parts
 from vacpack.openai_api.errors import bad_request
 
 # A prompt (or an embedding input): text, texts, token ids, or lists of token ids.
@@ -111,8 +112,7 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        # One part per line, as vLLM joins them: parts are often paragraphs or sections.
-        return "\n".join(part.text for part in self.content)
+        return join_text_parts(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):

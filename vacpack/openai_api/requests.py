@@ -6,7 +6,6 @@ files refuse the same requests with the same messages.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
@@ -15,6 +14,8 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from vacpack.chat_turns import called_function
+from vacpack.errors import RequestFieldError
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.message_checks import check_messages
 from vacpack.openai_api.output_constraints import (
@@ -248,39 +249,15 @@ def _template_turn(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         turn["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
-        turn["tool_calls"] = [
-            {**call, "function": _called_function(call.get("function"), where, call_index)}
-            for call_index, call in enumerate(message.tool_calls)
-        ]
+        calls = []
+        for call_index, call in enumerate(message.tool_calls):
+            param = f"{where}.tool_calls.{call_index}.function"
+            try:
+                calls.append({**call, "function": called_function(call.get("function"), param)})
+            except RequestFieldError as error:
+                raise bad_request(str(error), error.field) from None
+        turn["tool_calls"] = calls
     return turn
-
-
-def _called_function(function: Any, where: str, call_index: int) -> dict[str, Any]:
-    """An assistant's earlier call's "function", its arguments decoded; 400 for a malformed one
-    (`where` names the message)."""
-    param = f"{where}.tool_calls.{call_index}.function"
-    if function is None:
-        return {}
-    if not isinstance(function, Mapping):
-        raise bad_request(f'{param} must be an object with "name" and "arguments"', param)
-    decoded = dict(function)
-    arguments = decoded.get("arguments")
-    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
-        # A call without parameters, as some clients and servers write it: "", null or absent.
-        decoded["arguments"] = {}
-    elif isinstance(arguments, str):
-        try:
-            decoded["arguments"] = json.loads(decoded["arguments"])
-        except json.JSONDecodeError as error:
-            raise bad_request(f"{param}.arguments is not valid JSON: {error}", param) from None
-        except RecursionError:
-            # The decoder's depth limit (about 1,000 levels), far beyond any real call's.
-            raise bad_request(
-                f"{param}.arguments nests JSON arrays or objects too deeply", param
-            ) from None
-        if decoded["arguments"] is None:  # "null"
-            decoded["arguments"] = {}
-    return decoded
 
 
 def prepare_embedding(
