@@ -311,3 +311,11 @@ def test_cumulative_outputs_keep_what_they_held_when_returned(llm: LLM) -> None:
         outputs += [output.outputs[0] for output in engine.step()]
     assert [len(output.token_ids) for output in outputs] == [1, 2, 3, 4, 5, 6]
     assert [len(output.logprobs) for output in outputs] == [1, 2, 3, 4, 5, 6]
+
+
+def test_vllm_enforce_eager_turns_cuda_graphs_off(tiny_checkpoint) -> None:
+    model = str(tiny_checkpoint("qwen2"))
+    eager = LLM(model, dtype="float32", max_model_len=64, enforce_eager=True)
+    assert eager.config.enable_cuda_graphs is False
+    with pytest.raises(TypeError, match="unknown engine arguments \\['swap_space'\\]"):
+        LLM(model, dtype="float32", swap_space=4)

@@ -71,6 +71,12 @@ def test_a_shared_system_prompt_is_computed_once(model_dir) -> None:
     computed = llm.engine.stats.num_processed_tokens - before
     unique = sum(len(p) - shared_len for p in prompts[1:])
     assert computed == unique  # 64 shared tokens are 8 whole pages: nothing recomputed
+    # Each output says how much of its prompt came from the cache (vLLM's num_cached_tokens).
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [output.num_cached_tokens for output in again] == [
+        (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE
+        for prompt in prompts  # all but the last
+    ]
 
 
 def test_n_samples_compute_their_prompt_once(model_dir) -> None:

@@ -156,6 +156,15 @@ def test_is_greedy_and_stop_helpers() -> None:
     assert params.stop_token_ids_to_suppress(3, eos) == frozenset()
 
 
+def test_clone_applies_and_checks_changes() -> None:
+    params = SamplingParams(temperature=0.5, stop="###")
+    clone = params.clone(max_tokens=8)
+    assert (clone.max_tokens, clone.temperature, clone.stop) == (8, 0.5, ("###",))
+    assert params.max_tokens == 16  # the original is left as it was
+    with pytest.raises(ValueError, match="top_p"):
+        params.clone(top_p=2.0)
+
+
 def test_child_params_offset_the_seed() -> None:
     params = SamplingParams(n=3, seed=10)
     assert [params.child_params(i).seed for i in range(3)] == [10, 11, 12]

@@ -57,6 +57,9 @@ class LLM:
     def __init__(
         self, model: str, dtype: str = "auto", device: str = "auto", **engine_args: Any
     ) -> None:
+        if "enforce_eager" in engine_args:  # vLLM's name for running without CUDA graphs
+            enforce_eager = bool(engine_args.pop("enforce_eager"))
+            engine_args.setdefault("enable_cuda_graphs", not enforce_eager)
         unknown = set(engine_args) - _ENGINE_ARGS
         if unknown:
             raise TypeError(

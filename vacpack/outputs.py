@@ -67,6 +67,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # Prompt tokens whose KV came from the prefix cache, not computed for this request (vLLM's
+    # name): those of its first sample's first admission.
+    num_cached_tokens: int = 0
 
 
 # ---------------------------------------------------------------- corpus jobs

@@ -8,6 +8,7 @@ device op where the culprit request can no longer be told apart from the others.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import numbers
 from collections.abc import Mapping, Sequence
@@ -290,6 +291,11 @@ class SamplingParams:
         if num_output_tokens >= self.min_tokens:
             return frozenset()
         return self.all_stop_token_ids(eos_token_ids)
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy, with `changes` applied and checked (vLLM's name; SamplingParams is frozen, so
+        `params.max_tokens = 8` raises: use `params.clone(max_tokens=8)`)."""
+        return dataclasses.replace(self, **changes)
 
     def child_params(self, child_index: int) -> SamplingParams:
         """The params for one of the ``n`` samples: ``n=1``, and ``seed + child_index``.

@@ -47,6 +47,7 @@ def make_output(request: Request) -> RequestOutput | None:
         outputs=completions,
         finished=finished,
         metrics=metrics,
+        num_cached_tokens=first.num_cached_prompt_tokens,
     )
 
 
