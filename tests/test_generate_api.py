@@ -36,6 +36,20 @@ def test_outputs_come_back_in_input_order(llm: LLM) -> None:
     assert [o.prompt_token_ids for o in outputs] == prompts
 
 
+def test_vllm_prompt_types_are_read(llm: LLM) -> None:
+    from vacpack import TextPrompt, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    token_ids = llm.get_tokenizer().encode("The weather today is")
+    as_text, as_tokens = llm.generate(
+        [TextPrompt(prompt="The weather today is"), TokensPrompt(prompt_token_ids=token_ids)],
+        params,
+        use_tqdm=False,
+    )
+    assert as_text.prompt_token_ids == as_tokens.prompt_token_ids == token_ids
+    assert as_text.outputs[0].token_ids == as_tokens.outputs[0].token_ids
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm: LLM) -> None:
     prompt = _random_prompts(llm, 1, seed=1)[0]
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)

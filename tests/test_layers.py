@@ -38,6 +38,7 @@ LAYERS: list[set[str]] = [
         "vacpack.host_memory",
         "vacpack.python_heap",
         "vacpack.chat_turns",
+        "vacpack.inputs",
         "vacpack.huge_pages",
         "vacpack.pinned_staging",
         "vacpack.registry",

@@ -21,10 +21,13 @@ _EXPORTS = {
     "RequestOutput": "vacpack.outputs",
     "CompletionOutput": "vacpack.outputs",
     "Logprob": "vacpack.outputs",
+    "TextPrompt": "vacpack.inputs",
+    "TokensPrompt": "vacpack.inputs",
 }
 
 if TYPE_CHECKING:
     from vacpack.config import EngineConfig
+    from vacpack.inputs import TextPrompt, TokensPrompt
     from vacpack.llm import LLM
     from vacpack.outputs import CompletionOutput, Logprob, RequestOutput
     from vacpack.sampling import SamplingParams
@@ -45,4 +48,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
