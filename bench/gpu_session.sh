@@ -128,22 +128,8 @@ stage_setup() {
         "$PYTHON" -m pip install --no-build-isolation --no-deps -e . \
             || say "no editable install either: the stages use PYTHONPATH=$REPO_ROOT"
     fi
-    "$PYTHON" - <<'EOF'
-import importlib
-import sys
-
-needed = ["vacpack", "torch", "transformers", "safetensors", "tokenizers", "numpy",
-          "matplotlib", "jinja2", "tqdm", "pytest", "triton", "hypothesis"]
-missing = []
-for name in needed:
-    try:
-        module = importlib.import_module(name)
-        print(f"  {name} {getattr(module, '__version__', '')}")
-    except Exception as error:  # noqa: BLE001  (report every kind of import failure)
-        missing.append(f"{name} ({type(error).__name__}: {error})")
-if missing:
-    sys.exit("missing: " + "; ".join(missing))
-EOF
+    "$PYTHON" bench/check_imports.py vacpack torch transformers safetensors tokenizers numpy \
+        matplotlib jinja2 tqdm pytest triton hypothesis
 }
 
 stage_tests() {
