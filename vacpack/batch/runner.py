@@ -24,7 +24,7 @@ from vacpack.batch.records import line_error_record, response_record
 from vacpack.batch.result_file import AnsweredSet, open_batch_output
 from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request, internal_error, refused_by_engine
-from vacpack.openai_api.logprobs import token_decoder
+from vacpack.openai_api.logprobs import DecodeToken
 from vacpack.openai_api.pooling import (
     PreparedPooling,
     prepare_classify,
@@ -129,7 +129,7 @@ class BatchRunner:
         self._engine = generation_engine(llm)
         self._pooling = pooling_functions(llm)
         self._tokenizer = llm.get_tokenizer()
-        self._decode_token = token_decoder(self._tokenizer)
+        self._decode_token = DecodeToken(self._tokenizer)
         self._max_model_len = llm.loaded.max_model_len
         self._sampling_defaults = llm.sampling_defaults
         self._model_name = options.served_model_name or llm.config.model

@@ -32,10 +32,6 @@ class DecodeToken:
         return decode_text(self._tokenizer, [token_id])
 
 
-def token_decoder(tokenizer: PreTrainedTokenizerBase) -> DecodeToken:
-    return DecodeToken(tokenizer)
-
-
 def json_safe(logprob: float) -> float:
     if math.isnan(logprob) or logprob < _JSON_SAFE_MIN_LOGPROB:
         return _JSON_SAFE_MIN_LOGPROB

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.openai_api.errors import APIError, bad_request, internal_error
-from vacpack.openai_api.logprobs import DecodeToken, token_decoder
+from vacpack.openai_api.logprobs import DecodeToken
 from vacpack.openai_api.pooling import (
     PreparedPooling,
     prepare_classify,
@@ -120,7 +120,7 @@ class OpenAIHandlers:
 
     @functools.cached_property
     def _decode_token(self) -> DecodeToken:
-        return token_decoder(self.tokenizer)
+        return DecodeToken(self.tokenizer)
 
     # ------------------------------------------------------------ generation
     # Parsing, the chat template and tokenizing run on a worker thread: a huge prompt must not
