@@ -61,6 +61,23 @@ def test_whole_input_batches_and_token_id_batches_embed(minilm: LLM) -> None:
     assert by_ids.shape[0] == len(token_lists) and np.isfinite(by_ids).all()
 
 
+def test_vllm_prompt_dicts_embed_as_their_text_or_ids(minilm: LLM) -> None:
+    from vacpack import TextPrompt, TokensPrompt
+
+    text = "a prompt given as a dict"
+    token_ids = minilm.get_tokenizer().encode(text)
+    as_text, as_dict, as_ids = embeddings_array(
+        minilm.embed(
+            [text, TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=token_ids)],
+            use_tqdm=False,
+        )
+    )
+    np.testing.assert_allclose(as_dict, as_text, atol=1e-6)
+    np.testing.assert_allclose(as_ids, as_text, atol=1e-5)
+    with pytest.raises(ValueError, match="input 1: a prompt dict needs"):
+        minilm.embed([text, {"text": text}], use_tqdm=False)
+
+
 def test_an_encoder_cannot_generate_or_classify(minilm: LLM) -> None:
     with pytest.raises(ValueError, match="not a decoder"):
         minilm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)

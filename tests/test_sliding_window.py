@@ -16,6 +16,7 @@ from transformers_reference import (
 )
 
 from vacpack import LLM
+from vacpack.engine.kv_setup import pages_one_sequence_holds
 from vacpack.models.model_config import layer_sliding_windows
 
 WINDOW = 24
@@ -97,6 +98,32 @@ def test_pages_behind_the_window_are_freed_during_decode(tiny_checkpoint) -> Non
     # The window's pages, the page being filled, and one more that a step may run into.
     assert peak_pages[WINDOW, True] <= WINDOW // PAGE_SIZE + 2
     assert peak_pages[WINDOW, False] <= WINDOW // PAGE_SIZE + 2
+
+
+def test_a_windowed_model_runs_in_a_cache_sized_for_its_window(tiny_checkpoint) -> None:
+    """Every layer windowed: a cache far smaller than one whole context, but holding the window
+    and two steps' tokens, runs long sequences (preempting each other) to the same tokens as a
+    large one, with async scheduling and the prefix cache on (the most a sequence holds); one
+    page less is refused up front."""
+    path = str(tiny_checkpoint("mistral", sliding_window=WINDOW))
+    engine_args = {"dtype": "float32", "block_size": PAGE_SIZE, "max_num_batched_tokens": 16}
+    large = LLM(path, **engine_args)
+    bytes_per_page = large.engine.kv_cache.num_bytes // large.engine.page_pool.num_pages
+    needed = pages_one_sequence_holds(large.loaded.max_model_len, PAGE_SIZE, WINDOW, 16)
+    assert needed * 10 < large.loaded.max_model_len // PAGE_SIZE
+    small = LLM(
+        path,
+        kv_cache_memory_bytes=needed * bytes_per_page,
+        async_scheduling=True,
+        enable_prefix_caching=True,
+        **engine_args,
+    )
+    assert small.engine.page_pool.num_pages == needed
+    prompts = random_prompts([70, 45, 30], large.loaded.config.vocab_size, seed=5)
+    assert ours_greedy(small, prompts, 50) == ours_greedy(large, prompts, 50)
+    assert small.engine.stats.num_preemptions > 0
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        _ = LLM(path, kv_cache_memory_bytes=(needed - 1) * bytes_per_page, **engine_args).engine
 
 
 @pytest.mark.parametrize(

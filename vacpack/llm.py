@@ -145,11 +145,17 @@ class LLM:
         others and leaves the engine ready for the next call.
         """
         batch = _as_prompt_list(prompts)
+        if not batch:
+            return []
         params_list = _as_params_list(
             self.get_default_sampling_params() if sampling_params is None else sampling_params,
             len(batch),
         )
-        encoded = [self._encode(prompt) for prompt in batch]
+        max_model_len = self.loaded.max_model_len
+        encoded = [
+            (text, params.truncate_prompt(token_ids, max_model_len))
+            for (text, token_ids), params in zip(map(self._encode, batch), params_list, strict=True)
+        ]
         for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list, strict=True)):
             try:
                 self.engine.validate_prompt(token_ids)
@@ -206,7 +212,7 @@ class LLM:
     # ----------------------------------------------------------------- corpus jobs
     def embed(
         self,
-        inputs: Sequence[str | Sequence[int]],
+        inputs: Sequence[PromptType],
         pooling: str | None = None,
         normalize: bool | None = None,
         truncate: bool = False,
@@ -216,7 +222,8 @@ class LLM:
         prompt_name: str | None = None,
         return_failures: bool = False,
     ) -> list[EmbeddingRequestOutput]:
-        """One embedding per input, in input order (`out.outputs.embedding`).
+        """One embedding per input (text, token ids or a vLLM prompt dict), in input order
+        (`out.outputs.embedding`).
 
         A checkpoint with sentence-transformers files pools and normalizes as they say; without
         them, as vLLM's `embed` does, decoders (generative ones too) pool their last token and
@@ -298,7 +305,7 @@ class LLM:
 
     def classify(
         self,
-        inputs: Sequence[str | Sequence[int]],
+        inputs: Sequence[PromptType],
         truncate: bool = False,
         use_tqdm: bool = True,
         return_failures: bool = False,
@@ -316,27 +323,21 @@ class LLM:
         use_tqdm: bool,
         return_failures: bool = False,
     ) -> list[Any]:
-        if isinstance(inputs, str):
+        if isinstance(inputs, (str, Mapping)):
             inputs = [inputs]
+        inputs = [_corpus_input(index, item) for index, item in enumerate(inputs)]
         runner = self.corpus_runner
         results = [r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)]
         return results if return_failures else _raise_failures(results)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            token_ids = _read_prompt_dict(prompt)
+            if isinstance(token_ids, str):
+                return self._encode(token_ids)
+            return prompt.get("prompt"), token_ids
         if isinstance(prompt, str):
             return prompt, self.loaded.tokenizer.encode(prompt)
-        if isinstance(prompt, Mapping):
-            unread = set(prompt) & _UNSUPPORTED_PROMPT_KEYS
-            if unread:
-                raise ValueError(
-                    f"prompt keys {sorted(unread)} are not supported: vacpack reads text and "
-                    "token ids only (no images, audio or prompt embeddings)"
-                )
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
         return None, list(prompt)
 
     def _run(
@@ -378,13 +379,36 @@ def _close_group(driver: Driver, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
+def _read_prompt_dict(prompt: Mapping[str, Any]) -> str | list[int]:
+    """A vLLM prompt dict's token ids (`prompt_token_ids`), else its text (`prompt`)."""
+    unread = set(prompt) & _UNSUPPORTED_PROMPT_KEYS
+    if unread:
+        raise ValueError(
+            f"prompt keys {sorted(unread)} are not supported: vacpack reads text and "
+            "token ids only (no images, audio or prompt embeddings)"
+        )
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return cast(str, prompt["prompt"])
+    raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
+
+
+def _corpus_input(index: int, item: Any) -> Any:
+    """A corpus job's input as its task reads it: a prompt dict becomes its text or ids."""
+    if not isinstance(item, Mapping):
+        return item
+    try:
+        return _read_prompt_dict(item)
+    except ValueError as error:
+        raise ValueError(f"input {index}: {error}") from None
+
+
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     items = list(prompts)
-    if not items:
-        raise ValueError("no prompts given")
-    if isinstance(items[0], int):  # a single prompt given as token ids
+    if items and isinstance(items[0], int):  # a single prompt given as token ids
         return [cast(list[int], items)]
     return cast(list[PromptType], items)
 

@@ -67,6 +67,8 @@ class SamplingParams:
       the object stays hashable and consumers need no ``None`` checks.
     - A temperature in (0, 0.01) is raised to 0.01, as vLLM does, to keep float32 finite.
     - ``logprobs`` and ``prompt_logprobs`` are capped at ``MAX_LOGPROBS`` (20).
+    - ``truncate_prompt_tokens=k`` keeps a prompt's last k tokens (left truncation, as vLLM);
+      ``-1`` keeps as many as the context holds with room for one output token.
     - ``logit_bias`` (token id -> a value in [-100, 100] added to its logit), ``allowed_token_ids``
       and ``bad_words`` are stored as a dict with int keys and as tuples;
       ``structured_outputs`` may also be given as a dict of StructuredOutputsParams' fields.
@@ -90,6 +92,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -119,7 +122,13 @@ class SamplingParams:
             if not _is_int(value):
                 raise _fail(field_name, "an int", value)
             self._set(field_name, int(value))
-        for field_name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for field_name in (
+            "max_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "seed",
+            "truncate_prompt_tokens",
+        ):
             value = getattr(self, field_name)
             if value is not None and not _is_int(value):
                 raise _fail(field_name, "an int or None", value)
@@ -190,6 +199,9 @@ class SamplingParams:
             value = getattr(self, field_name)
             if value is not None and not (0 <= value <= MAX_LOGPROBS):
                 raise _fail(field_name, f"None or in [0, {MAX_LOGPROBS}]", value)
+        keep = self.truncate_prompt_tokens
+        if keep is not None and not (keep == -1 or keep >= 1):
+            raise _fail("truncate_prompt_tokens", "None, -1 (the context's limit) or >= 1", keep)
         if self.seed is not None and not (_MIN_SEED <= self.seed <= _MAX_SEED):
             raise _fail("seed", "None or an int in [-2**63, 2**64 - 1]", self.seed)
 
@@ -291,6 +303,16 @@ class SamplingParams:
         if num_output_tokens >= self.min_tokens:
             return frozenset()
         return self.all_stop_token_ids(eos_token_ids)
+
+    def truncate_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt the model reads: its last ``truncate_prompt_tokens`` tokens (-1: the
+        last max_model_len - 1), or all of it when that is None."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        if keep == -1:
+            keep = max_model_len - 1
+        return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy, with `changes` applied and checked (vLLM's name; SamplingParams is frozen, so

@@ -44,6 +44,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # With nothing to run until a grammar is compiled, a step waits this long for one at most.
 GRAMMAR_WAIT_S = 0.05
+# Steps in a row that run nothing, with nothing in flight, no grammar compiling and requests
+# waiting, before the engine says it is stuck. One such step can be a grammar finishing
+# between the schedule and the check; the second sees the same state as the first.
+MAX_IDLE_STEPS = 2
+
+
+class EngineStalledError(RuntimeError):
+    """The engine holds requests it can never run (a bug: KV pages lost, say). Raised instead
+    of looping forever; the server fails the requests and keeps serving."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,7 @@ class LLMEngine:
         )
         self._in_flight: _LaunchedStep | None = None
         self._num_launched_steps = 0
+        self._num_idle_steps = 0  # steps in a row that could not run anything (see _check_progress)
         logger.info(
             "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s)",
             model_config.architecture,
@@ -159,9 +169,11 @@ class LLMEngine:
     ) -> None:
         """Queues a request. With params.prompt_logprobs, logprobs are computed for prompt
         positions from `prompt_logprobs_start` on; positions before it may come from the prefix
-        cache (scoring a continuation after a shared context computes the context once)."""
+        cache (scoring a continuation after a shared context computes the context once).
+        params.truncate_prompt_tokens keeps the prompt's last tokens."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.loaded.max_model_len)
         self.validate_prompt(prompt_token_ids)
         grammar = self.structured.check(params)
         request = build_request(
@@ -196,6 +208,7 @@ class LLMEngine:
         """Runs one batch; returns an output for each request that progressed. With async
         scheduling the outputs are those of the step launched by the previous call."""
         prepare_start_s = time.perf_counter()
+        had_step_in_flight = self._in_flight is not None
         schedule = self.scheduler.schedule()
         must_read_first = schedule.reads_known_outputs(self.executor.work_may_wait_for_host)
         outputs = self._read_in_flight() if must_read_first else []
@@ -204,7 +217,29 @@ class LLMEngine:
         self._in_flight = launched
         if not self.async_scheduling:
             outputs += self._read_in_flight()
+        idle = launched is None and not had_step_in_flight and not schedule.preempted
+        self._check_progress(idle)
         return outputs
+
+    def _check_progress(self, idle: bool) -> None:
+        """Raises EngineStalledError when nothing can ever run again: the step ran nothing,
+        read nothing and preempted nothing, so the scheduler's state is what it was, and no
+        grammar compiling can change it."""
+        scheduler = self.scheduler
+        if not idle or not scheduler.has_unfinished_requests() or scheduler.waits_for_grammar():
+            self._num_idle_steps = 0
+            return
+        self._num_idle_steps += 1
+        if self._num_idle_steps < MAX_IDLE_STEPS:
+            return
+        self._num_idle_steps = 0
+        pool = self.page_pool
+        raise EngineStalledError(
+            f"the engine cannot run any of its {len(scheduler.requests)} unfinished requests "
+            f"({len(scheduler.waiting)} sequences waiting, {len(scheduler.running)} running; "
+            f"{pool.num_used_pages} of {pool.num_pages} KV pages held) though nothing runs or "
+            "compiles. This is a bug in vacpack; please report it with the engine arguments"
+        )
 
     def state(self) -> EngineState:
         cache = self.page_pool.stats

@@ -41,6 +41,9 @@ def allocate_kv_cache(
         ),
         page_size=config.block_size,
         max_model_len=loaded.max_model_len,
+        pages_per_sequence=pages_one_sequence_holds(
+            loaded.max_model_len, config.block_size, model_config.kv_window, max_num_batched_tokens
+        ),
         max_num_seqs=config.max_num_seqs,
         explicit_budget_bytes=config.kv_cache_memory_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -66,6 +69,21 @@ def allocate_kv_cache(
         loaded.device,
     )
     return sizing, kv_cache
+
+
+def pages_one_sequence_holds(
+    max_model_len: int, page_size: int, kv_window: int | None, max_num_batched_tokens: int
+) -> int:
+    """The most KV pages one sequence holds at once: its whole context's, unless every layer
+    has a sliding window (`kv_window`, the largest). Then pages behind the window go back as it
+    advances (window_pages.py), and it holds the window, the chunk a step computes, and, with
+    prefix caching and async scheduling, a chunk in flight whose pages are not indexed yet (only
+    indexed pages go back), plus the two pages those spans partly fill."""
+    whole_context = -(-max_model_len // page_size)
+    if kv_window is None:
+        return whole_context
+    window_and_steps = -(-(kv_window + 2 * max_num_batched_tokens) // page_size) + 2
+    return min(whole_context, window_and_steps)
 
 
 @torch.inference_mode()

@@ -101,6 +101,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def waits_for_grammar(self) -> bool:
+        """True while a waiting sequence's grammar is still being compiled (it cannot start)."""
+        return any(
+            sequence.constraints is not None and not sequence.constraints.is_ready
+            for sequence in self.waiting
+        )
+
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

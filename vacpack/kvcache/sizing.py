@@ -26,6 +26,7 @@ def size_kv_cache(
     bytes_per_token: int,
     page_size: int,
     max_model_len: int,
+    pages_per_sequence: int,
     max_num_seqs: int,
     explicit_budget_bytes: int | None,
     gpu_memory_utilization: float,
@@ -37,7 +38,9 @@ def size_kv_cache(
     Explicit budget: used as given. CUDA: run `profile_forward` (a forward at the largest step
     shape) to measure peak activation memory, then give the KV cache what is left of
     `gpu_memory_utilization` of the device. CPU: a fraction of the RAM still available after
-    the model was loaded. Never more than max_num_seqs full-length sequences could use.
+    the model was loaded. Never more than max_num_seqs sequences could hold, and at least
+    what one holds (`pages_per_sequence`: its whole context, or, when every layer has a sliding
+    window, the window and a step's tokens), so that every sequence can run.
     """
     bytes_per_page = bytes_per_token * page_size
     if explicit_budget_bytes is not None:
@@ -50,13 +53,13 @@ def size_kv_cache(
     else:
         budget = int(available_host_memory_bytes() * cpu_kv_cache_fraction)
         source = f"{cpu_kv_cache_fraction:.0%} of available host memory"
-    pages_per_sequence = -(-max_model_len // page_size)
     num_pages = min(budget // bytes_per_page, pages_per_sequence * max_num_seqs)
     if num_pages < pages_per_sequence:
         raise ValueError(
             f"the KV cache budget ({budget / 2**20:.1f} MiB, {source}) holds "
             f"{num_pages * page_size} tokens, fewer than one sequence of max_model_len="
-            f"{max_model_len}; give the cache more memory or lower max_model_len"
+            f"{max_model_len} holds at once ({pages_per_sequence * page_size}); give the cache "
+            "more memory or lower max_model_len"
         )
     return KVSizing(num_pages=int(num_pages), budget_bytes=int(budget), source=source)
 

@@ -144,6 +144,10 @@ def prepare_completion(
         defaults=sampling_defaults,
     )
     for index, prompt in enumerate(prompts):
+        token_ids = params.truncate_prompt(prompt.token_ids, max_model_len)
+        if len(token_ids) < len(prompt.token_ids):  # an echo shows what the model read
+            text = decode_text(tokenizer, token_ids) if echo else prompt.text
+            prompts[index] = prompt = EnginePrompt(token_ids, text)
         where = f"prompt {index}" if len(prompts) > 1 else "the prompt"
         check_context(len(prompt.token_ids), params.max_tokens, max_model_len, where, "prompt")
     return PreparedGeneration(
@@ -192,6 +196,7 @@ def prepare_chat(
             ),
         },
     )
+    token_ids = params.truncate_prompt(token_ids, max_model_len)
     check_context(len(token_ids), params.max_tokens, max_model_len, "the messages", "messages")
     return PreparedGeneration(
         kind="chat",
@@ -347,6 +352,7 @@ def _sampling_params(
         "min_tokens": request.min_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "skip_special_tokens": request.skip_special_tokens,
+        "truncate_prompt_tokens": request.truncate_prompt_tokens,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         **token_controls(request),
