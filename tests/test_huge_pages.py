@@ -58,12 +58,21 @@ def test_weights_left_in_small_pages_are_reported(
     monkeypatch.setenv(huge_pages.TORCH_HUGE_PAGES_ENV, "1")
     monkeypatch.setattr(huge_pages, "transparent_huge_pages_mode", lambda: "madvise")
     monkeypatch.setattr(huge_pages, "huge_page_bytes", lambda: 0)
+    monkeypatch.setattr(huge_pages, "_num_models_loaded", 0)  # this process's first model
     big = huge_pages.MIN_CHECKED_WEIGHT_BYTES
     with caplog.at_level(logging.WARNING, logger="vacpack.huge_pages"):
         assert huge_pages.check_weights_in_huge_pages(big // 2)  # too small to tell
         assert not caplog.records
+        monkeypatch.setattr(huge_pages, "_num_models_loaded", 0)
         assert not huge_pages.check_weights_in_huge_pages(big)
     assert "not in huge pages" in caplog.text and "import vacpack first" in caplog.text
+    # A later model in the same process may reuse an earlier one's freed (small-page) memory:
+    # that is no import-order mistake, and no warning.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vacpack.huge_pages"):
+        assert not huge_pages.check_weights_in_huge_pages(big)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "earlier in this process" in caplog.text
     monkeypatch.setattr(huge_pages, "huge_page_bytes", lambda: big)
     assert huge_pages.check_weights_in_huge_pages(big)
     # Turned off by the user, or off in the kernel: nothing to say.

@@ -28,6 +28,11 @@ SMAPS_ROLLUP_PATH = Path("/proc/self/smaps_rollup")
 # Below this, weights may sit in blocks under 2 MiB and hold no huge page at all.
 MIN_CHECKED_WEIGHT_BYTES = 64 << 20
 
+# Models loaded in this process so far. A later model's weights may land in heap memory an
+# earlier one freed (host_memory.py keeps it), already faulted in as 4 KiB pages: madvise does
+# not turn those into huge pages, and the import order has nothing to do with it.
+_num_models_loaded = 0
+
 
 def request_huge_pages() -> None:
     """Asks PyTorch for huge pages, unless the user has said otherwise."""
@@ -60,6 +65,8 @@ def check_weights_in_huge_pages(weight_bytes: int) -> bool:
     """After loading weights on the CPU: warns where huge pages were asked for and possible but
     none were given, which happens when the process allocated a large tensor before vacpack was
     imported. Returns whether the weights may be in huge pages."""
+    global _num_models_loaded
+    _num_models_loaded += 1
     wanted = os.environ.get(TORCH_HUGE_PAGES_ENV) == "1"
     mode = transparent_huge_pages_mode()
     held = huge_page_bytes()
@@ -70,6 +77,12 @@ def check_weights_in_huge_pages(weight_bytes: int) -> bool:
     # Less than a tenth of the weights: the allocator's decision was made before vacpack's
     # import (a small model may round away a little; a lost decision leaves nothing).
     if held < weight_bytes // 10:
+        if _num_models_loaded > 1:
+            logger.info(
+                "model weights are not in huge pages: they reuse host memory a model loaded "
+                "earlier in this process freed"
+            )
+            return False
         logger.warning(
             "model weights are not in huge pages: PyTorch decided before vacpack was imported "
             "(a large tensor was allocated first); import vacpack first or start the process "
