@@ -22,6 +22,7 @@ from test_cpu_kernels import (
     check_cascade,
 )
 
+from vacpack import cpu_kernels
 from vacpack.attention import create_backend, selection
 from vacpack.attention.timed_steps import AttentionShapes, PackedBinShape
 from vacpack.cpu_kernels import attention as kernel_attention
@@ -155,7 +156,7 @@ def test_the_two_bf16_kernels_are_timed_where_both_run(monkeypatch) -> None:
 
     runs = {"avx512_bf16": True, "amx": True}
     monkeypatch.setattr(
-        selection.cpu_kernels,
+        cpu_kernels,
         "varlen_attention_supported",
         lambda device, dtype, head_dim, bf16_kernel="avx512_bf16": runs[bf16_kernel],
     )

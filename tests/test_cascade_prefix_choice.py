@@ -12,11 +12,11 @@ from fake_clock import FakeClock
 from shared_prompts import shared_prefix_prompts
 
 from vacpack import LLM, SamplingParams, cpu_kernels
-from vacpack.attention import AttentionShapes, DecodeBatchShape, select_backend, selection
+from vacpack.attention import AttentionShapes, DecodeBatchShape, select_backend, timed_steps
 from vacpack.attention import cascade as cascade_module
 from vacpack.attention.backend import AttentionSpec
 from vacpack.attention.cascade import PREFIX_FORMS, CascadePolicy
-from vacpack.attention.selection import CASCADE_PREFIX_PHASE, cascade_shapes
+from vacpack.attention.cascade_selection import CASCADE_PREFIX_PHASE, cascade_shapes
 from vacpack.attention.timed_steps import TimedCall
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.tuning import ChoiceSource, force_env_var
@@ -43,7 +43,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, prefix_costs_s: dict[str, float]) -
         costs = prefix_costs_s if set(backends) == set(PREFIX_FORMS) else {}
         return {name: clock.costing(costs.get(name, 0.001)) for name in backends}
 
-    monkeypatch.setattr(selection, "timed_calls", timed_calls)
+    monkeypatch.setattr(timed_steps, "timed_calls", timed_calls)
     return clock
 
 

@@ -23,13 +23,15 @@ from vacpack.attention import (
     DecodeBatchShape,
     PackedBinShape,
     PagedPrefillShape,
+    cascade_selection,
     select_backend,
     selection,
+    timed_steps,
 )
 from vacpack.attention.backend import AttentionSpec
 from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY
+from vacpack.attention.cascade_selection import PREFIX_BAND_FACTOR, cascade_shapes
 from vacpack.attention.paged_decode import DECODE_FORMS, KERNEL_FORMS, kernel_form_supported
-from vacpack.attention.selection import PREFIX_BAND_FACTOR, cascade_shapes
 from vacpack.attention.step_routed import StepRoutedBackend
 from vacpack.attention.timed_steps import TimedCall, Workload
 from vacpack.tuning import ChoiceSource, force_env_var
@@ -101,12 +103,12 @@ def kernels_eligible(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def inject(monkeypatch: pytest.MonkeyPatch):
     def install(costs: Costs, prefill_costs: Costs | None = None) -> InjectedTimings:
         timings = InjectedTimings(costs, prefill_costs)
-        real = selection.timed_calls
+        real = timed_steps.timed_calls
 
         def timed_calls(*args, **kwargs) -> dict[str, TimedCall]:
             return timings.wrap(real(*args, **kwargs), args[2])  # (backends, shapes, workload)
 
-        monkeypatch.setattr(selection, "timed_calls", timed_calls)
+        monkeypatch.setattr(timed_steps, "timed_calls", timed_calls)
         return timings
 
     return install
@@ -284,7 +286,7 @@ def test_the_cascade_runs_from_the_shortest_prefix_it_won_from(
     and 1,024 in a 2,048-token context), the cascade runs from the shorter length from which
     it won every timing."""
     clock = FakeClock()
-    real = selection.timed_calls
+    real = timed_steps.timed_calls
     prefixes: list[int] = []
 
     def timed_calls(backends, shapes, workload, device, specs=None) -> dict[str, TimedCall]:
@@ -297,7 +299,7 @@ def test_the_cascade_runs_from_the_shortest_prefix_it_won_from(
             "no_cascade": clock.costing(0.002 if wins else 0.001),
         }
 
-    monkeypatch.setattr(selection, "timed_calls", timed_calls)
+    monkeypatch.setattr(timed_steps, "timed_calls", timed_calls)
     shapes = AttentionShapes(4, 2, 32, torch.bfloat16, max_model_len=2048)
     decodes = DecodeBatchShape(num_seqs=64, longest_context=40, page_size=16)
     selected = select_backend("torch_sdpa", CPU, shapes, decodes, clock=clock)
@@ -393,7 +395,7 @@ def test_the_timed_calls_run_the_candidates_on_the_same_inputs(dtype: torch.dtyp
                 if form not in KERNEL_FORMS or kernel_form_supported(form, CPU, dtype, 4, 2, 32)
             },
         }
-        calls = selection.timed_calls(factories, shapes, workload, CPU)
+        calls = timed_steps.timed_calls(factories, shapes, workload, CPU)
         outputs = {name: call() for name, call in calls.items()}
         reference = outputs.pop("sdpa")
         assert len(reference) == 2 and reference[0].shape == (num_tokens, 4, 32)
@@ -406,7 +408,7 @@ def test_a_candidate_that_cannot_run_raises_its_error_at_every_call() -> None:
     def no_backend() -> selection.AttentionBackend:
         raise RuntimeError("the C library did not build")
 
-    calls = selection.timed_calls(
+    calls = timed_steps.timed_calls(
         {"broken": no_backend, "sdpa": lambda: selection.create_backend("torch_sdpa")},
         SHORT,
         BIN,
@@ -481,7 +483,7 @@ def test_the_cascade_prefixes_bf16_kernel_is_chosen_behind_a_shared_prefix(
     cascade on; the backend runs its prefixes on the winner."""
     monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
     # Not timed: its candidates' real calls would need the bf16 kernels on this CPU.
-    monkeypatch.setenv(force_env_var(selection.CASCADE_PHASE), "cascade")
+    monkeypatch.setenv(force_env_var(cascade_selection.CASCADE_PHASE), "cascade")
     timings = inject(
         {
             "cpu_kernels": 0.001,
@@ -494,7 +496,7 @@ def test_the_cascade_prefixes_bf16_kernel_is_chosen_behind_a_shared_prefix(
     )
     selected = select(timings, shapes=LONG, workload=DECODES)
     phases = {c.phase: c for c in selected.choices}
-    prefix_choice = phases[selection.BF16_PREFIX_KERNEL_PHASE]
+    prefix_choice = phases[cascade_selection.BF16_PREFIX_KERNEL_PHASE]
     assert prefix_choice.chosen == "amx"
     longest_band = cascade_shapes(DECODES, LONG.max_model_len)[-1]
     assert prefix_choice.shape_key.endswith(longest_band.key())
