@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"vacpack.server", "vacpack.batch"},
     {"vacpack.openai_api"},
     {"vacpack.llm"},
-    {"vacpack.tensor_parallel"},
+    {"vacpack.tensor_parallel", "vacpack.beam_search"},
     {"vacpack.corpus"},
     {"vacpack.engine"},
     {"vacpack.runtime", "vacpack.testing"},

@@ -15,6 +15,7 @@ request_huge_pages()
 # Imported on first use, so that `vacpack --help` and `import vacpack.testing` stay fast.
 _EXPORTS = {
     "LLM": "vacpack.llm",
+    "BeamSearchParams": "vacpack.beam_search",
     "EngineConfig": "vacpack.config",
     "SamplingParams": "vacpack.sampling",
     "StructuredOutputsParams": "vacpack.structured.params",
@@ -26,6 +27,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from vacpack.beam_search import BeamSearchParams
     from vacpack.config import EngineConfig
     from vacpack.inputs import TextPrompt, TokensPrompt
     from vacpack.llm import LLM
@@ -42,6 +44,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "Logprob",

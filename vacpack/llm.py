@@ -31,6 +31,7 @@ from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
+    from vacpack.beam_search import BeamSearchOutput, BeamSearchParams
     from vacpack.corpus.runner import CorpusRunner
     from vacpack.corpus.tasks import CorpusTask
 
@@ -163,6 +164,25 @@ class LLM:
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
         return self._run(encoded, params_list, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` hypotheses of each prompt (vLLM's `beam_search`, with
+        its scoring: beam_search.py), in input order."""
+        from vacpack.beam_search import run_beam_search
+
+        batch = _as_prompt_list(prompts)
+        encoded = [token_ids for _, token_ids in map(self._encode, batch)]
+        for index, token_ids in enumerate(encoded):
+            try:
+                self.engine.validate_prompt(token_ids)
+            except ValueError as error:
+                raise ValueError(f"prompt {index}: {error}") from None
+        return run_beam_search(self.engine, encoded, params, use_tqdm) if encoded else []
 
     def chat(
         self,
