@@ -36,6 +36,9 @@ FLAG_VALUES = {
     "enable_cuda_graphs": ("--no-enable-cuda-graphs", None, False),
     "num_threads": ("--num-threads", "1", 1),
     "tensor_parallel_size": ("--tensor-parallel-size", "2", 2),
+    "num_speculative_tokens": ("--num-speculative-tokens", "0", 0),
+    "prompt_lookup_max": ("--prompt-lookup-max", "5", 5),
+    "prompt_lookup_min": ("--prompt-lookup-min", "3", 3),
 }
 
 

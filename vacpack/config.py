@@ -74,6 +74,16 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Split the model over this many processes (rank r on GPU r on CUDA; on a CPU, each rank
     on its share of the cores), each holding 1/N of the weights and KV heads."""
+    num_speculative_tokens: int = 0
+    """Speculative decoding by n-gram prompt lookup (vLLM's speculative_config method
+    "ngram"): up to this many draft tokens per decode step, verified in one forward; 0 turns it
+    off. Greedy sequences without penalties, logprobs or token constraints speculate, and their
+    outputs are the same as without it. Scheduling is then synchronous."""
+    prompt_lookup_max: int = 4
+    """Speculative decoding: the longest n-gram of a sequence's last tokens looked up in its
+    earlier tokens; what followed its latest occurrence is the draft."""
+    prompt_lookup_min: int = 2
+    """Speculative decoding: the shortest n-gram looked up."""
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -87,6 +97,21 @@ class EngineConfig:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        speculative = self.num_speculative_tokens
+        if not isinstance(speculative, int) or isinstance(speculative, bool) or speculative < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {speculative!r}")
+        if speculative and self.async_scheduling:
+            raise ValueError(
+                "speculative decoding (num_speculative_tokens) runs with synchronous "
+                "scheduling: leave async_scheduling unset or off"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -134,4 +134,10 @@ def print_report(llm: LLM, outputs: list[RequestOutput], elapsed_s: float) -> No
         f"{state.describe_prefix_cache()})",
         file=sys.stderr,
     )
+    if state.num_draft_tokens:
+        print(
+            f"speculative decoding: {state.num_accepted_draft_tokens} of "
+            f"{state.num_draft_tokens} draft tokens accepted ({state.draft_acceptance_rate:.1%})",
+            file=sys.stderr,
+        )
     print(f"step timeline: {llm.engine.timeline.summary().describe()}", file=sys.stderr)

@@ -26,6 +26,7 @@ from vacpack.engine.request import build_request, check_prompt
 from vacpack.engine.request_outputs import make_output
 from vacpack.engine.sampler import Sampler
 from vacpack.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from vacpack.engine.speculation import SpeculationConfig
 from vacpack.engine.state import EngineSetup, EngineState
 from vacpack.engine.stats import EngineStats
 from vacpack.engine.step_executor import StepHandle, create_executor
@@ -107,6 +108,7 @@ class LLMEngine:
                 self.max_num_batched_tokens,
                 config.block_size,
                 model_config.kv_window,
+                _speculation(config),
             ),
             self.page_pool,
         )
@@ -114,7 +116,10 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             loaded.tokenizer, model_config.vocab_size, loaded.eos_token_ids, device
         )
-        self.async_scheduling = _resolve_async_scheduling(config.async_scheduling, device)
+        # Speculative decoding reads each step's tokens before drafting the next: synchronous.
+        self.async_scheduling = not config.num_speculative_tokens and _resolve_async_scheduling(
+            config.async_scheduling, device
+        )
         self.runner = ModelRunner(
             engine_device.forward,
             self.sampler,
@@ -256,6 +261,8 @@ class LLMEngine:
             num_processed_tokens=self.stats.num_processed_tokens,
             num_generated_tokens=self.stats.num_generated_tokens,
             num_preemptions=self.stats.num_preemptions,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
         )
 
     def _launch(self, schedule: SchedulerOutput, prepare_start_s: float) -> _LaunchedStep | None:
@@ -325,6 +332,14 @@ class LLMEngine:
             )
         )
         return outputs
+
+
+def _speculation(config: EngineConfig) -> SpeculationConfig | None:
+    if not config.num_speculative_tokens:
+        return None
+    return SpeculationConfig(
+        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    )
 
 
 def _resolve_async_scheduling(setting: bool | None, device: torch.device) -> bool:

@@ -32,9 +32,15 @@ from vacpack.engine.sampler import (
     SamplerOutput,
     SamplingRow,
     TokenLogprobs,
+    greedy_token_ids,
     logprobs_of,
 )
-from vacpack.engine.step import PromptLogprobResult, ScheduledChunk, StepResult
+from vacpack.engine.step import (
+    PromptLogprobResult,
+    ScheduledChunk,
+    StepResult,
+    VerifiedDrafts,
+)
 from vacpack.engine.step_forward import StepForward
 from vacpack.engine.step_inputs import StepInputs, prompt_passes
 from vacpack.models.base import PackedModel
@@ -61,6 +67,8 @@ class PreparedStep:
     sampled_sequences: list[Sequence]
     sampling_rows: list[SamplingRow]
     prompt_spans: list[PromptLogprobSpan]
+    # Speculating sequences, in the order of their rows in inputs.verify_rows (1 + drafts each).
+    speculating: list[ScheduledChunk] = dataclasses.field(default_factory=list)
 
     @property
     def placeholders(self) -> list[int]:
@@ -77,6 +85,7 @@ class _DeviceOutput:
     prompt_logprobs: list[tuple[PromptLogprobSpan, TokenLogprobs]]
     num_padded_slots: int
     collective_s: float | None = None  # tensor parallel on gloo: host time in collectives
+    verify_token_ids: torch.Tensor | None = None  # the greedy token of each verify row
 
 
 class ModelRunner:
@@ -108,9 +117,23 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled_sequences: list[Sequence] = []
         prompt_spans: list[PromptLogprobSpan] = []
+        verify_rows: list[int] = []
+        speculating: list[ScheduledChunk] = []
         for chunk in chunks:
             sequence, start, end = chunk.sequence, chunk.start, chunk.end
             row_start = len(token_ids)
+            if chunk.draft_token_ids:
+                # The sequence's last token, then its drafts: each row's greedy token checks
+                # the next draft, the last row's follows them all.
+                token_ids.extend(sequence.token_ids[start:])
+                token_ids.extend(chunk.draft_token_ids)
+                positions.extend(range(start, end))
+                query_lens.append(chunk.num_new_tokens)
+                context_lens.append(end)
+                page_tables.append(list(sequence.page_table))
+                verify_rows.extend(range(row_start, row_start + chunk.num_new_tokens))
+                speculating.append(chunk)
+                continue
             token_ids.extend(sequence.token_ids[start:end])
             positions.extend(range(start, end))
             query_lens.append(chunk.num_new_tokens)
@@ -153,6 +176,7 @@ class ModelRunner:
                 for part in prompt_passes(span.row_start, span.num_rows)
             ],
             shares_sampled_tokens=self.shares_sampled_tokens and bool(sample_rows),
+            verify_rows=verify_rows,
         )
         return PreparedStep(
             chunks=chunks,
@@ -161,6 +185,7 @@ class ModelRunner:
             sampled_sequences=sampled_sequences,
             sampling_rows=[_sampling_row(sequence) for sequence in sampled_sequences],
             prompt_spans=prompt_spans,
+            speculating=speculating,
         )
 
     def run(self, step: PreparedStep, masks: StepTokenMasks | None = None) -> _DeviceOutput:
@@ -193,11 +218,21 @@ class ModelRunner:
                 sampled = forward.share_sampled(sampled.contiguous())
             forward.store_sampled(sampled, output.future_slots)
             sampler_output = _to_host(sampler_output)
+        verify_token_ids = None
+        if step.speculating:
+            # Speculating rows are plain greedy (speculation.speculates): the raw argmax.
+            logits = self.model.compute_logits(output.verify_hidden(), dtype=None)
+            verify_token_ids = greedy_token_ids(logits).to("cpu", non_blocking=True)
         prompt_logprobs = [
             (span, _to_host(self._prompt_logprobs(output.hidden, span)))
             for span in step.prompt_spans
         ]
-        return _DeviceOutput(sampler_output, prompt_logprobs, output.num_padded_slots)
+        return _DeviceOutput(
+            sampler_output,
+            prompt_logprobs,
+            output.num_padded_slots,
+            verify_token_ids=verify_token_ids,
+        )
 
     def result(self, step: PreparedStep, output: _DeviceOutput) -> StepResult:
         """The step's results as host values; call once the device work is done."""
@@ -219,6 +254,7 @@ class ModelRunner:
             num_decode_tokens=step.inputs.layout.num_decodes,
             num_padded_slots=output.num_padded_slots,
             collective_s=output.collective_s,
+            verified=_verified_drafts(step.speculating, output.verify_token_ids),
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> TokenLogprobs:
@@ -236,6 +272,22 @@ class ModelRunner:
         return TokenLogprobs(
             *(torch.cat([getattr(p, f) for p in parts]) for f in TokenLogprobs.__dataclass_fields__)
         )
+
+
+def _verified_drafts(
+    speculating: list[ScheduledChunk], verify_token_ids: torch.Tensor | None
+) -> list[VerifiedDrafts]:
+    """Each speculating chunk's drafts with the greedy tokens of its rows."""
+    if verify_token_ids is None:
+        return []
+    token_ids = verify_token_ids.tolist()
+    verified = []
+    row = 0
+    for chunk in speculating:
+        targets = token_ids[row : row + chunk.num_new_tokens]
+        verified.append(VerifiedDrafts(chunk.sequence, chunk.draft_token_ids, targets))
+        row += chunk.num_new_tokens
+    return verified
 
 
 def _sampling_row(sequence: Sequence) -> SamplingRow:

@@ -178,7 +178,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
     )
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax in the logits' own dtype: widening bf16 or fp16 to float32 is exact, so
     the winner is the same, and the float32 copy of a [rows, vocab] block is skipped (on a CPU
     it cost 37 ms of a 190 ms G1 decode step, 64 rows of a 151,936-token vocabulary)."""
@@ -221,7 +221,7 @@ class Sampler:
             logits = masks.apply_mask(logits, self._bit_table)
         has_bias = masks is not None and masks.bias is not None
         if not has_bias and all(_plain_greedy(row) for row in rows):
-            return SamplerOutput(_argmax(logits), None, None, None, None)
+            return SamplerOutput(greedy_token_ids(logits), None, None, None, None)
         logits = logits.float()
         params = [row.params for row in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)

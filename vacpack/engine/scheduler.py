@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from vacpack.engine.logprobs import position_logprobs
 from vacpack.engine.page_manager import PageManager
 from vacpack.engine.request import Request, Sequence, SequenceStatus
-from vacpack.engine.step import ScheduledChunk, StepResult
+from vacpack.engine.speculation import SpeculationConfig, accepted_tokens
+from vacpack.engine.step import ScheduledChunk, StepResult, VerifiedDrafts
 from vacpack.engine.stop_checks import check_stop
 from vacpack.kvcache.page_pool import PagePool
 
@@ -44,6 +45,7 @@ class SchedulerConfig:
     # When every layer has a sliding window, the largest: pages behind it are freed as
     # sequences advance. None keeps every page until the sequence finishes.
     kv_window: int | None = None
+    speculation: SpeculationConfig | None = None  # n-gram drafts for decodes (speculation.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Speculative decoding's totals: draft tokens verified, and of those accepted.
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
 
     @property
     def num_unfinished_sequences(self) -> int:
@@ -141,6 +146,7 @@ class Scheduler:
                 continue
             num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
             self.pages.release_dead_pages(sequence)
+            drafts = self._drafts(sequence, num_new, budget)
             while not self.pages.reserve(sequence, sequence.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -148,8 +154,8 @@ class Scheduler:
                 if victim is sequence:
                     break
             else:
-                chunks.append(self._chunk(sequence, num_new))
-                budget -= num_new
+                chunks.append(self._chunk(sequence, num_new, drafts))
+                budget -= num_new + len(drafts)
                 index += 1
 
         # After a preemption memory is tight: admitting more would only preempt again.
@@ -230,6 +236,10 @@ class Scheduler:
         ]
         for _, sequence, token_id in sampled:
             sequence.resolve_pending_token(token_id)
+        num_generated = len(sampled)
+        for verified in result.verified:
+            if not verified.sequence.is_finished:
+                num_generated += self._apply_verified(verified)
         # Index the pages filled so far before stop checks free a finishing sequence's pages.
         for chunk in live:
             self.pages.register_computed_pages(chunk.sequence)
@@ -253,15 +263,48 @@ class Scheduler:
             if sequence.is_finished:
                 sequence.metrics.finished_time = now
             requests[sequence.request.request_id] = sequence.request
-        return StepUpdate(list(requests.values()), len(sampled))
+        return StepUpdate(list(requests.values()), num_generated)
 
     # ------------------------------------------------------------ internals
-    def _chunk(self, sequence: Sequence, num_new: int) -> ScheduledChunk:
+    def _drafts(self, sequence: Sequence, num_new: int, budget: int) -> tuple[int, ...]:
+        """A decode's draft tokens (speculative decoding), with pages reserved for them; none
+        where no page is free for them: drafts never preempt another sequence."""
+        speculation = self.config.speculation
+        if speculation is None or num_new != 1:
+            return ()
+        drafts = speculation.drafts(sequence, budget)
+        end = sequence.num_computed_tokens + 1 + len(drafts)
+        if drafts and not self.pages.reserve(sequence, end):
+            return ()
+        return drafts
+
+    def _chunk(
+        self, sequence: Sequence, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         if sequence.metrics.first_scheduled_time is None:
             sequence.metrics.first_scheduled_time = time.perf_counter()
         start = sequence.num_computed_tokens
         samples = start + num_new == sequence.num_tokens
-        return ScheduledChunk(sequence, start, num_new, samples)
+        return ScheduledChunk(sequence, start, num_new + len(drafts), samples, drafts)
+
+    def _apply_verified(self, verified: VerifiedDrafts) -> int:
+        """Appends a speculating sequence's accepted drafts and the model's token after them,
+        one at a time through the stop checks; returns how many it kept. Its computed length
+        is all its tokens but the newest, as after any decode: the keys and values of the
+        rejected drafts lie past it."""
+        sequence = verified.sequence
+        new_tokens = accepted_tokens(verified.draft_token_ids, verified.target_token_ids)
+        self.num_draft_tokens += len(verified.draft_token_ids)
+        self.num_accepted_draft_tokens += len(new_tokens) - 1
+        for count, token_id in enumerate(new_tokens, start=1):
+            sequence.token_ids.append(token_id)
+            sequence.num_computed_tokens = sequence.num_tokens - 1
+            stop = check_stop(sequence, token_id)
+            if stop is not None:
+                self.pages.register_computed_pages(sequence)  # cached before they are freed
+                self._finish(sequence, *stop)
+                return count
+        return len(new_tokens)
 
     def _finish(self, sequence: Sequence, reason: str, stop_reason: int | str | None) -> None:
         sequence.finish_reason = reason

@@ -48,6 +48,13 @@ class EngineState:
     num_processed_tokens: int  # prompt and output tokens computed by the model
     num_generated_tokens: int
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_draft_tokens: int = 0  # of those, accepted
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        drafted = self.num_draft_tokens
+        return self.num_accepted_draft_tokens / drafted if drafted else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

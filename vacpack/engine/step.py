@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vacpack.engine.request import Sequence
 from vacpack.engine.sampler import SamplerOutput, TokenLogprobs
@@ -16,6 +16,10 @@ class ScheduledChunk:
     start: int
     num_new_tokens: int
     samples: bool  # the chunk reaches the end of the known tokens: a new one is sampled
+    # Speculative decoding: draft tokens after the sequence's last token, computed with it and
+    # verified against the model's own choices (speculation.py); the chunk's last
+    # len(draft_token_ids) tokens.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -27,6 +31,16 @@ class PromptLogprobResult:
     sequence: Sequence
     first_position: int  # the logprobs are of prompt tokens first_position + 1, ...
     logprobs: TokenLogprobs  # on the host
+
+
+@dataclass(frozen=True)
+class VerifiedDrafts:
+    """A speculating sequence's drafts and the model's greedy token after its last token and
+    after each draft token (one more than the drafts)."""
+
+    sequence: Sequence
+    draft_token_ids: tuple[int, ...]
+    target_token_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -42,3 +56,4 @@ class StepResult:
     num_padded_slots: int = 0
     # Tensor parallel on gloo: rank 0's host seconds inside collectives during the step.
     collective_s: float | None = None
+    verified: list[VerifiedDrafts] = field(default_factory=list)

@@ -34,10 +34,15 @@ class ForwardOutput:
     sample_rows: torch.Tensor  # [sampled] int64: the stream rows whose logits are sampled
     future_slots: torch.Tensor  # [sampled] int64: where the sampled ids are kept on the device
     sampled_only: bool
+    verify_rows: torch.Tensor  # [rows] int64: rows whose greedy tokens verify drafts
 
     def sampled_hidden(self) -> torch.Tensor:
         """The sampled rows' hidden states, in sampling order."""
         return self.hidden if self.sampled_only else self.hidden.index_select(0, self.sample_rows)
+
+    def verify_hidden(self) -> torch.Tensor:
+        """The hidden states of the rows that verify drafts (speculative decoding)."""
+        return self.hidden.index_select(0, self.verify_rows)
 
 
 class StepForward:
@@ -75,8 +80,14 @@ class StepForward:
     def forward(self, inputs: StepInputs, metadata: Any) -> ForwardOutput:
         """The step's hidden states, and where its sampled rows are. Nothing here waits for
         the device."""
-        token_ids, positions, sample_rows, future_slots = self.stager.stage(
-            [inputs.token_ids, inputs.positions, inputs.sample_rows, inputs.future_slots]
+        token_ids, positions, sample_rows, future_slots, verify_rows = self.stager.stage(
+            [
+                inputs.token_ids,
+                inputs.positions,
+                inputs.sample_rows,
+                inputs.future_slots,
+                inputs.verify_rows,
+            ]
         )
         if inputs.has_placeholders:
             from_future = self.future_tokens[(-token_ids - 1).clamp_(min=0)]
@@ -86,12 +97,16 @@ class StepForward:
             replayed = self.graph_runner.run(token_ids, positions, inputs.layout)
             assert replayed is not None, "prepare checked that the graph runner can run it"
             hidden, num_padded_slots = replayed
-            return ForwardOutput(hidden, num_padded_slots, sample_rows, future_slots, False)
-        # Where nothing reads the other rows' hidden states (no prompt logprobs), the model
-        # returns the sampled rows alone: a prefill's last layer runs its MLP for them only.
+            return ForwardOutput(
+                hidden, num_padded_slots, sample_rows, future_slots, False, verify_rows
+            )
+        # Where nothing reads the other rows' hidden states (no prompt logprobs, no drafts to
+        # verify), the model returns the sampled rows alone: a prefill's last layer runs its
+        # MLP for them only.
         sampled_only = (
             self.model.prunes_output_rows
             and not inputs.prompt_passes
+            and not inputs.verify_rows
             and len(inputs.sample_rows) < len(inputs.token_ids)
         )
         ctx = ForwardContext(
@@ -101,7 +116,7 @@ class StepForward:
             output_rows=sample_rows if sampled_only else None,
         )
         hidden = self.model(token_ids, positions, ctx)
-        return ForwardOutput(hidden, 0, sample_rows, future_slots, sampled_only)
+        return ForwardOutput(hidden, 0, sample_rows, future_slots, sampled_only, verify_rows)
 
     def store_sampled(self, sampled_token_ids: torch.Tensor, future_slots: torch.Tensor) -> None:
         """Keeps the sampled ids for later steps' placeholders."""
@@ -126,5 +141,7 @@ class StepForward:
                     len(inputs.sample_rows), dtype=torch.int64, device=self.device
                 )
                 self.store_sampled(self.share_sampled(sampled), output.future_slots)
+        if inputs.verify_rows:
+            self.model.compute_logits(output.verify_hidden(), dtype=None)
         for row_start, num_rows in inputs.prompt_passes:
             self.model.compute_logits(output.hidden[row_start : row_start + num_rows])

@@ -13,7 +13,7 @@ onwards.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vacpack.attention.backend import BatchLayout
 
@@ -21,7 +21,8 @@ from vacpack.attention.backend import BatchLayout
 # long prompt chunk never materialises [chunk, vocab] float32 logits at once.
 PROMPT_LOGPROB_ROWS_PER_PASS = 512
 
-_NUM_COUNTS = 6  # sequences, tokens, sampled rows, prompt passes, use_graph, shares_sampled
+# sequences, tokens, sampled rows, prompt passes, use_graph, shares_sampled, verify rows
+_NUM_COUNTS = 7
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class StepInputs:
     # Tensor parallel with async scheduling: rank 0 broadcasts the sampled ids, so that every
     # rank can fill later steps' placeholders.
     shares_sampled_tokens: bool = False
+    # Speculative decoding: stream rows whose greedy tokens verify draft tokens (each
+    # speculating sequence's last token and its drafts), after the sampled rows' LM head.
+    verify_rows: list[int] = field(default_factory=list)
 
     @property
     def has_placeholders(self) -> bool:
@@ -62,6 +66,7 @@ def encode(inputs: StepInputs) -> list[int]:
         len(inputs.prompt_passes),
         int(inputs.use_graph),
         int(inputs.shares_sampled_tokens),
+        len(inputs.verify_rows),
         *layout.query_lens,
         *layout.context_lens,
         *(len(table) for table in layout.page_tables),
@@ -70,13 +75,16 @@ def encode(inputs: StepInputs) -> list[int]:
         *inputs.sample_rows,
         *inputs.future_slots,
         *itertools.chain.from_iterable(inputs.prompt_passes),
+        *inputs.verify_rows,
     ]
 
 
 def decode(
     values: list[int], page_size: int, attention_windows: tuple[int | None, ...]
 ) -> StepInputs:
-    num_seqs, num_tokens, num_sampled, num_passes, use_graph, shares = values[:_NUM_COUNTS]
+    num_seqs, num_tokens, num_sampled, num_passes, use_graph, shares, num_verify = values[
+        :_NUM_COUNTS
+    ]
     cursor = _NUM_COUNTS
 
     def take(count: int) -> list[int]:
@@ -91,6 +99,7 @@ def decode(
     token_ids = take(num_tokens)
     sample_rows, future_slots = take(num_sampled), take(num_sampled)
     flat_passes = take(2 * num_passes)
+    verify_rows = take(num_verify)
     assert cursor == len(values), "an ENGINE_STEP message of unexpected length"
     positions = [
         position
@@ -112,4 +121,5 @@ def decode(
         future_slots=future_slots,
         prompt_passes=list(zip(flat_passes[::2], flat_passes[1::2], strict=True)),
         shares_sampled_tokens=bool(shares),
+        verify_rows=verify_rows,
     )

@@ -78,6 +78,14 @@ class ServerMetrics:
             "vacpack:num_preemptions",
             "Running sequences that gave their KV pages back to be recomputed later.",
         )
+        self.spec_decode_draft_tokens = counter(
+            "vacpack:spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+        )
+        self.spec_decode_accepted_tokens = counter(
+            "vacpack:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (the model would have chosen them).",
+        )
         self._last_state: EngineState | None = None
         self.prompt_tokens = counter("vacpack:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("vacpack:generation_tokens", "Tokens generated.")
@@ -166,6 +174,8 @@ class ServerMetrics:
                 num_prefix_hit_tokens=0,
                 num_prefix_evictions=0,
                 num_preemptions=0,
+                num_draft_tokens=0,
+                num_accepted_draft_tokens=0,
             )
         self.prefix_cache_queries.inc(
             state.num_prefix_queried_tokens - last.num_prefix_queried_tokens
@@ -173,6 +183,10 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(state.num_prefix_hit_tokens - last.num_prefix_hit_tokens)
         self.prefix_cache_evictions.inc(state.num_prefix_evictions - last.num_prefix_evictions)
         self.num_preemptions.inc(state.num_preemptions - last.num_preemptions)
+        self.spec_decode_draft_tokens.inc(state.num_draft_tokens - last.num_draft_tokens)
+        self.spec_decode_accepted_tokens.inc(
+            state.num_accepted_draft_tokens - last.num_accepted_draft_tokens
+        )
         self.prefix_cache_hit_rate.set(state.prefix_cache_hit_rate)
 
     def render(self) -> bytes:

@@ -1,0 +1,71 @@
+"""Speculative decoding: several tokens of a decode per step where the model agrees with a draft.
+
+A decoding sequence whose next token is its greedy choice (see `speculates`) gets draft tokens
+from n-gram prompt lookup (ngram_proposer.py). Its step then computes its last token and the
+drafts together, like a short prefill chunk, and the model's greedy token is read after each of
+them. The drafts are accepted up to the first one the model would not have chosen, and the
+model's own token at that point follows them: 1 to 1 + len(drafts) tokens for one step, exactly
+the tokens one-at-a-time decoding would have produced. The keys and values the rejected drafts
+wrote are past the sequence's computed length, so later steps overwrite them.
+
+The cost: on a CPU, or a GPU at small batches, a decode step is bound by reading the weights, and
+a few more rows cost little; when the drafts are rejected, that little is lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vacpack.engine.ngram_proposer import propose_ngram_drafts
+from vacpack.engine.request import Sequence
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    num_speculative_tokens: int  # drafts per step, at most
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    def drafts(self, sequence: Sequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding sequence, within the step's token `budget` (its last
+        token included) and its limits (max_tokens, the context): none where it does not
+        speculate or nothing in its tokens repeats."""
+        if not speculates(sequence):
+            return ()
+        room = sequence.max_total_tokens - sequence.num_tokens
+        max_tokens = sequence.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - sequence.num_output_tokens)
+        # Each accepted draft and the model's token after them are output tokens.
+        max_drafts = min(self.num_speculative_tokens, budget - 1, room - 1)
+        return tuple(
+            propose_ngram_drafts(
+                sequence.token_ids, self.prompt_lookup_min, self.prompt_lookup_max, max_drafts
+            )
+        )
+
+
+def speculates(sequence: Sequence) -> bool:
+    """True when the sequence's next token is the argmax of the model's raw logits at every
+    position (greedy, no penalties, logprobs, token constraints or stop tokens held back for
+    min_tokens), so that drafts are checked by comparing them with those argmaxes."""
+    params = sequence.params
+    return (
+        params.is_greedy
+        and not params.has_penalties
+        and not params.constrains_tokens
+        and sequence.constraints is None
+        and params.logprobs is None
+        and sequence.num_output_tokens >= params.min_tokens
+        and not sequence.num_pending_tokens
+    )
+
+
+def accepted_tokens(draft_token_ids: tuple[int, ...], target_token_ids: list[int]) -> list[int]:
+    """The drafts up to the first the model would not have chosen, then the model's token."""
+    num_accepted = 0
+    for draft, target in zip(draft_token_ids, target_token_ids, strict=False):
+        if draft != target:
+            break
+        num_accepted += 1
+    return [*draft_token_ids[:num_accepted], target_token_ids[num_accepted]]
