@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from transformers import PreTrainedTokenizerBase
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+import vacpack.detokenizer as detokenizer_module
 from vacpack.detokenizer import IncrementalDetokenizer, RequestDetokenizer, StopStringMatcher
 from vacpack.tokenizer import plain_decoder
 
@@ -175,23 +178,45 @@ def test_spaces_between_special_tokens(bert: PreTrainedTokenizerBase) -> None:
 
 
 class _DecodeSpy:
-    """Wraps tokenizer.decode to record the longest id list it was given."""
+    """Records the longest id list that detokenizers decode."""
 
-    def __init__(self, decode: Callable[..., str]) -> None:
-        self.undecorated = decode
+    def __init__(self) -> None:
         self.max_ids_len = 0
 
-    def __call__(self, token_ids: list[int], *args: object, **kwargs: object) -> str:
-        self.max_ids_len = max(self.max_ids_len, len(token_ids))
-        return self.undecorated(token_ids, *args, **kwargs)
+    def plain_decoder(
+        self, tokenizer: PreTrainedTokenizerBase, *, skip_special_tokens: bool
+    ) -> Callable[[list[int]], str]:
+        decode = plain_decoder(tokenizer, skip_special_tokens=skip_special_tokens)
+
+        def spied_decode(token_ids: list[int]) -> str:
+            self.max_ids_len = max(self.max_ids_len, len(token_ids))
+            return decode(token_ids)
+
+        return spied_decode
 
 
 @pytest.fixture
-def decode_spy(bpe: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch) -> Iterator:
-    IncrementalDetokenizer(bpe)  # caches the tokenizer's special-token facts before spying
-    spy = _DecodeSpy(bpe.decode)
-    monkeypatch.setattr(bpe, "decode", spy)
-    yield spy
+def decode_spy(monkeypatch: pytest.MonkeyPatch) -> _DecodeSpy:
+    # Spies on what the detokenizer decodes with: for a fast tokenizer that is the tokenizers
+    # library's decode, which tokenizer.decode never sees.
+    spy = _DecodeSpy()
+    monkeypatch.setattr(detokenizer_module, "plain_decoder", spy.plain_decoder)
+    return spy
+
+
+def _assert_window_stays_bounded(
+    tokenizer: PreTrainedTokenizerBase, decode_spy: _DecodeSpy, token_ids: list[int], stream: str
+) -> None:
+    assert len(token_ids) >= 500
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    deltas = [detokenizer.decode_next([token_id]) for token_id in token_ids]
+    expected = tokenizer.decode(token_ids)
+    if stream == "invalid_bytes":
+        # Invalid bytes still stream: all but the last few are out before flush().
+        assert len("".join(deltas)) >= len(expected) - 8
+    deltas.append(detokenizer.flush())
+    assert 0 < decode_spy.max_ids_len <= 16
+    assert "".join(deltas) == expected
 
 
 @pytest.mark.parametrize(
@@ -209,16 +234,147 @@ def test_window_stays_bounded(
         token_ids = _byte_token_ids(bpe, "é")[1:] * 500
     else:
         token_ids = [t for _ in range(100) for t in _random_token_ids(bpe, rng)]
-    assert len(token_ids) >= 500
-    detokenizer = IncrementalDetokenizer(bpe, skip_special_tokens=False)
+    _assert_window_stays_bounded(bpe, decode_spy, token_ids, stream)
+
+
+# ---------------------------------------------------------------- byte fallback
+
+
+@pytest.fixture(scope="module")
+def byte_fallback() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style BPE as Llama's and Mistral's: "▁" for spaces, and any character
+    outside the vocabulary as <0xNN> byte tokens that the decoder's ByteFallback step joins
+    back into UTF-8 (a run at a time), then Fuse, and Strip of the leading space."""
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=200,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        # Few characters, so that accented letters, CJK and emoji fall back to bytes.
+        limit_alphabet=30,
+        show_progress=False,
+    )
+    corpus = ["the quick brown fox jumps over the lazy dog.", "hello world, hello there!"]
+    backend.train_from_iterator(corpus * 20, trainer=trainer)
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    backend = Tokenizer.from_str(json.dumps(spec))
+    backend.add_tokens(["<think>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+BYTE_FALLBACK_TEXTS = (
+    "hello world, the lazy dog.",
+    "café naïve über ÅÉÎ",
+    "中文 汉字 中文文本",
+    # A family emoji: three 4-byte emoji joined by 3-byte ZWJs, one run of 18 byte tokens.
+    "😀 🚀🌍 the 👨\u200d👩\u200d👧 fox",
+    "hello\nworld\n\n  two spaces\ttab",
+    "   three leading spaces",
+    "the<think>dog</s>fox <s> 中",
+)
+
+
+def _byte_fallback_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in text.encode("utf-8")])
+
+
+def test_deltas_concatenate_to_decode_byte_fallback(
+    byte_fallback: PreTrainedTokenizerFast,
+) -> None:
+    # Characters split across byte tokens must never come out as U+FFFD, even when a step
+    # brings several tokens and a run of byte tokens is longer than a character.
+    tokenizer = byte_fallback
+    byte_ids = set(tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)]))
+    # Not special tokens either, which skip_special_tokens would take out from between runs.
+    other_ids = [
+        t for t in range(len(tokenizer)) if t not in byte_ids and t not in tokenizer.all_special_ids
+    ]
+    rng = random.Random(17)
+    sequences = [tokenizer.encode(text, add_special_tokens=False) for text in BYTE_FALLBACK_TEXTS]
+    assert max(sum(t in byte_ids for t in ids) for ids in sequences) >= 18, "emoji as bytes"
+    for _ in range(150):
+        token_ids: list[int] = []
+        for _ in range(rng.randint(1, 8)):
+            # A token other than a byte ends the previous run (the test below has runs that
+            # break after whole characters).
+            token_ids.extend(rng.choice(other_ids) for _ in range(rng.randint(1, 3)))
+            if rng.random() < 0.7:
+                token_ids.extend(_byte_fallback_ids(tokenizer, rng.choice(MULTI_BYTE_WORDS)))
+            else:
+                # A run that is one broken character, maybe at the end of the sequence.
+                character_bytes = _byte_fallback_ids(tokenizer, rng.choice("é中😀"))
+                token_ids.extend(character_bytes[: rng.randint(1, len(character_bytes) - 1)])
+        sequences.append(token_ids)
+    for token_ids in sequences:
+        for skip_special_tokens in (True, False):
+            detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+            deltas = _detokenize_in_chunks(detokenizer, token_ids, rng)
+            expected = tokenizer.decode(
+                token_ids,
+                skip_special_tokens=skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+            assert "".join(deltas) == expected, token_ids
+            if "\ufffd" not in expected:
+                assert not any("\ufffd" in delta for delta in deltas), deltas
+
+
+def test_byte_run_broken_after_streaming_keeps_its_characters(
+    byte_fallback: PreTrainedTokenizerFast,
+) -> None:
+    # decode() turns a whole run of byte tokens that is not valid UTF-8 into U+FFFD, whole
+    # characters in it included; text already streamed stays as sent (as in vLLM), and the
+    # rest of the run decodes on its own.
+    tokenizer = byte_fallback
+    token_ids = [
+        *_byte_fallback_ids(tokenizer, "😀"),
+        *_byte_fallback_ids(tokenizer, "é")[1:],  # a lone continuation byte breaks the run
+        *tokenizer.encode(" hello", add_special_tokens=False),
+    ]
+    assert tokenizer.decode(token_ids) == "\ufffd" * 5 + " hello"
+    detokenizer = IncrementalDetokenizer(tokenizer)
     deltas = [detokenizer.decode_next([token_id]) for token_id in token_ids]
-    expected = decode_spy.undecorated(token_ids)
-    if stream == "invalid_bytes":
-        # Invalid bytes still stream: all but the last few are out before flush().
-        assert len("".join(deltas)) >= len(expected) - 8
-    deltas.append(detokenizer.flush())
-    assert decode_spy.max_ids_len <= 16
-    assert "".join(deltas) == expected
+    assert deltas[:4] == ["", "", "", "😀"]
+    assert "".join(deltas) + detokenizer.flush() == "😀\ufffd hello"
+
+
+def test_byte_fallback_stop_string_ends_at_its_last_byte(
+    byte_fallback: PreTrainedTokenizerFast,
+) -> None:
+    # A newline is the byte token <0x0A> in such vocabularies, and "😀" four of them: a stop
+    # string found only once a later token closed the run would cost a token more than vLLM.
+    token_ids = byte_fallback.encode("hello\nworld 😀 fox", add_special_tokens=False)
+    for stop, stop_token_index in [("\n", 1), ("😀", len(token_ids) - 2)]:
+        request = RequestDetokenizer(byte_fallback, stop_strings=[stop])
+        stopped_at = [request.update([t]) for t in token_ids[: stop_token_index + 1]]
+        assert stopped_at == [None] * stop_token_index + [stop]
+
+
+@pytest.mark.parametrize("stream", ["valid_text", "invalid_bytes"])
+def test_window_stays_bounded_byte_fallback(
+    byte_fallback: PreTrainedTokenizerFast, decode_spy: _DecodeSpy, stream: str
+) -> None:
+    # One run of byte tokens, however long, must not hold the window open.
+    if stream == "valid_text":
+        text = "".join(random.Random(12).choices(("é", "中", "😀", "👨\u200d👩"), k=200))
+        token_ids = _byte_fallback_ids(byte_fallback, text)
+    else:
+        token_ids = _byte_fallback_ids(byte_fallback, "é")[1:] * 500
+    _assert_window_stays_bounded(byte_fallback, decode_spy, token_ids, stream)
 
 
 # ---------------------------------------------------------------- stop strings
@@ -318,8 +474,10 @@ def test_request_without_stop_finishes_and_releases_tail(bpe: PreTrainedTokenize
     # "wor" could still become "world!", so it is held back from the stream.
     assert request.stream_delta() == "hello "
     assert request.output_text == "hello wor"
+    assert request.stable_text == "hello "
     assert request.finish() is None
     assert request.stream_delta() == "wor"
+    assert request.stable_text == "hello wor"
     assert request.matched_stop_string is None
     assert request.finish() is None
 

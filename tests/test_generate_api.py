@@ -191,6 +191,26 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
         assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
 
 
+def test_a_stop_string_in_a_kept_stop_tokens_text_is_the_stop_reason(llm: LLM) -> None:
+    """With include_stop_str_in_output the stop token's text is kept and searched for stop
+    strings: one found there names itself as the stop reason, as in vLLM."""
+    stop_id = llm.engine.loaded.tokenizer.encode(" the", add_special_tokens=False)[-1]
+    stop = llm.engine.loaded.tokenizer.decode([stop_id])
+    for include, text, stop_reason in [(False, "", stop_id), (True, stop, stop)]:
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            stop=[stop],
+            stop_token_ids=[stop_id],
+            logit_bias={stop_id: 100.0},
+            include_stop_str_in_output=include,
+        )
+        (output,) = llm.generate(["hello"], params, use_tqdm=False)
+        completion = output.outputs[0]
+        assert (completion.text, completion.token_ids) == (text, [stop_id])
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_reason)
+
+
 def test_sampled_logprobs_match_prompt_logprobs_of_the_same_text(llm: LLM) -> None:
     prompt = _random_prompts(llm, 1, seed=7)[0]
     (output,) = llm.generate(
@@ -331,6 +351,35 @@ def test_cumulative_outputs_keep_what_they_held_when_returned(llm: LLM) -> None:
         outputs += [output.outputs[0] for output in engine.step()]
     assert [len(output.token_ids) for output in outputs] == [1, 2, 3, 4, 5, 6]
     assert [len(output.logprobs) for output in outputs] == [1, 2, 3, 4, 5, 6]
+
+
+def _stop_across_a_token_boundary(llm: LLM, token_ids: list[int], text: str) -> str:
+    """Two characters of text, one either side of a token boundary, found nowhere earlier."""
+    tokenizer = llm.engine.loaded.tokenizer
+    for num_tokens in range(1, len(token_ids)):
+        boundary = len(tokenizer.decode(token_ids[:num_tokens]))
+        stop = text[boundary - 1 : boundary + 1]
+        if len(stop) == 2 and "\ufffd" not in stop and text.index(stop) == boundary - 1:
+            return stop
+    raise AssertionError(f"no stop string to make from {text!r}")
+
+
+def test_cumulative_outputs_never_show_text_a_stop_string_cuts(llm: LLM) -> None:
+    # As in vLLM, a cumulative output leaves out the tail that may yet become a stop string:
+    # the text of each output extends the one before.
+    engine = llm.engine
+    prompt = engine.loaded.tokenizer.encode("The weather today is")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (reference,) = llm.generate([prompt], params, use_tqdm=False)
+    text = reference.outputs[0].text
+    stop = _stop_across_a_token_boundary(llm, reference.outputs[0].token_ids, text)
+    engine.add_request("cumulative-stop", prompt, params.clone(stop=[stop]))
+    shown: list[str] = []
+    while engine.has_unfinished_requests():
+        shown += [output.outputs[0].text for output in engine.step()]
+    final = text[: text.index(stop)]
+    assert shown[-1] == final
+    assert all(final.startswith(text_shown) for text_shown in shown), (shown, stop)
 
 
 def test_vllm_enforce_eager_turns_cuda_graphs_off(tiny_checkpoint) -> None:

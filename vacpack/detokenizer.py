@@ -8,11 +8,14 @@ a stop string so that streamed text never has to be taken back.
 
 from __future__ import annotations
 
+import codecs
+import json
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from vacpack.tokenizer import decode_text, plain_decoder
 
@@ -29,6 +32,9 @@ class _DecodeFacts:
     # convert_ids_to_tokens only skips the named ones (eos, pad, ...).
     skipped_token_ids: frozenset[int]
     added_token_text: Mapping[int, str]
+    # The <0xNN> tokens of a SentencePiece-style vocabulary whose decoder has a ByteFallback
+    # step, and their bytes; empty for any other decoder. IncrementalDetokenizer says why.
+    token_bytes: Mapping[int, int]
 
 
 _decode_facts_cache: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _DecodeFacts] = (
@@ -49,9 +55,37 @@ def _decode_facts(tokenizer: PreTrainedTokenizerBase) -> _DecodeFacts:
             if tokenizer.decode([token_id], skip_special_tokens=True) == ""
         )
         added_token_text = {token_id: token.content for token_id, token in added_tokens.items()}
-        facts = _DecodeFacts(skipped_token_ids, added_token_text)
+        facts = _DecodeFacts(skipped_token_ids, added_token_text, _token_bytes(tokenizer))
         _decode_facts_cache[tokenizer] = facts
     return facts
+
+
+def _token_bytes(tokenizer: PreTrainedTokenizerBase) -> dict[int, int]:
+    """Id -> byte of the <0xNN> tokens that the tokenizer's ByteFallback decoder turns into
+    bytes; empty without one."""
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return {}
+    backend = tokenizer.backend_tokenizer
+    decoder = backend.decoder
+    # The decoder's own JSON, not the whole tokenizer's: to_str() would serialize the vocabulary.
+    if decoder is None or not _has_byte_fallback(json.loads(decoder.__getstate__())):
+        return {}
+    token_bytes: dict[int, int] = {}
+    for byte in range(256):
+        for name in (f"<0x{byte:02X}>", f"<0x{byte:02x}>"):  # ByteFallback reads either case
+            token_id = backend.token_to_id(name)
+            if token_id is not None:
+                token_bytes[token_id] = byte
+    return token_bytes
+
+
+def _has_byte_fallback(decoder: Any) -> bool:
+    """Whether a decoder's JSON (a Sequence of decoders, or one) has a ByteFallback step."""
+    if isinstance(decoder, dict):
+        if decoder.get("type") == "ByteFallback":
+            return True
+        decoder = list(decoder.values())
+    return isinstance(decoder, list) and any(_has_byte_fallback(part) for part in decoder)
 
 
 # The context grows over a few steps before it is cut back to the last emitted chunk, which
@@ -79,9 +113,18 @@ class IncrementalDetokenizer:
 
     The deltas from decode_next() followed by flush() concatenate to
     tokenizer.decode(all_ids, skip_special_tokens=...) (with clean_up_tokenization_spaces off,
-    whose rewrites need look-ahead) for byte-level BPE and WordPiece tokenizers.
+    whose rewrites need look-ahead) for byte-level BPE, WordPiece and SentencePiece-style
+    (Metaspace, byte fallback) tokenizers, with one exception below.
     spaces_between_special_tokens=False instead joins added tokens to their neighbours with
     no separator, as vLLM does; True leaves spacing to the tokenizer's own decoder.
+
+    A ByteFallback decoder (Llama, Mistral) decodes each run of consecutive <0xNN> tokens as a
+    whole, and a run that is not valid UTF-8 becomes one U+FFFD per byte, its whole characters
+    included. So no split may fall inside a run whose text is undecided (it is U+FFFD on both
+    sides wherever it is cut). A character is still emitted as soon as its last byte arrives,
+    as vLLM does (a newline is a byte token there, and a stop string must not wait for the
+    next token): the exception is a run that breaks after that, which keeps the characters
+    already emitted where decode() would show U+FFFD for them.
     """
 
     def __init__(
@@ -98,6 +141,7 @@ class IncrementalDetokenizer:
         # Skipped ids never enter the window: decode() drops them anyway, and leaving them out
         # keeps a run of them from pushing the real context out of the window.
         self._dropped_token_ids = self._facts.skipped_token_ids if skip_special_tokens else None
+        self._token_bytes = self._facts.token_bytes
         self._window_token_ids: list[int] = []
         # window[:_read_offset] is context whose text has been emitted; the rest is undecided.
         self._read_offset = 0
@@ -128,14 +172,21 @@ class IncrementalDetokenizer:
 
     def _emit_through(self, split: int, text_through_split: str) -> str:
         """Emit the text of window[:split] beyond the context; nothing before split can change."""
-        delta = text_through_split[len(self._context_text) :]
+        if text_through_split.startswith(self._context_text):
+            delta = text_through_split[len(self._context_text) :]
+        else:
+            # The context ends inside a run of byte tokens that has since broken, turning its
+            # emitted characters into U+FFFD. They stay as emitted; the bytes after them decode
+            # on their own (still broken: the emitted part was whole characters).
+            delta = self._decode(self._window_token_ids[self._read_offset : split])
         if split <= _MAX_CONTEXT_TOKENS:
             # All of window[:split] becomes the context, and its text is already in hand.
             self._read_offset = split
             self._context_text = text_through_split
         else:
             # Restart the context at the previous split, which also ended a whole character,
-            # so the chunk decodes on its own exactly as it did inside the window.
+            # so the chunk decodes on its own exactly as it did inside the window (the rest of
+            # a run of byte tokens too: after whole characters, it is valid alone if whole).
             del self._window_token_ids[: self._read_offset]
             self._read_offset = split - self._read_offset
             self._context_text = self._decode(self._window_token_ids[: self._read_offset])
@@ -150,6 +201,10 @@ class IncrementalDetokenizer:
         latest_split = len(self._window_token_ids) - _TOKENS_THAT_SETTLE_A_CHARACTER
         earliest_split = max(self._read_offset + 1, latest_split - _MAX_SPLITS_TRIED + 1)
         for split in range(latest_split, earliest_split - 1, -1):
+            if self._cuts_an_unsettled_byte_run(split):
+                # Whatever the check below says: an unfinished character is one U+FFFD per byte
+                # however it is split, and the next byte can still make it whole.
+                continue
             text_through_split = self._decode(self._window_token_ids[:split])
             if not window_text.startswith(text_through_split):
                 continue
@@ -157,6 +212,28 @@ class IncrementalDetokenizer:
             if text_after_split and text_through_split + text_after_split == window_text:
                 return self._emit_through(split, text_through_split)
         return ""
+
+    def _cuts_an_unsettled_byte_run(self, split: int) -> bool:
+        """Whether split falls inside a run of byte tokens that may yet decode to characters.
+
+        Not when the bytes on each side of it are invalid UTF-8 whatever follows: every byte of
+        the run is then U+FFFD for good, on both sides of any later cut of the window there
+        too. Such splits keep a long run of invalid bytes from growing the window unbounded.
+        """
+        window = self._window_token_ids
+        token_bytes = self._token_bytes
+        if window[split - 1] not in token_bytes or window[split] not in token_bytes:
+            return False
+        run_start = split - 1
+        while run_start > 0 and window[run_start - 1] in token_bytes:
+            run_start -= 1
+        run_end = split + 1
+        while run_end < len(window) and window[run_end] in token_bytes:
+            run_end += 1
+        return not (
+            _invalid_for_good(bytes(token_bytes[t] for t in window[run_start:split]))
+            and _invalid_for_good(bytes(token_bytes[t] for t in window[split:run_end]))
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         if self._spaces_between_special_tokens or not self._facts.added_token_text:
@@ -178,6 +255,15 @@ class IncrementalDetokenizer:
 
     def _decode_plain(self, token_ids: list[int]) -> str:
         return self._plain_decode(token_ids)
+
+
+def _invalid_for_good(data: bytes) -> bool:
+    """Whether data is not valid UTF-8 and no bytes after it can make it so."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 class StopStringMatcher:
@@ -245,10 +331,10 @@ class StopStringMatcher:
 class RequestDetokenizer:
     """Output text of one request: incremental detokenization, stop strings and streaming.
 
-    The engine calls update() with each step's new token ids, reads stream_delta() for text
-    that is safe to send now, and calls finish() when the request ends for any reason other
-    than a stop string (eos, length, abort) to release what was held back. output_text is the
-    text so far, and the final text once the request has finished.
+    The engine calls update() with each step's new token ids, reads stream_delta() (or
+    stable_text) for text that is safe to send now, and calls finish() when the request ends
+    for any reason other than a stop string (eos, length, abort) to release what was held
+    back. output_text is the text so far, and the final text once the request has finished.
 
     text_at_finish=True (no stop strings allowed) decodes nothing until finish(), then all of
     the ids at once, to the same text: for a request whose text nobody reads before it ends
@@ -288,6 +374,12 @@ class RequestDetokenizer:
     @property
     def output_text(self) -> str:
         return self._output_text
+
+    @property
+    def stable_text(self) -> str:
+        """output_text less the tail that a stop string could still cut (all of it once
+        finished): what a cumulative output shows, so that its text only ever grows."""
+        return self._output_text[: len(self._output_text) - self._held_back_len_chars]
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, decoded alone (a logprob's `decoded_token`)."""

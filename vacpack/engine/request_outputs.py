@@ -54,7 +54,9 @@ def make_output(request: Request) -> RequestOutput | None:
 def _cumulative_completion(index: int, sequence: Sequence) -> CompletionOutput:
     return CompletionOutput(
         index=index,
-        text=sequence.detokenizer.output_text,
+        # As in vLLM, without a tail that a stop string could still cut: a later output must
+        # not take back text an earlier one showed.
+        text=sequence.detokenizer.stable_text,
         token_ids=sequence.output_token_ids,
         cumulative_logprob=sequence.cumulative_logprob if sequence.logprobs is not None else None,
         logprobs=_copy(sequence.logprobs),

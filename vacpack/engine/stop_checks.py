@@ -21,11 +21,13 @@ def check_stop(sequence: Sequence, token_id: int, output_complete: bool = False)
         stop_string = sequence.detokenizer.update(
             [token_id], check_stop_strings=sequence.num_output_tokens > params.min_tokens
         )
+    if stop_string is not None:
+        # Also when a stop token's own text (kept by include_stop_str_in_output) completed the
+        # stop string: vLLM names the string then, as the text is cut at it.
+        return "stop", stop_string
     if stops_on_token:
         # EOS ends the sequence with stop_reason None, as in vLLM; a stop_token_id names itself.
         return "stop", token_id if token_id in (params.stop_token_ids or ()) else None
-    if stop_string is not None:
-        return "stop", stop_string
     if output_complete:
         return "stop", None
     max_output_tokens = params.max_tokens or sequence.max_total_tokens
