@@ -424,3 +424,17 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_a_stop_string_completed_when_held_back_bytes_are_flushed(llm: LLM) -> None:
+    """A lone UTF-8 lead byte is held back as an incomplete character until the output ends,
+    then flushed as U+FFFD: a stop string it completes there stops the sequence on it."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    lead_byte = llm.get_tokenizer().convert_tokens_to_ids(bytes_to_unicode()[0xE4])
+    params = SamplingParams(max_tokens=1, allowed_token_ids=[lead_byte], stop=["\ufffd"])
+    (output,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.token_ids == [lead_byte]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "\ufffd")
+    assert completion.text == ""

@@ -307,9 +307,13 @@ class Scheduler:
         return len(new_tokens)
 
     def _finish(self, sequence: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        # The text held back (an incomplete character) is flushed now; should it complete a
+        # stop string, the text is cut there and the sequence stopped on that string.
+        flushed_stop = sequence.detokenizer.finish()
+        if flushed_stop is not None and reason != "abort":
+            reason, stop_reason = "stop", flushed_stop
         sequence.finish_reason = reason
         sequence.stop_reason = stop_reason
-        sequence.detokenizer.finish()
         # Its pages may still be written by a launched step; a later step that reuses them
         # runs after it on the device (see step_executor).
         sequence.drop_pending_tokens()
