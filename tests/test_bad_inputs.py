@@ -9,6 +9,8 @@ test_server_errors.py, which shares one server process.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from vacpack.errors import (
     TokenizerLoadError,
     WeightsMismatchError,
 )
+from vacpack.testing.tiny_models import build_tiny_classifier_checkpoint
 
 MAX_MODEL_LEN = 256
 ENGINE_FLAGS = [
@@ -54,9 +57,12 @@ class Workspace:
     prompts: Path
     notes: Path  # a user's file, never to be touched
     other_output: Path  # a finished run-batch output for another input
+    stale_output: Path  # a run-batch output for an earlier version of batch_input
+    classifier: Path  # a model without an LM head
 
     def protected_files(self) -> dict[Path, bytes]:
-        return {path: path.read_bytes() for path in (self.notes, self.other_output)}
+        outputs = (self.notes, self.other_output, self.stale_output)
+        return {path: path.read_bytes() for path in outputs}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,10 @@ def workspace(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Work
     other_output = root / "other-output.jsonl"
     record = {"id": "batch_req_1", "custom_id": "someone-else", "response": None, "error": None}
     other_output.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    # It answers custom_id "a", but its id does not carry the digest of batch_input's line.
+    stale_output = root / "stale-output.jsonl"
+    stale = {"id": f"batch_req_{'0' * 32}", "custom_id": "a", "response": None, "error": None}
+    stale_output.write_text(json.dumps(stale, separators=(",", ":")) + "\n")
     return Workspace(
         root=root,
         model=model,
@@ -76,6 +86,8 @@ def workspace(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Work
         prompts=write_lines(root / "prompts.jsonl", [json.dumps({"prompt": "hello"})]),
         notes=notes,
         other_output=other_output,
+        stale_output=stale_output,
+        classifier=build_tiny_classifier_checkpoint("qwen2", root / "classifier", num_labels=2),
     )
 
 
@@ -108,6 +120,9 @@ CLI_CASES: list[tuple[str, Callable[[Workspace], list[str]], ExitCode, str]] = [
     ("loglikelihood: input missing",
      lambda w: ["loglikelihood", "--model", str(w.model), "--input", "nope.txt"],
      ExitCode.FILE_NOT_FOUND, "nope.txt"),
+    ("loglikelihood: a model without an LM head",
+     lambda w: ["loglikelihood", "--model", str(w.classifier), "--input", str(w.prompts)],
+     ExitCode.USAGE, "has no language-model head"),
     ("generate: output directory missing",
      lambda w: _generate(w.model, "--prompt", "hi", "--output", "no-dir/out.jsonl"),
      ExitCode.FILE_NOT_FOUND, "cannot write output file 'no-dir/out.jsonl'"),
@@ -125,6 +140,9 @@ CLI_CASES: list[tuple[str, Callable[[Workspace], list[str]], ExitCode, str]] = [
     ("run-batch: output of another input",
      lambda w: _run_batch(w.model, w.batch_input, w.other_output), ExitCode.OUTPUT_EXISTS,
      "custom_id 'someone-else', which the input does not have"),
+    ("run-batch: output of an earlier version of the input",
+     lambda w: _run_batch(w.model, w.batch_input, w.stale_output), ExitCode.OUTPUT_EXISTS,
+     "answers custom_id 'a', whose line in the input has changed since"),
     ("generate: output a user's file",
      lambda w: _generate(w.model, "--input", str(w.prompts), "--output", str(w.notes)),
      ExitCode.OUTPUT_EXISTS, "--overwrite"),
@@ -216,6 +234,32 @@ def test_a_good_command_runs_after_the_bad_ones(cli_zygote: Zygote, workspace: W
     assert finished.status == 0, finished.stderr
     (record,) = read_records(output)
     assert record["custom_id"] == "a" and record["response"]["status_code"] == 200
+
+
+@pytest.mark.parametrize("command", ["run-batch", "generate", "embed"])
+def test_input_from_a_pipe_is_refused_not_answered_as_empty(
+    workspace: Workspace, tmp_path: Path, command: str
+) -> None:
+    """Each command reads its input more than once (to count it, check an earlier output, run
+    it); a pipe yields its lines once, so a later reading would find none and answer nothing."""
+    output = tmp_path / "out.jsonl"
+    argv = {
+        "run-batch": _run_batch(workspace.model, Path("/dev/stdin"), output),
+        "generate": _generate(workspace.model, "--input", "/dev/stdin", "--output", str(output)),
+        "embed": ["embed", "--model", str(workspace.model), *ENGINE_FLAGS, "--input",
+                  "/dev/stdin", "--output", str(output)],
+    }[command]  # fmt: skip
+    finished = subprocess.run(
+        [sys.executable, "-m", "vacpack", *argv],
+        input=workspace.batch_input.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == ExitCode.IO_ERROR, finished.stderr
+    (error_line,) = [line for line in finished.stderr.splitlines() if "error:" in line]
+    assert "cannot read input file '/dev/stdin': not a regular file" in error_line
+    assert not output.exists()
 
 
 # ---------------------------------------------------------------- Python API

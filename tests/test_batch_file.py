@@ -18,6 +18,7 @@ from vacpack.batch.options import BatchOptions, batch_options_from_args
 from vacpack.batch.result_file import open_batch_output
 from vacpack.batch.runner import run_batch
 from vacpack.cli import build_parser, main
+from vacpack.errors import OutputExistsError
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +72,12 @@ def test_mixed_endpoints_and_bad_lines_each_get_one_record(llm: LLM, tmp_path: P
         _line("bad-url", "/v1/images", {}),
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
         "",
-        _completion_line("chat"),  # a repeated custom_id is skipped, not answered twice
+        _completion_line("chat"),  # a repeated custom_id gets an error record, keyed by its line
     ]
     options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines))
     summary = run_batch(llm, options)
-    assert (summary.num_requests, summary.num_answered, summary.num_duplicates) == (8, 7, 1)
-    assert summary.num_failed == 4
+    assert (summary.num_requests, summary.num_answered, summary.num_duplicates) == (8, 8, 1)
+    assert summary.num_failed == 5
 
     records = _by_custom_id(options.output_path)
     chat = records["chat"]["response"]
@@ -104,7 +105,7 @@ def test_mixed_endpoints_and_bad_lines_each_get_one_record(llm: LLM, tmp_path: P
         records["bad-url"]["response"] is None and "url" in records["bad-url"]["error"]["message"]
     )
     unnamed = [r for r in _records(options.output_path) if r["custom_id"] is None]
-    assert sorted(r["error"]["line"] for r in unnamed) == [3, 7]
+    assert sorted(r["error"]["line"] for r in unnamed) == [3, 7, 9]
     assert all(set(r) == {"id", "custom_id", "response", "error"} for r in records.values())
 
 
@@ -142,6 +143,84 @@ def test_resume_cuts_only_the_torn_tail(llm: LLM, tmp_path: Path) -> None:
     writer, answered = open_batch_output(options)
     writer.close()
     assert answered.custom_ids == {"a"} and options.output_path.read_bytes() == whole
+
+
+def _assert_each_line_answered_once(path: Path, named: set[str], unnamed: set[int]) -> None:
+    records = _records(path)
+    assert set(_by_custom_id(path)) == named  # raises if a custom_id was answered twice
+    lines = [r["error"]["line"] for r in records if r["custom_id"] is None]
+    assert sorted(lines) == sorted(unnamed) and len(records) == len(named) + len(unnamed)
+
+
+def test_a_repeated_custom_id_gets_its_own_error_record_and_resumes(
+    llm: LLM, tmp_path: Path
+) -> None:
+    # OpenAI refuses a file whose custom_ids repeat (code duplicate_custom_id, with the line);
+    # here the repeat gets that error as a record keyed by its line, and the first is answered.
+    lines = [
+        _line("x", "/v1/images", {}),  # not a request, but it names x
+        _completion_line("x"),
+        _completion_line("y"),
+        _line("y", "/v1/embeddings", {"input": "hi"}),
+    ]
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines))
+    summary = run_batch(llm, options)
+    assert (summary.num_answered, summary.num_failed, summary.num_duplicates) == (4, 3, 2)
+    _assert_each_line_answered_once(options.output_path, {"x", "y"}, {2, 4})
+    records = _records(options.output_path)
+    assert "url must be one of" in _by_custom_id(options.output_path)["x"]["error"]["message"]
+    assert _by_custom_id(options.output_path)["y"]["response"]["status_code"] == 200
+    repeat = next(r for r in records if r["custom_id"] is None and r["error"]["line"] == 4)
+    assert repeat["response"] is None and repeat["error"]["code"] == "duplicate_custom_id"
+    assert "line 4: custom_id 'y' repeats that of line 3" in repeat["error"]["message"]
+
+    # A run killed after any number of records resumes to the same: every line answered once.
+    whole = options.output_path.read_bytes().splitlines(keepends=True)
+    for num_kept in range(len(whole)):
+        options.output_path.write_bytes(b"".join(whole[:num_kept]))
+        resumed = run_batch(llm, options)
+        assert (resumed.num_resumed, resumed.num_answered) == (num_kept, 4 - num_kept)
+        _assert_each_line_answered_once(options.output_path, {"x", "y"}, {2, 4})
+
+
+def test_resume_refuses_an_output_whose_input_lines_have_changed(llm: LLM, tmp_path: Path) -> None:
+    lines = [
+        _completion_line("a"),
+        _completion_line("b", temperature=-1),  # a 400, which the user will fix
+        "not json",
+        _completion_line("c"),
+    ]
+    input_path = _write_lines(tmp_path / "in.jsonl", lines)
+    options = _options(tmp_path, input_path)
+    run_batch(llm, options)
+    answered = options.output_path.read_bytes()
+
+    # A BOM and CRLF line ends change no request: the run resumes with nothing left to do.
+    input_path.write_bytes(b"\xef\xbb\xbf" + input_path.read_bytes().replace(b"\n", b"\r\n"))
+    assert run_batch(llm, options).num_resumed == 4
+
+    # An answered line edited: its record answers a request the input no longer makes.
+    fixed = [lines[0], _completion_line("b", temperature=0), *lines[2:]]
+    _write_lines(input_path, fixed)
+    with pytest.raises(OutputExistsError, match="custom_id 'b', whose line in the input has"):
+        run_batch(llm, options)
+    _write_lines(input_path, [*lines[:2], "still not json", lines[3]])
+    with pytest.raises(OutputExistsError, match="answers input line 3, which has changed"):
+        run_batch(llm, options)
+    assert options.output_path.read_bytes() == answered  # refused untouched
+
+    # A line not answered yet may change: the crashed run resumes with the new request.
+    _write_lines(input_path, [*lines[:3], _completion_line("c", max_tokens=1)])
+    kept = answered.splitlines(keepends=True)
+    options.output_path.write_bytes(b"".join(r for r in kept if b'"custom_id":"c"' not in r))
+    assert run_batch(llm, options).num_answered == 1
+    completion = _by_custom_id(options.output_path)["c"]["response"]["body"]
+    assert completion["usage"]["completion_tokens"] == 1
+
+    # --overwrite answers the edited file afresh.
+    _write_lines(input_path, fixed)
+    assert run_batch(llm, dataclasses.replace(options, overwrite=True)).num_answered == 4
+    assert _statuses(options.output_path) == {"a": 200, "b": 200, "c": 200}
 
 
 def _statuses(path: Path) -> dict[str, int]:

@@ -78,11 +78,13 @@ def test_vllm_prompt_dicts_embed_as_their_text_or_ids(minilm: LLM) -> None:
         minilm.embed([text, {"text": text}], use_tqdm=False)
 
 
-def test_an_encoder_cannot_generate_or_classify(minilm: LLM) -> None:
+def test_an_encoder_cannot_generate_classify_or_score(minilm: LLM) -> None:
     with pytest.raises(ValueError, match="not a decoder"):
         minilm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="classification head"):
         minilm.classify(["hello"], use_tqdm=False)
+    with pytest.raises(ValueError, match="has no language-model head"):
+        minilm.loglikelihood(["hello"], use_tqdm=False)
 
 
 def test_classify_equals_transformers(tmp_path: Path) -> None:
@@ -98,6 +100,9 @@ def test_classify_equals_transformers(tmp_path: Path) -> None:
         assert torch.allclose(torch.tensor(output.outputs.probs), expected, atol=1e-5)
         assert output.outputs.labels == ["label_0", "label_1", "label_2"]
         assert output.outputs.label == f"label_{int(expected.argmax())}"
+    # Its score head replaced the LM head: it cannot score tokens.
+    with pytest.raises(ValueError, match="has no language-model head"):
+        llm.loglikelihood(texts[:1], use_tqdm=False)
 
 
 def _run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

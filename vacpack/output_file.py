@@ -110,9 +110,22 @@ class StreamWriter:
         self._stream.flush()
 
 
+# Why an input must be a file: every command reads it more than once (to count it, to check an
+# earlier output against it, to run it), and a pipe or a terminal gives its lines only once.
+_NOT_A_REGULAR_FILE = (
+    "not a regular file (a pipe or a device can be read only once, and the input is read "
+    "more than once); save it to a file first"
+)
+
+
 def check_input_file(path: Path) -> None:
-    """Before any work: the input exists and can be read."""
+    """Before any work: the input exists, can be read, and can be read again."""
     try:
+        mode = path.stat().st_mode
+        # Checked before opening: opening a FIFO would wait for a writer. A directory fails to
+        # open below, with its own reason.
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise OSError(errno.EINVAL, _NOT_A_REGULAR_FILE)
         with path.open("rb") as source:
             source.read(1)
     except OSError as error:

@@ -1,11 +1,14 @@
 """Input lines of an OpenAI batch file, read lazily and checked one at a time.
 
 A line that is not a usable request becomes a LineError (answered with an error record), never
-an exception that would stop the run.
+an exception that would stop the run. So does a line repeating an earlier line's custom_id:
+every custom_id names one request, answered once.
 """
 
 from __future__ import annotations
 
+import codecs
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +30,11 @@ ENDPOINTS = (
 )
 
 _COUNT_CHUNK_BYTES = 1 << 20
+# Hex digits of a line's digest (64 bits): plenty to tell an edited line from the one answered.
+DIGEST_HEX_CHARS = 16
+INVALID_REQUEST = "invalid_request"
+# OpenAI's code for this, in the errors of a batch whose input it refuses.
+DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 
 
 @dataclass(frozen=True)
@@ -35,21 +43,49 @@ class BatchLine:
     custom_id: str
     url: str
     body: dict[str, Any]
+    digest: str  # line_digest of the line: its record carries it, so a resume can compare
 
 
 @dataclass(frozen=True)
 class LineError:
     line_number: int
-    custom_id: str | None  # None when the line has no usable custom_id
+    custom_id: str | None  # None when the line has no usable custom_id (or repeats one)
     message: str
+    digest: str
+    code: str = INVALID_REQUEST
 
 
 def iter_lines(path: Path) -> Iterator[BatchLine | LineError]:
-    """Every non-blank line, parsed, in file order; one line in memory at a time."""
+    """Every non-blank line, parsed, in file order; one line in memory at a time (and one
+    short string per custom_id, to find the repeated ones)."""
+    first_lines: dict[str, int] = {}  # custom_id -> the line that has it first
     with path.open("rb") as lines:
         for line_number, raw in enumerate(lines, start=1):
-            if raw.strip():
-                yield parse_line(line_number, raw)
+            if not raw.strip():
+                continue
+            item = parse_line(line_number, raw)
+            if item.custom_id is None:
+                yield item
+                continue
+            first_line = first_lines.setdefault(item.custom_id, line_number)
+            yield item if first_line == line_number else _repeated(item, first_line)
+
+
+def _repeated(item: BatchLine | LineError, first_line: int) -> LineError:
+    """A line whose custom_id an earlier line has. Its error record goes without the custom_id
+    (known by its line, as a line without one), so that each custom_id has one record."""
+    message = (
+        f"line {item.line_number}: custom_id {item.custom_id!r} repeats that of line "
+        f"{first_line}; every request needs its own custom_id"
+    )
+    return LineError(item.line_number, None, message, item.digest, DUPLICATE_CUSTOM_ID)
+
+
+def line_digest(raw: bytes) -> str:
+    """What identifies a line's request, in hex: a digest of its bytes, but for the line end,
+    surrounding blanks and a byte-order mark, which a file may gain or lose unchanged."""
+    text = raw.removeprefix(codecs.BOM_UTF8).strip()
+    return hashlib.blake2b(text, digest_size=DIGEST_HEX_CHARS // 2).hexdigest()
 
 
 def count_requests(path: Path) -> int:
@@ -68,23 +104,24 @@ def count_requests(path: Path) -> int:
 
 
 def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
+    digest = line_digest(raw)
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return LineError(line_number, None, f"line {line_number} is not valid JSON: {error}")
+        message = f"line {line_number} is not valid JSON: {error}"
+        return LineError(line_number, None, message, digest)
     except RecursionError:
-        return LineError(line_number, None, f"line {line_number} nests JSON too deeply")
+        return LineError(line_number, None, f"line {line_number} nests JSON too deeply", digest)
     if not isinstance(record, dict):
-        return LineError(line_number, None, f"line {line_number} is not a JSON object")
+        return LineError(line_number, None, f"line {line_number} is not a JSON object", digest)
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return LineError(
-            line_number, None, f"line {line_number} has no custom_id (a non-empty string)"
-        )
+        message = f"line {line_number} has no custom_id (a non-empty string)"
+        return LineError(line_number, None, message, digest)
     if not is_unicode(custom_id):
         # Every record repeats the custom_id, and a lone surrogate cannot be written as UTF-8.
         message = f"line {line_number}: custom_id is not valid Unicode (it holds a lone surrogate)"
-        return LineError(line_number, None, message)
+        return LineError(line_number, None, message, digest)
     method = record.get("method", "POST")
     url = record.get("url")
     body = record.get("body")
@@ -96,6 +133,6 @@ def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
     elif not isinstance(body, dict):
         problem = "body must be a JSON object"
     if problem is not None:
-        return LineError(line_number, custom_id, f"line {line_number}: {problem}")
+        return LineError(line_number, custom_id, f"line {line_number}: {problem}", digest)
     assert isinstance(url, str) and isinstance(body, dict)  # checked just above
-    return BatchLine(line_number, custom_id, url, body)
+    return BatchLine(line_number, custom_id, url, body, digest)

@@ -1,10 +1,12 @@
 """The results file of a batch run: what an earlier run answered, and whether a file is one.
 
 An existing output is resumed only if every whole line is a batch output record whose
-custom_id (or, for a line without one, whose input line number) the input file has; anything
-else is refused untouched (see vacpack/output_file.py). Records are appended whole, so a run
-killed at any moment leaves at most its last line torn; that tail is cut off on resume and its
-request answered again: every custom_id ends up answered exactly once.
+custom_id (or, for a line without one, whose input line number) the input file has, on a line
+unchanged since the record was written (records.py); anything else is refused untouched (see
+vacpack/output_file.py): an edited request must not keep the answer to what it was. Records
+are appended whole, so a run killed at any moment leaves at most its last line torn; that tail
+is cut off on resume and its request answered again: every custom_id ends up answered exactly
+once.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any
 
 from vacpack.batch.lines import BatchLine, LineError, iter_lines
 from vacpack.batch.options import BatchOptions
+from vacpack.batch.records import RECORD_ID_PREFIX, answered_line_digest
 from vacpack.output_file import ResultWriter, open_output
 
 # How every record line starts: records.py builds the "id" first and writes compact JSON.
-BATCH_RECORD_START = b'{"id":"batch_req_'
+BATCH_RECORD_START = b'{"id":"' + RECORD_ID_PREFIX.encode()
 _RECORD_KEYS = frozenset({"id", "custom_id", "response", "error"})
 
 
@@ -50,33 +53,40 @@ class AnsweredSet:
 
 @dataclass(frozen=True)
 class _InputKeys:
-    """What identifies the input's requests: custom_ids, and line numbers of lines without one."""
+    """What identifies the input's requests (custom_ids, and line numbers of lines without
+    one), each with the digest of its line."""
 
-    custom_ids: frozenset[str]
-    unnamed_line_numbers: frozenset[int]
+    custom_ids: dict[str, str]
+    unnamed_line_numbers: dict[int, str]
 
     @classmethod
     def read(cls, path: Path) -> _InputKeys:
-        custom_ids: set[str] = set()
-        unnamed: set[int] = set()
+        custom_ids: dict[str, str] = {}
+        unnamed: dict[int, str] = {}
         for item in iter_lines(path):
             if item.custom_id is not None:
-                custom_ids.add(item.custom_id)
+                custom_ids[item.custom_id] = item.digest
             else:
-                unnamed.add(item.line_number)
-        return cls(frozenset(custom_ids), frozenset(unnamed))
+                unnamed[item.line_number] = item.digest
+        return cls(custom_ids, unnamed)
 
     def problem(self, record: dict[str, Any]) -> str | None:
-        if set(record) != _RECORD_KEYS:
+        if set(record) != _RECORD_KEYS or not isinstance(record["id"], str):
             return "is not a batch output record"
+        digest = answered_line_digest(record["id"])
         custom_id = record["custom_id"]
         if isinstance(custom_id, str):
             if custom_id not in self.custom_ids:
                 return f"answers custom_id {custom_id!r}, which the input does not have"
+            if digest != self.custom_ids[custom_id]:
+                return f"answers custom_id {custom_id!r}, whose line in the input has changed since"
             return None
-        line_number = (record["error"] or {}).get("line") if custom_id is None else None
+        error = record["error"]
+        line_number = error.get("line") if custom_id is None and isinstance(error, dict) else None
         if not isinstance(line_number, int) or line_number not in self.unnamed_line_numbers:
             return "answers no line of the input"
+        if digest != self.unnamed_line_numbers[line_number]:
+            return f"answers input line {line_number}, which has changed since"
         return None
 
 

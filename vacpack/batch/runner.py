@@ -18,7 +18,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from vacpack.batch.lines import BatchLine, LineError, count_requests, iter_lines
+from vacpack.batch.lines import (
+    DUPLICATE_CUSTOM_ID,
+    BatchLine,
+    LineError,
+    count_requests,
+    iter_lines,
+)
 from vacpack.batch.options import BatchOptions
 from vacpack.batch.records import line_error_record, response_record
 from vacpack.batch.result_file import AnsweredSet, open_batch_output
@@ -92,7 +98,8 @@ class BatchSummary:
     num_resumed: int  # answered by an earlier run, skipped now
     num_answered: int  # answered by this run, errors included
     num_failed: int  # answered by this run with an error
-    num_duplicates: int  # lines whose custom_id an earlier line of this run already had
+    # Of those, lines whose custom_id an earlier line has (each answered with an error record).
+    num_duplicates: int
     num_output_tokens: int
     peak_in_flight: int  # most prompts (or embedding inputs) held at once
     elapsed_s: float
@@ -137,7 +144,6 @@ class BatchRunner:
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
         self._pending: dict[str, tuple[_Pending, int]] = {}  # engine request id -> (line, prompt)
         self._pooling_buffer: list[_Ready] = []
-        self._seen_custom_ids: set[str] = set()
         self._num_resumed = 0
         self._num_answered = 0
         self._num_failed = 0
@@ -216,21 +222,16 @@ class BatchRunner:
             self._progress.update(1)
             return None
         if isinstance(item, LineError):
+            if item.code == DUPLICATE_CUSTOM_ID:
+                logger.warning("%s", item.message)
+                self._num_duplicates += 1
             self._write(line_error_record(item), failed=True)
             return None
-        if item.custom_id in self._seen_custom_ids:
-            logger.warning(
-                "line %d repeats custom_id %r: skipped", item.line_number, item.custom_id
-            )
-            self._num_duplicates += 1
-            self._progress.update(1)
-            return None
-        self._seen_custom_ids.add(item.custom_id)
         response_id = new_response_id(_RESPONSE_ID_PREFIXES[item.url])
         try:
             return self._translate(item, response_id)
         except APIError as error:
-            self._write_response(item.custom_id, response_id, error.status_code, error.to_body())
+            self._write_response(item, response_id, error.status_code, error.to_body())
         except Exception as error:
             # A bug this line's content hit: it gets a 500, as from the server, and the run goes
             # on; ending it would lose the records of every line in flight.
@@ -287,7 +288,7 @@ class BatchRunner:
                     return
                 where = f"prompt {index}: " if len(prompts) > 1 else ""
                 body = refused_by_engine(error, where).to_body()
-                self._write_response(ready.line.custom_id, ready.response_id, 400, body)
+                self._write_response(ready.line, ready.response_id, 400, body)
                 return
             added.append(request_id)
             self._pending[request_id] = (pending, index)
@@ -310,7 +311,7 @@ class BatchRunner:
                 status, body = result.status_code, result.to_body()
             else:
                 status, body = 200, result
-            self._write_response(ready.line.custom_id, ready.response_id, status, body)
+            self._write_response(ready.line, ready.response_id, status, body)
 
     def _run_pooling(self, buffer: list[_Ready]) -> list[dict[str, Any] | APIError]:
         """Each buffered line's response body, or its 400, or a 500 for a line that fails
@@ -341,18 +342,18 @@ class BatchRunner:
             self._decode_token,
         )
         self._num_output_tokens += body["usage"]["completion_tokens"]
-        self._write_response(ready.line.custom_id, ready.response_id, 200, body)
+        self._write_response(ready.line, ready.response_id, 200, body)
 
     def _write_unexpected(
         self, line: BatchLine, response_id: str, doing: str, error: Exception
     ) -> None:
         error_body = _unexpected_error(line, doing, error).to_body()
-        self._write_response(line.custom_id, response_id, 500, error_body)
+        self._write_response(line, response_id, 500, error_body)
 
     def _write_response(
-        self, custom_id: str, request_id: str, status_code: int, body: dict[str, Any]
+        self, line: BatchLine, request_id: str, status_code: int, body: dict[str, Any]
     ) -> None:
-        record = response_record(custom_id, request_id, status_code, body)
+        record = response_record(line, request_id, status_code, body)
         self._write(record, failed=status_code != 200)
 
     def _write(self, record: dict[str, Any], failed: bool) -> None:
@@ -410,9 +411,9 @@ def run_batch_command(model: str, engine_kwargs: dict[str, Any], options: BatchO
     finally:
         writer.close()
     print(
-        f"{summary.num_answered} requests answered ({summary.num_failed} with errors), "
-        f"{summary.num_resumed} already answered, {summary.num_duplicates} duplicate custom_ids "
-        f"skipped; {summary.num_output_tokens} output tokens in {summary.elapsed_s:.1f} s "
+        f"{summary.num_answered} requests answered ({summary.num_failed} with errors, "
+        f"{summary.num_duplicates} of them repeated custom_ids), {summary.num_resumed} already "
+        f"answered; {summary.num_output_tokens} output tokens in {summary.elapsed_s:.1f} s "
         f"({summary.num_output_tokens / max(summary.elapsed_s, 1e-9):.1f} tok/s) -> "
         f"{options.output_path}",
         file=sys.stderr,

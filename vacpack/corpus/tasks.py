@@ -299,7 +299,9 @@ class LoglikelihoodTask(CorpusTask):
         self, loaded: LoadedModel, return_token_logprobs: bool = False, truncate: bool = False
     ) -> None:
         super().__init__(loaded, truncate)
-        if not hasattr(loaded.model, "compute_logits"):
+        # Every model has a compute_logits (the base class raises in it): only a decoder's is
+        # an LM head. A classifier or an embedding model would fail on every document.
+        if not loaded.is_decoder:
             raise ValueError(
                 f"model {loaded.engine_config.model!r} ({loaded.config.architecture}) has no "
                 "language-model head; loglikelihood needs a causal LM"
