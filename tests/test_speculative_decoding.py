@@ -15,7 +15,7 @@ import torch
 from vacpack import LLM, SamplingParams
 from vacpack.engine import speculation
 from vacpack.engine.ngram_proposer import propose_ngram_drafts
-from vacpack.engine.speculation import accepted_tokens
+from vacpack.engine.speculation import MAX_PAUSE_STEPS, DraftState, accepted_tokens
 
 NUM_DRAFTS = 4
 
@@ -260,3 +260,24 @@ def test_metrics_count_drafts_and_accepted_tokens(speculative, oracle) -> None:
     # Counted from the engine's start, as every engine total on /metrics.
     assert drafted == after.num_draft_tokens > before.num_draft_tokens
     assert accepted == after.num_accepted_draft_tokens > before.num_accepted_draft_tokens
+
+
+def test_a_sequence_drafts_by_its_record() -> None:
+    """One draft more than its last step accepted; after a step accepting none, a pause of 1,
+    2, 4, ... decode steps (up to MAX_PAUSE_STEPS), ended by a step that accepts a draft."""
+    state = DraftState()
+    assert state.allows_drafts() and state.max_drafts is None
+    state.record(2)
+    assert state.allows_drafts() and state.max_drafts == 3
+    pauses = []
+    for _ in range(6):
+        state.record(0)
+        paused = 0
+        while not state.allows_drafts():
+            paused += 1
+        pauses.append(paused)
+    assert pauses == [1, 2, 4, 8, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS]
+    assert state.max_drafts == 1
+    state.record(1)
+    state.record(0)
+    assert not state.allows_drafts() and state.allows_drafts()  # back to a pause of one

@@ -122,23 +122,20 @@ class ModelRunner:
         for chunk in chunks:
             sequence, start, end = chunk.sequence, chunk.start, chunk.end
             row_start = len(token_ids)
-            if chunk.draft_token_ids:
-                # The sequence's last token, then its drafts: each row's greedy token checks
-                # the next draft, the last row's follows them all.
-                token_ids.extend(sequence.token_ids[start:])
-                token_ids.extend(chunk.draft_token_ids)
-                positions.extend(range(start, end))
-                query_lens.append(chunk.num_new_tokens)
-                context_lens.append(end)
-                page_tables.append(list(sequence.page_table))
-                verify_rows.extend(range(row_start, row_start + chunk.num_new_tokens))
-                speculating.append(chunk)
-                continue
-            token_ids.extend(sequence.token_ids[start:end])
+            # The chunk's tokens: a speculating decode's drafts follow its last token (they are
+            # not the sequence's tokens yet).
+            drafts = chunk.draft_token_ids
+            token_ids.extend(sequence.token_ids[start : end - len(drafts)])
+            token_ids.extend(drafts)
             positions.extend(range(start, end))
             query_lens.append(chunk.num_new_tokens)
             context_lens.append(end)
             page_tables.append(list(sequence.page_table))
+            if drafts:
+                # Each row's greedy token checks the next draft; the last row's follows them all.
+                verify_rows.extend(range(row_start, row_start + chunk.num_new_tokens))
+                speculating.append(chunk)
+                continue
             if sequence.wants_prompt_logprobs:
                 assert sequence.prompt_logprobs is not None
                 # Row j predicts token j + 1; score only prompt tokens not scored before.

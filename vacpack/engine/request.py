@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from vacpack.detokenizer import RequestDetokenizer
 from vacpack.engine.sampler import SamplingRow, make_request_generator
+from vacpack.engine.speculation import DraftState
 from vacpack.kvcache.page_pool import page_hashes
 from vacpack.outputs import PositionLogprobs, RequestMetrics, RequestOutputKind
 from vacpack.sampling import SamplingParams
@@ -65,6 +66,8 @@ class Sequence:
     sampling_rows: dict[bool, SamplingRow] = field(default_factory=dict, repr=False)
     # Page hashes this sequence has announced as being computed and not yet indexed.
     in_flight_hashes: set[int] = field(default_factory=set, repr=False)
+    # Speculative decoding: how many drafts it takes, after how its drafts fared.
+    draft_state: DraftState = field(default_factory=DraftState, repr=False)
     _token_page_hashes: list[int] = field(default_factory=list, repr=False)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -296,6 +296,7 @@ class Scheduler:
         new_tokens = accepted_tokens(verified.draft_token_ids, verified.target_token_ids)
         self.num_draft_tokens += len(verified.draft_token_ids)
         self.num_accepted_draft_tokens += len(new_tokens) - 1
+        sequence.draft_state.record(len(new_tokens) - 1)
         for count, token_id in enumerate(new_tokens, start=1):
             sequence.token_ids.append(token_id)
             sequence.num_computed_tokens = sequence.num_tokens - 1
