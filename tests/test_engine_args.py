@@ -77,3 +77,16 @@ def test_help_shows_the_field_docs(capsys: pytest.CaptureFixture[str]) -> None:
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--cpu-kv-cache-fraction" in help_text
     assert "the share of the RAM available after loading the model" in help_text
+
+
+def test_vllms_speculative_config_flag_sets_the_speculation_fields() -> None:
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 6}'
+    args = build_parser().parse_args(_argv("serve", ["--speculative-config", flag]))
+    kwargs = engine_kwargs(args)
+    assert (kwargs["num_speculative_tokens"], kwargs["prompt_lookup_max"]) == (3, 6)
+    with pytest.raises(ValueError, match="method 'eagle' is not supported"):
+        engine_kwargs(
+            build_parser().parse_args(
+                _argv("serve", ["--speculative-config", '{"method": "eagle"}'])
+            )
+        )

@@ -6,7 +6,9 @@ Each field's docstring is its help text: `vacpack --help` flags are generated fr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -139,3 +141,29 @@ class EngineConfig:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# vLLM's speculative_config keys for n-gram prompt lookup, all EngineConfig fields here.
+_NGRAM_KEYS = frozenset({"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+
+
+def speculation_fields(speculative_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """EngineConfig's speculation fields from vLLM's speculative_config (LLM's argument, the
+    command line's --speculative-config JSON)."""
+    if speculative_config is None:
+        return {}
+    given = dict(speculative_config)
+    method = given.pop("method", "ngram")
+    if method != "ngram":
+        raise ValueError(
+            f"speculative_config method {method!r} is not supported: vacpack drafts by n-gram "
+            "prompt lookup ('ngram') only"
+        )
+    if "num_speculative_tokens" not in given:
+        raise ValueError("speculative_config needs num_speculative_tokens")
+    unknown = set(given) - _NGRAM_KEYS
+    if unknown:
+        raise ValueError(
+            f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(_NGRAM_KEYS)}"
+        )
+    return given

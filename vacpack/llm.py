@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.chat_turns import template_turn
-from vacpack.config import EngineConfig
+from vacpack.config import EngineConfig, speculation_fields
 from vacpack.distributed.driver import Driver
 from vacpack.engine.engine import LLMEngine
 from vacpack.generation_defaults import sampling_defaults
@@ -62,7 +62,7 @@ class LLM:
             enforce_eager = bool(engine_args.pop("enforce_eager"))
             engine_args.setdefault("enable_cuda_graphs", not enforce_eager)
         if "speculative_config" in engine_args:  # vLLM's form of the speculation arguments
-            engine_args.update(_speculation_args(engine_args.pop("speculative_config")))
+            engine_args.update(speculation_fields(engine_args.pop("speculative_config")))
         unknown = set(engine_args) - _ENGINE_ARGS
         if unknown:
             raise TypeError(
@@ -394,31 +394,6 @@ class LLM:
             for request_id in order:  # after an interruption, leave nothing running
                 engine.abort_request(request_id)
         return [r for r in results if r is not None]
-
-
-# vLLM's speculative_config keys for n-gram prompt lookup, all EngineConfig fields here.
-_NGRAM_KEYS = frozenset({"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
-
-
-def _speculation_args(speculative_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """EngineConfig's speculation fields from vLLM's speculative_config dict."""
-    if speculative_config is None:
-        return {}
-    given = dict(speculative_config)
-    method = given.pop("method", "ngram")
-    if method != "ngram":
-        raise ValueError(
-            f"speculative_config method {method!r} is not supported: vacpack drafts by n-gram "
-            "prompt lookup ('ngram') only"
-        )
-    if "num_speculative_tokens" not in given:
-        raise ValueError("speculative_config needs num_speculative_tokens")
-    unknown = set(given) - _NGRAM_KEYS
-    if unknown:
-        raise ValueError(
-            f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(_NGRAM_KEYS)}"
-        )
-    return given
 
 
 def _close_group(driver: Driver, num_threads: int) -> None:

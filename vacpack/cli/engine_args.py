@@ -13,13 +13,14 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import json
 import textwrap
 import types
 import typing
 from functools import cache
 from typing import Any
 
-from vacpack.config import EngineConfig
+from vacpack.config import EngineConfig, speculation_fields
 
 
 @cache
@@ -60,15 +61,31 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
         else:
             shown = "" if field.default is None else f" [{field.default}]"
             group.add_argument(flag, type=value_type, default=field.default, help=help_text + shown)
+    group.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='vLLM\'s form of the speculation flags, as JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's fields as parsed (all but the model), for `LLM(model, **kwargs)`."""
-    return {
+    kwargs = {
         field.name: getattr(args, field.name)
         for field in dataclasses.fields(EngineConfig)
         if field.name != "model"
     }
+    return kwargs | speculation_fields(getattr(args, "speculative_config", None))
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object; argparse reports a ValueError as an invalid value."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _without_none(hint: Any) -> Any:
