@@ -65,8 +65,9 @@ def _wait_until_gone(pids: list[int], timeout_s: float = 10.0) -> None:
     ("family", "overrides", "engine_args"),
     [
         # QKV biases, and a vocabulary that does not split evenly: the last rank's rows are
-        # padded. (Llama is Qwen2 without the biases.)
-        ("qwen2", {"vocab_size": 2051}, {}),
+        # padded. (Llama is Qwen2 without the biases.) Speculative decoding: every rank runs
+        # the LM head over the rows that verify drafts.
+        ("qwen2", {"vocab_size": 2051}, {"num_speculative_tokens": 3, "prompt_lookup_min": 1}),
         # One KV head, replicated on both ranks; async scheduling shares the sampled tokens.
         # bfloat16 matrices with float32 arithmetic: every rank keeps them as rank 0 does.
         (
@@ -90,6 +91,8 @@ def test_two_ranks_generate_and_score_what_one_does(
         worker_pids = llm.loaded.driver.worker_pids
         assert all(is_running(pid) for pid in worker_pids)
         _assert_same_generations(llm.generate(PROMPTS, GREEDY, use_tqdm=False), expected)
+        if engine.get("num_speculative_tokens"):
+            assert llm.engine.state().num_draft_tokens > 0
         # A corpus job: packed bins and LM-head passes as programs of their own.
         scores = llm.loglikelihood(TEXTS, return_token_logprobs=True, use_tqdm=False)
         for score, expected_score in zip(scores, expected_scores, strict=True):
