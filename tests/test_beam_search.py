@@ -50,9 +50,11 @@ def reference_beam_search(
         for tokens, cum_logprob in live:
             with torch.no_grad():
                 logits = model(torch.tensor([tokens])).logits[0, -1]
-            logprobs = torch.log_softmax(logits.float(), dim=-1).tolist()
-            ranked = sorted(range(len(logprobs)), key=lambda t: (-logprobs[t], t))
-            top = ranked[: 2 * width + 1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            # The most likely first, equally likely in id order (a tie at the cut is a zero gap).
+            likely = logprobs.topk(2 * width + 2).indices.tolist()
+            top = sorted(likely, key=lambda t: (-float(logprobs[t]), t))[: 2 * width + 1]
+            logprobs = {t: float(logprobs[t]) for t in top}
             gaps.extend(logprobs[a] - logprobs[b] for a, b in itertools.pairwise(top))
             for token_id in top[: 2 * width]:
                 extended = ([*tokens, token_id], cum_logprob + logprobs[token_id])
