@@ -281,3 +281,20 @@ def test_a_sequence_drafts_by_its_record() -> None:
     state.record(1)
     state.record(0)
     assert not state.allows_drafts() and state.allows_drafts()  # back to a pause of one
+
+
+def test_a_sliding_window_model_speculates_to_the_same_tokens(tiny_checkpoint, oracle) -> None:
+    """Drafts past the window's edge: the verify rows attend only within each one's window."""
+    model_dir = str(tiny_checkpoint("mistral", sliding_window=12))
+    engine_args = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 32}
+    prompts = _prompts(3, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = _outputs(LLM(model_dir, **engine_args), prompts, params)
+    oracle["continuations"] = {tuple(p): e[0] for p, e in zip(prompts, expected, strict=True)}
+    oracle["wrong"] = {5, 17}
+    speculative = LLM(model_dir, num_speculative_tokens=NUM_DRAFTS, **engine_args)
+    assert _outputs(speculative, prompts, params) == expected
+    assert speculative.engine.state().num_accepted_draft_tokens > 0
+    pool = speculative.engine.page_pool
+    pool.check_consistency()
+    assert pool.num_free_pages == pool.num_pages
