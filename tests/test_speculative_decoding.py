@@ -14,7 +14,9 @@ import torch
 
 from vacpack import LLM, SamplingParams
 from vacpack.engine import speculation
+from vacpack.engine.draft_verification import NO_DRAFT, verify_drafts
 from vacpack.engine.ngram_proposer import propose_ngram_drafts
+from vacpack.engine.sampler import Sampler, SamplingRow
 from vacpack.engine.speculation import MAX_PAUSE_STEPS, DraftState, accepted_tokens
 
 NUM_DRAFTS = 4
@@ -298,3 +300,45 @@ def test_a_sliding_window_model_speculates_to_the_same_tokens(tiny_checkpoint, o
     pool = speculative.engine.page_pool
     pool.check_consistency()
     assert pool.num_free_pages == pool.num_pages
+
+
+def test_rejection_sampling_keeps_each_rows_distribution() -> None:
+    """A sampled row yields its draft with the draft's probability, else a token drawn without
+    it: every row's tokens follow its distribution (top-k 4 of 6 here) whatever its draft,
+    one the model likes, one it never picks, or none; greedy rows yield their argmax."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    sampled = SamplingParams(temperature=1.0, top_k=4)
+    expected = torch.softmax(torch.where(logits >= 0.5, logits, float("-inf")), dim=0)
+    groups = {"liked draft": 1, "impossible draft": 5, "no draft": NO_DRAFT}
+    rows_per_group = 20_000
+    sampler = Sampler(6, torch.device("cpu"), seed=0)
+    row = SamplingRow(sampled, (), (), None, frozenset())
+    greedy_row = SamplingRow(SamplingParams(temperature=0.0), (), (), None, frozenset())
+    drafts = [draft for draft in groups.values() for _ in range(rows_per_group)] + [3, NO_DRAFT]
+    rows = [row] * (len(drafts) - 2) + [greedy_row] * 2
+    tokens = verify_drafts(sampler, logits.repeat(len(drafts), 1), rows, drafts)
+    assert tokens[-2:].tolist() == [0, 0]
+    for index, name in enumerate(groups):
+        group = tokens[index * rows_per_group : (index + 1) * rows_per_group]
+        frequencies = torch.bincount(group, minlength=6).float() / rows_per_group
+        # Four standard deviations of a share near 0.5 in 20,000 draws: 0.014.
+        assert (frequencies - expected).abs().max() < 0.014, (name, frequencies, expected)
+
+
+def test_unseeded_sampled_sequences_speculate_and_seeded_ones_do_not(speculative, oracle) -> None:
+    prompts = _prompts(2, seed=9)
+    # Nearly greedy: the greedy continuation drafts are mostly accepted.
+    cold = SamplingParams(temperature=0.05, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    oracle["continuations"] = {
+        tuple(p): o[0] for p, o in zip(prompts, _outputs(speculative, prompts, greedy), strict=True)
+    }
+    before = speculative.engine.state()
+    outputs = speculative.generate(prompts, [cold, cold.clone(seed=5)], use_tqdm=False)
+    after = speculative.engine.state()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [24, 24]
+    assert after.num_accepted_draft_tokens > before.num_accepted_draft_tokens
+    # Only the unseeded one drafted: at most its 23 decode steps' worth.
+    assert after.num_draft_tokens - before.num_draft_tokens <= 23 * NUM_DRAFTS
+    seeded_alone = speculative.generate([prompts[1]], cold.clone(seed=5), use_tqdm=False)
+    assert seeded_alone[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids

@@ -26,6 +26,7 @@ from vacpack.attention.backend import BatchLayout
 from vacpack.distributed.control import Program
 from vacpack.distributed.driver import Driver
 from vacpack.engine import step_inputs
+from vacpack.engine.draft_verification import NO_DRAFT, verify_drafts
 from vacpack.engine.request import Sequence
 from vacpack.engine.sampler import (
     Sampler,
@@ -69,6 +70,10 @@ class PreparedStep:
     prompt_spans: list[PromptLogprobSpan]
     # Speculating sequences, in the order of their rows in inputs.verify_rows (1 + drafts each).
     speculating: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    # Each verify row's sampling row and the draft it checks, where a speculating sequence
+    # samples (draft_verification.py); empty when they are all greedy.
+    verify_sampling_rows: list[SamplingRow] = dataclasses.field(default_factory=list)
+    verify_drafts: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def placeholders(self) -> list[int]:
@@ -175,6 +180,12 @@ class ModelRunner:
             shares_sampled_tokens=self.shares_sampled_tokens and bool(sample_rows),
             verify_rows=verify_rows,
         )
+        verify_sampling_rows: list[SamplingRow] = []
+        verify_drafts: list[int] = []
+        if any(not chunk.sequence.params.is_greedy for chunk in speculating):
+            for chunk in speculating:
+                verify_sampling_rows += [_sampling_row(chunk.sequence)] * chunk.num_new_tokens
+                verify_drafts += [*chunk.draft_token_ids, NO_DRAFT]
         return PreparedStep(
             chunks=chunks,
             inputs=inputs,
@@ -183,6 +194,8 @@ class ModelRunner:
             sampling_rows=[_sampling_row(sequence) for sequence in sampled_sequences],
             prompt_spans=prompt_spans,
             speculating=speculating,
+            verify_sampling_rows=verify_sampling_rows,
+            verify_drafts=verify_drafts,
         )
 
     def run(self, step: PreparedStep, masks: StepTokenMasks | None = None) -> _DeviceOutput:
@@ -217,9 +230,14 @@ class ModelRunner:
             sampler_output = _to_host(sampler_output)
         verify_token_ids = None
         if step.speculating:
-            # Speculating rows are plain greedy (speculation.speculates): the raw argmax.
             logits = self.model.compute_logits(output.verify_hidden(), dtype=None)
-            verify_token_ids = greedy_token_ids(logits).to("cpu", non_blocking=True)
+            if step.verify_sampling_rows:
+                verified = verify_drafts(
+                    self.sampler, logits, step.verify_sampling_rows, step.verify_drafts
+                )
+            else:  # all greedy without penalties (speculation.speculates): the raw argmax
+                verified = greedy_token_ids(logits)
+            verify_token_ids = verified.to("cpu", non_blocking=True)
         prompt_logprobs = [
             (span, _to_host(self._prompt_logprobs(output.hidden, span)))
             for span in step.prompt_spans

@@ -86,7 +86,7 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None  # [num_rows, max_num_logprobs] float32
 
 
-# Tokens per block of the two-level inverse CDF (Sampler._inverse_cdf): a 151,936-token
+# Tokens per block of the two-level inverse CDF (Sampler.draw): a 151,936-token
 # vocabulary is 149 blocks, and a row's second level reads one block.
 CDF_BLOCK = 1024
 
@@ -229,7 +229,7 @@ class Sampler:
         # suppression (all applied out of place below).
         raw_logits = logits
 
-        row_params = self._row_param_matrix(params)
+        row_params = self.row_param_matrix(params)
         if masks is not None:
             logits = masks.apply_bias(logits)
         unprocessed = logits
@@ -274,7 +274,7 @@ class Sampler:
         """
         self._check_shape(logits, rows)
         params = [row.params for row in rows]
-        return self._process_logits(logits.float(), rows, self._row_param_matrix(params))
+        return self._process_logits(logits.float(), rows, self.row_param_matrix(params))
 
     def _check_shape(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         expected_shape = (len(rows), self.vocab_size)
@@ -302,7 +302,7 @@ class Sampler:
         """The tokens top_k keeps: top_k 0 means the whole vocabulary."""
         return min(params.top_k, self.vocab_size) or self.vocab_size
 
-    def _row_param_matrix(self, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def row_param_matrix(self, params: Sequence[SamplingParams]) -> torch.Tensor:
         """[7, num_rows] float32 of per-row parameters, in one host-to-device copy."""
         # float32 holds any vocab index exactly (< 2**24).
         top_k = [float(self._top_k(p)) for p in params]
@@ -381,6 +381,13 @@ class Sampler:
     def _sample_random(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], row_params: torch.Tensor
     ) -> torch.Tensor:
+        return self.draw(self.probabilities(logits, rows, row_params), rows)
+
+    def probabilities(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], row_params: torch.Tensor
+    ) -> torch.Tensor:
+        """The distributions random rows sample from: float32 logits (after penalties) with
+        temperature, min_p, top_k and top_p applied, softmaxed."""
         params = [row.params for row in rows]
         if any(p.temperature != 1.0 for p in params):
             logits = logits / row_params[_TEMPERATURE].unsqueeze(1)
@@ -399,10 +406,20 @@ class Sampler:
                 [self._top_k(p) for p in params],
                 [p.top_p for p in params],
             )
-        probs = torch.softmax(logits, dim=-1)
-        return self._inverse_cdf(probs, rows)
+        return torch.softmax(logits, dim=-1)
 
-    def _inverse_cdf(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def uniforms(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[num_rows, 1] float64 uniform draws in [0, 1): a seeded row's from its request's
+        own generator, so that it gets the same draws whatever else shares its batch."""
+        uniform = torch.empty(len(rows), 1, dtype=torch.float64, device=self.device)
+        if any(row.generator is None for row in rows):
+            uniform.uniform_(generator=self._shared_generator)
+        for row_index, row in enumerate(rows):
+            if row.generator is not None:
+                uniform[row_index].uniform_(generator=row.generator)
+        return uniform
+
+    def draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One uniform draw per row, placed on the row's cumulative distribution: exact
         categorical sampling from one random number per row. The exponential race (argmax of
         probs / Exp(1) noise, what GPU engines use) needs one draw per vocabulary entry, and a
@@ -427,14 +444,7 @@ class Sampler:
             block_sums = torch.cat([block_sums, tail], dim=1)
         block_cdf = block_sums.cumsum(dim=-1, dtype=torch.float64)
         total = block_cdf[:, -1:]
-        uniform = torch.empty_like(total)
-        if any(row.generator is None for row in rows):
-            uniform.uniform_(generator=self._shared_generator)
-        for row_index, row in enumerate(rows):
-            if row.generator is not None:
-                # The request's own generator, so a seeded request gets the same tokens
-                # whatever else shares its batch.
-                uniform[row_index].uniform_(generator=row.generator)
+        uniform = self.uniforms(rows)
         # Kept strictly below each total: the first entry whose cumulative mass exceeds the
         # target then always has a probability above zero, so a forbidden token never wins.
         target = torch.minimum(uniform * total, _just_below(total))

@@ -1,12 +1,14 @@
 """Speculative decoding: several tokens of a decode per step where the model agrees with a draft.
 
-A decoding sequence whose next token is its greedy choice (see `speculates`) gets draft tokens
-from n-gram prompt lookup (ngram_proposer.py). Its step then computes its last token and the
-drafts together, like a short prefill chunk, and the model's greedy token is read after each of
-them. The drafts are accepted up to the first one the model would not have chosen, and the
-model's own token at that point follows them: 1 to 1 + len(drafts) tokens for one step, exactly
-the tokens one-at-a-time decoding would have produced. The keys and values the rejected drafts
-wrote are past the sequence's computed length, so later steps overwrite them.
+A decoding sequence whose rows depend on the tokens before them alone (see `speculates`) gets
+draft tokens from n-gram prompt lookup (ngram_proposer.py). Its step then computes its last
+token and the drafts together, like a short prefill chunk, and checks each draft against the
+model's distribution after the tokens before it (draft_verification.py: greedy rows by their
+argmax, sampled ones by rejection sampling). The drafts are kept up to the first one rejected,
+and the model's own token at that point follows them: 1 to 1 + len(drafts) tokens for one step,
+the very tokens one-at-a-time greedy decoding would have produced, and for sampled sequences
+tokens drawn from the very same distributions. The keys and values the rejected drafts wrote
+are past the sequence's computed length, so later steps overwrite them.
 
 The cost: on a CPU, or a GPU at small batches, a decode step is bound by reading the weights, and
 a few more rows cost little; when the drafts are rejected, that little is lost. At larger
@@ -85,12 +87,14 @@ class SpeculationConfig:
 
 
 def speculates(sequence: Sequence) -> bool:
-    """True when the sequence's next token is the argmax of the model's raw logits at every
-    position (greedy, no penalties, logprobs, token constraints or stop tokens held back for
-    min_tokens), so that drafts are checked by comparing them with those argmaxes."""
+    """True when each row's distribution depends on the tokens before it alone (no
+    penalties, logprobs, token constraints or stop tokens held back for min_tokens), so that
+    a draft is checked against it: greedy rows by their argmax, sampled ones by rejection
+    sampling (draft_verification.py). Seeded requests do not speculate: their draws, taken
+    by drafts that vary with the batch (its budget, free pages), would not be reproducible."""
     params = sequence.params
     return (
-        params.is_greedy
+        (params.is_greedy or params.seed is None)
         and not params.has_penalties
         and not params.constrains_tokens
         and sequence.constraints is None
