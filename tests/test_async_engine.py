@@ -173,3 +173,35 @@ def test_health_turns_503_after_steps_keep_failing_and_back_after_one_succeeds(
         f"the last {UNHEALTHY_AFTER_FAILED_STEPS} engine steps failed: "
         "RuntimeError: device-side assert triggered"
     )
+
+
+def test_when_the_drain_is_up_requests_running_and_arriving_get_503(engine: LLMEngine) -> None:
+    # A graceful shutdown's last act before stopping: what still runs, and what arrives after,
+    # is answered (a stream then ends with an error event) instead of being cut off.
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        async_engine = AsyncEngine(engine, ServerMetrics("tiny"))
+        async_engine.start()
+        running_error = late_error = None
+        try:
+            stream = await async_engine.submit([EngineRequest("running", [5, 7, 8], long)])
+            await anext(stream)  # it runs
+            async_engine.end_drain()
+            try:
+                async for _ in stream:
+                    pass
+            except APIError as error:
+                running_error = error
+            try:
+                await async_engine.submit([_request("late", 5)])
+            except APIError as error:
+                late_error = error
+        finally:
+            async_engine.stop()
+        return running_error, late_error
+
+    running_error, late_error = asyncio.run(scenario())
+    for error in (running_error, late_error):
+        assert isinstance(error, APIError) and error.status_code == 503 and error.code == "shutdown"
+    assert not engine.has_unfinished_requests()

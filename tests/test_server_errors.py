@@ -1,15 +1,18 @@
 """Bad requests get OpenAI error bodies with the right status; nothing stalls the server.
 
-Also: many concurrent streams, a client that leaves mid-stream, a full waiting queue (503), and
-a graceful SIGTERM.
+Also: many concurrent streams, clients that leave (mid-stream, mid-body, all at once: no page
+or sequence is left behind), a full waiting queue (503), and a graceful SIGTERM, whose requests
+still running when the drain is up end with a 503 (a stream: an error event, then [DONE]).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -350,6 +353,19 @@ def test_64_concurrent_streams_finish_with_correct_outputs(
     assert asyncio.run(run_all()) == expected
 
 
+def test_text_with_unicode_line_breaks_streams_one_event_per_line(client: httpx.Client) -> None:
+    # Line breaks to str.splitlines(), and so to httpx's iter_lines, which SSE clients often
+    # read streams with; JSON may carry them raw (they are not JSON's control characters).
+    prompt = "one\x85two\u2028three\u2029four"
+    body = _completion(prompt=prompt, echo=True, max_tokens=1, stream=True)
+    with client.stream("POST", C, json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["text"].startswith(prompt)
+
+
 def _metrics(client: httpx.Client) -> str:
     return client.get("/metrics").text
 
@@ -375,6 +391,97 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(client: httpx.Client) -
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
         assert metric_value(metrics, f"vacpack:{name}_count") > 0
     assert metric_value(metrics, "vacpack:generation_tokens_total") > 0
+    _assert_answers(client)
+
+
+def _connect(server: ServerProcess) -> socket.socket:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _raw_post(path: str, body: bytes, content_length: int) -> bytes:
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: {AUTH['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(
+    server: ServerProcess, client: httpx.Client
+) -> None:
+    log_before = len(server.log())
+    body = json.dumps(_completion()).encode()
+    for path in (C, CHAT, EMB):
+        with _connect(server) as connection:
+            connection.sendall(_raw_post(path, body[:10], len(body)))
+    _assert_answers(client)  # by now the server has seen each connection close
+    new_log = server.log()[log_before:]
+    assert "Traceback" not in new_log and "unexpected error" not in new_log, new_log
+
+
+def _num_finished(metrics: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vacpack:request_success_total{")
+    )
+
+
+async def _leave_mid_stream(http: httpx.AsyncClient, path: str, body: dict, after: int) -> None:
+    async with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        num_events = 0
+        async for line in response.aiter_lines():
+            num_events += line.startswith("data: ")
+            if num_events == after:
+                return  # leaving the `with` closes the connection
+    raise AssertionError("the stream ended before the client left")
+
+
+async def _give_up_waiting(http: httpx.AsyncClient, path: str, body: dict, after_s: float) -> None:
+    with pytest.raises(httpx.TimeoutException):
+        await http.post(path, json=body, timeout=after_s)
+
+
+def _leave_right_after_sending(server: ServerProcess, path: str, body: dict) -> None:
+    data = json.dumps(body).encode()
+    with _connect(server) as connection:
+        connection.sendall(_raw_post(path, data, len(data)))
+
+
+def test_clients_that_leave_together_in_every_way_free_every_page(
+    server: ServerProcess, client: httpx.Client
+) -> None:
+    # Each would run for minutes: only aborts can end them within the test.
+    completion = _completion(max_tokens=1000, ignore_eos=True, n=2)
+    chat = _chat(max_tokens=1000, ignore_eos=True, n=2, logprobs=True)
+    finished_before = _num_finished(_metrics(client))
+
+    async def leave_in_every_way() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=30.0) as http:
+            await asyncio.gather(
+                *(_leave_mid_stream(http, C, completion, after=1 + i % 4) for i in range(8)),
+                *(_leave_mid_stream(http, CHAT, chat, after=1 + i % 4) for i in range(8)),
+                *(_give_up_waiting(http, C, completion, 0.2 + 0.1 * i) for i in range(4)),
+                *(_give_up_waiting(http, CHAT, chat, 0.2 + 0.1 * i) for i in range(4)),
+                *(
+                    asyncio.to_thread(_leave_right_after_sending, server, path, body)
+                    for path, body in [(C, completion), (CHAT, chat)] * 4
+                ),
+            )
+
+    asyncio.run(leave_in_every_way())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = _metrics(client)
+        busy = ("kv_cache_used_pages", "num_requests_running", "num_requests_waiting")
+        if not any(metric_value(metrics, f"vacpack:{name}") for name in busy):
+            break
+        time.sleep(0.05)
+    for name in busy:
+        assert metric_value(metrics, f"vacpack:{name}") == 0, name
+    assert _num_finished(metrics) == finished_before  # aborted, every one, not run to the end
     _assert_answers(client)
 
 
@@ -422,6 +529,45 @@ def test_full_queue_gets_503_and_sigterm_lets_streams_finish(
                 assert json.loads(events[-2])["usage"]["completion_tokens"] == 500
     # Well within --shutdown-timeout-s: the drain ended when the streams did.
     assert one_slot_server.process.wait(timeout=20) == 0
+
+
+@pytest.fixture
+def short_drain_server(tiny_checkpoint) -> Iterator[ServerProcess]:
+    with running_server(
+        tiny_checkpoint("qwen2"),
+        "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(8 << 20),
+        "--shutdown-timeout-s", "0.5",
+    ) as process:  # fmt: skip
+        yield process
+
+
+def test_requests_still_running_when_the_drain_time_is_up_end_with_a_503(
+    short_drain_server: ServerProcess,
+) -> None:
+    # Far longer than the half second SIGTERM leaves them.
+    long_body = _completion(model=None, max_tokens=1000, ignore_eos=True, n=4)
+    with (
+        httpx.Client(base_url=short_drain_server.base_url, timeout=30.0) as http,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        http.stream("POST", C, json={**long_body, "stream": True}) as streamed,
+    ):
+        lines = streamed.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        whole = pool.submit(http.post, C, json=long_body)
+        deadline = time.monotonic() + 10
+        while metric_value(_metrics(http), "vacpack:num_requests_running") < 8:
+            assert time.monotonic() < deadline, "the second request never started"
+            time.sleep(0.02)
+        short_drain_server.process.send_signal(signal.SIGTERM)
+
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "shutdown"
+        refused = whole.result()
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "shutdown"
+    assert short_drain_server.process.wait(timeout=10) == 0
 
 
 def _assert_refuses_connections_while_draining(server: ServerProcess) -> None:

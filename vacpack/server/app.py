@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vacpack import __version__
@@ -125,8 +126,14 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
         return error_response(APIError(400, str(error)))
 
+    # ClientDisconnect: the client left while its body was being read. Without its own handler
+    # it would reach on_unexpected, which logs it as a bug (and Starlette raises it again, for
+    # uvicorn to log once more): a client could fill the error log with tracebacks.
     @app.exception_handler(ClientDisconnected)
-    async def on_disconnect(request: Request, error: ClientDisconnected) -> Response:
+    @app.exception_handler(ClientDisconnect)
+    async def on_disconnect(
+        request: Request, error: ClientDisconnected | ClientDisconnect
+    ) -> Response:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)

@@ -114,6 +114,10 @@ class _Pool:
     future: asyncio.Future[dict[str, Any]]
 
 
+class _EndDrain:
+    pass
+
+
 class _Stop:
     pass
 
@@ -139,7 +143,9 @@ class AsyncEngine:
         self._metrics = metrics
         self._max_waiting = max_waiting_requests
         self._retry_after_s = retry_after_s
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | _EndDrain | _Stop] = (
+            queue.SimpleQueue()
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # Engine-thread state: which stream each engine request reports to, and its timing.
@@ -147,6 +153,8 @@ class AsyncEngine:
         self._timings: dict[str, _Timing] = {}
         # What this turn of the loop sends to streams: handed over in one call per turn.
         self._deliveries: list[tuple[RequestStream, Any]] = []
+        # Once a graceful shutdown's drain is up: what every request after it is answered.
+        self._refusal: APIError | None = None
         # Written by the engine thread, read by /health (an int and a str: atomic to read).
         self._failed_steps_in_a_row = 0
         self._last_step_error = ""
@@ -181,6 +189,12 @@ class AsyncEngine:
         self._publish_state()
         self._thread = threading.Thread(target=self._run, name="vacpack-engine", daemon=True)
         self._thread.start()
+
+    def end_drain(self) -> None:
+        """Ends a graceful shutdown's drain: every request still running, and every one after
+        it, is answered 503 "the server is shutting down" (a stream: an error event, then
+        [DONE]), so that each ends as a response should rather than being cut off."""
+        self._commands.put(_EndDrain())
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Aborts what is left and ends the engine thread."""
@@ -237,17 +251,22 @@ class AsyncEngine:
         pool_jobs: list[_Pool] = []
         for command in commands:
             if isinstance(command, _Stop):
-                shutting_down = APIError(503, "the server is shutting down", code="shutdown")
+                shutting_down = _shutting_down()
                 self._abort_all(shutting_down)
                 self._settle_pool_jobs(pool_jobs, [shutting_down] * len(pool_jobs))
                 return False
-            if isinstance(command, _Add):
+            if isinstance(command, _EndDrain):
+                self._refusal = _shutting_down()
+                self._abort_all(self._refusal)
+            elif isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_ids)
             else:
                 pool_jobs.append(command)
-        if pool_jobs:
+        if pool_jobs and self._refusal is not None:
+            self._settle_pool_jobs(pool_jobs, [self._refusal] * len(pool_jobs))
+        elif pool_jobs:
             self._run_pool_jobs(pool_jobs)
         return True
 
@@ -255,6 +274,9 @@ class AsyncEngine:
         engine = self._engine
         if engine is None:
             self._deliver(command.stream, bad_request("this model does not generate text", "model"))
+            return
+        if self._refusal is not None:
+            self._deliver(command.stream, self._refusal)
             return
         num_waiting = engine.state().num_waiting_sequences
         if self._max_waiting is not None and num_waiting >= self._max_waiting:
@@ -379,6 +401,10 @@ class AsyncEngine:
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(_put_all, deliveries)
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", code="shutdown")
 
 
 def _put_all(deliveries: list[tuple[RequestStream, Any]]) -> None:

@@ -73,8 +73,17 @@ def json_response(body: dict[str, Any], status_code: int = 200, **kwargs: Any) -
     return Response(content, status_code, media_type="application/json", **kwargs)
 
 
+# Line breaks to str.splitlines() (and so to httpx's iter_lines, which many SSE clients read
+# streams with) that JSON leaves raw in a string: escaped, a generated one cannot split an event
+# in two for such a client. The JSON value is the same.
+_RAW_JSON_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    if not text.isascii():
+        text = text.translate(_RAW_JSON_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 _SSE_DONE = "data: [DONE]\n\n"

@@ -1,14 +1,18 @@
 """`vacpack serve`: load the model, then serve it over HTTP until SIGTERM or Ctrl-C.
 
-On SIGTERM uvicorn stops accepting connections, lets in-flight requests finish for up to
-`shutdown_timeout_s`, cancels what is left (which aborts those engine requests), and the app's
-lifespan then stops the engine thread; the process then exits with status 0.
+On SIGTERM uvicorn stops accepting connections and lets in-flight requests finish for up to
+`shutdown_timeout_s`; the engine then ends what is left with a 503 "the server is shutting down"
+(a stream: an error event, then [DONE]), the app's lifespan stops the engine thread, and the
+process exits with status 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import signal
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -64,6 +68,31 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
     return app
 
 
+# Once the drain is up, how long the requests the engine ended have to send their last words (a
+# stream's error event and [DONE]) before uvicorn cancels what is left: a client that stopped
+# reading may never take them.
+_LAST_WORDS_S = 5.0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, but when a graceful shutdown's time is up the engine ends the requests
+    still running (AsyncEngine.end_drain). uvicorn would cancel their tasks instead, which cuts a
+    stream off mid-body, without [DONE], and answers a whole response with a bare-text 500."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._drain_s = drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        drain_is_up = loop.call_later(self._drain_s, self._engine.end_drain)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain_is_up.cancel()
+
+
 def serve(model: str, engine_kwargs: dict[str, Any], config: ServerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -71,15 +100,17 @@ def serve(model: str, engine_kwargs: dict[str, Any], config: ServerConfig) -> in
     llm = LLM(model, **engine_kwargs)
     app = build_server_app(llm, config)
     freeze_startup_objects()  # the process serves this model until it exits
-    server = uvicorn.Server(
+    server = _DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=config.log_level,
-            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
+            timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s + _LAST_WORDS_S),
             access_log=config.log_level == "debug",
-        )
+        ),
+        app.state.async_engine,
+        config.shutdown_timeout_s,
     )
     logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
     with _sigterm_after_drain_is_harmless():

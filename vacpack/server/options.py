@@ -21,7 +21,7 @@ class ServerConfig:
     # Sequences waiting for a slot beyond which new requests get 503 + Retry-After.
     max_waiting_requests: int | None = None
     retry_after_s: int = 1
-    # On SIGTERM: how long in-flight requests may run before they are cut off.
+    # On SIGTERM: how long in-flight requests may run before they are ended with a 503.
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     # How tool calls are read from outputs: "auto" (from the chat template) or a parser's name.
