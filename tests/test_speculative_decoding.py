@@ -61,12 +61,13 @@ def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list
 def oracle(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
     """Drafts from `continuations` (prompt tuple -> the reference's output tokens), with the
     draft positions in `wrong` (counted from the first output token) replaced by a wrong token."""
-    state: dict = {"continuations": {}, "wrong": set(), "calls": 0}
+    state: dict = {"continuations": {}, "wrong": set(), "calls": 0, "drafted_for": set()}
 
     def drafts(token_ids: list[int], min_ngram: int, max_ngram: int, max_drafts: int):
         state["calls"] += 1
         for prompt, continuation in state["continuations"].items():
             if tuple(token_ids[: len(prompt)]) == prompt:
+                state["drafted_for"].add(prompt)
                 done = len(token_ids) - len(prompt)
                 proposed = continuation[done : done + max_drafts]
                 return [
@@ -146,8 +147,9 @@ def test_stops_inside_accepted_drafts_end_where_they_would(
 def test_sampled_and_other_sequences_run_beside_speculating_ones(
     plain, speculative, oracle
 ) -> None:
-    """Seeded samples, penalties and logprobs do not speculate; their outputs are as without
-    speculation, in a batch where greedy sequences do."""
+    """Seeded samples and penalties do not speculate; their outputs are as without
+    speculation, in a batch where greedy sequences do, one of them returning logprobs (each
+    accepted token's from its verify row)."""
     prompts = _prompts(4, seed=3)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     others = [
@@ -162,9 +164,19 @@ def test_sampled_and_other_sequences_run_beside_speculating_ones(
     calls_before = oracle["calls"]
     got = speculative.generate(prompts, [greedy, *others], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
-    logprobs = got[3].outputs[0].logprobs
-    assert [sorted(p) for p in logprobs] == [sorted(p) for p in expected[3].outputs[0].logprobs]
-    assert oracle["calls"] > calls_before  # the greedy one did speculate
+    got_logprobs, expected_logprobs = got[3].outputs[0], expected[3].outputs[0]
+    assert len(got_logprobs.logprobs) == len(expected_logprobs.logprobs) == 24
+    for position, reference in zip(got_logprobs.logprobs, expected_logprobs.logprobs, strict=True):
+        assert sorted(position) == sorted(reference)
+        for token_id, logprob in position.items():
+            assert logprob.logprob == pytest.approx(reference[token_id].logprob, abs=1e-4)
+            assert logprob.rank == reference[token_id].rank
+    assert got_logprobs.cumulative_logprob == pytest.approx(
+        expected_logprobs.cumulative_logprob, abs=1e-3
+    )
+    assert oracle["calls"] > calls_before
+    # The greedy ones drafted, the one with logprobs too; the seeded and penalised did not.
+    assert oracle["drafted_for"] == {tuple(prompts[0]), tuple(prompts[3])}
 
 
 def test_a_tight_cache_with_preemption_and_prefix_sharing(model_dir, plain, oracle) -> None:

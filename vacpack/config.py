@@ -79,7 +79,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     """Speculative decoding by n-gram prompt lookup (vLLM's speculative_config method
     "ngram"): up to this many draft tokens per decode step, verified in one forward; 0 turns it
-    off. Greedy and unseeded sampled sequences without penalties, logprobs or token constraints
+    off. Greedy and unseeded sampled sequences without penalties or token constraints
     speculate: greedy outputs are the same as without it, sampled ones follow the same
     distributions. Scheduling is then synchronous."""
     prompt_lookup_max: int = 4

@@ -90,7 +90,8 @@ class _DeviceOutput:
     prompt_logprobs: list[tuple[PromptLogprobSpan, TokenLogprobs]]
     num_padded_slots: int
     collective_s: float | None = None  # tensor parallel on gloo: host time in collectives
-    verify_token_ids: torch.Tensor | None = None  # the greedy token of each verify row
+    verify_token_ids: torch.Tensor | None = None  # the token each verify row yields
+    verify_logprobs: TokenLogprobs | None = None  # of those tokens, where a sequence wants them
 
 
 class ModelRunner:
@@ -229,6 +230,7 @@ class ModelRunner:
             forward.store_sampled(sampled, output.future_slots)
             sampler_output = _to_host(sampler_output)
         verify_token_ids = None
+        verify_logprobs = None
         if step.speculating:
             logits = self.model.compute_logits(output.verify_hidden(), dtype=None)
             if step.verify_sampling_rows:
@@ -238,6 +240,9 @@ class ModelRunner:
             else:  # all greedy without penalties (speculation.speculates): the raw argmax
                 verified = greedy_token_ids(logits)
             verify_token_ids = verified.to("cpu", non_blocking=True)
+            num_topk = max((c.sequence.params.logprobs or 0) for c in step.speculating)
+            if any(c.sequence.logprobs is not None for c in step.speculating):
+                verify_logprobs = _to_host(logprobs_of(logits, verified, num_topk))
         prompt_logprobs = [
             (span, _to_host(self._prompt_logprobs(output.hidden, span)))
             for span in step.prompt_spans
@@ -247,6 +252,7 @@ class ModelRunner:
             prompt_logprobs,
             output.num_padded_slots,
             verify_token_ids=verify_token_ids,
+            verify_logprobs=verify_logprobs,
         )
 
     def result(self, step: PreparedStep, output: _DeviceOutput) -> StepResult:
@@ -269,7 +275,9 @@ class ModelRunner:
             num_decode_tokens=step.inputs.layout.num_decodes,
             num_padded_slots=output.num_padded_slots,
             collective_s=output.collective_s,
-            verified=_verified_drafts(step.speculating, output.verify_token_ids),
+            verified=_verified_drafts(
+                step.speculating, output.verify_token_ids, output.verify_logprobs
+            ),
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, span: PromptLogprobSpan) -> TokenLogprobs:
@@ -290,17 +298,27 @@ class ModelRunner:
 
 
 def _verified_drafts(
-    speculating: list[ScheduledChunk], verify_token_ids: torch.Tensor | None
+    speculating: list[ScheduledChunk],
+    verify_token_ids: torch.Tensor | None,
+    verify_logprobs: TokenLogprobs | None,
 ) -> list[VerifiedDrafts]:
-    """Each speculating chunk's drafts with the greedy tokens of its rows."""
+    """Each speculating chunk's drafts with the tokens its rows yield (and their logprobs,
+    where the sequence wants them)."""
     if verify_token_ids is None:
         return []
     token_ids = verify_token_ids.tolist()
     verified = []
     row = 0
     for chunk in speculating:
-        targets = token_ids[row : row + chunk.num_new_tokens]
-        verified.append(VerifiedDrafts(chunk.sequence, chunk.draft_token_ids, targets))
+        rows = slice(row, row + chunk.num_new_tokens)
+        logprobs = None
+        if verify_logprobs is not None and chunk.sequence.logprobs is not None:
+            logprobs = TokenLogprobs(
+                *(getattr(verify_logprobs, f)[rows] for f in TokenLogprobs.__dataclass_fields__)
+            )
+        verified.append(
+            VerifiedDrafts(chunk.sequence, chunk.draft_token_ids, token_ids[rows], logprobs)
+        )
         row += chunk.num_new_tokens
     return verified
 

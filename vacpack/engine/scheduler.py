@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from vacpack.engine.logprobs import position_logprobs
 from vacpack.engine.page_manager import PageManager
 from vacpack.engine.request import Request, Sequence, SequenceStatus
+from vacpack.engine.sampler import TokenLogprobs
 from vacpack.engine.speculation import SpeculationConfig, accepted_tokens
 from vacpack.engine.step import ScheduledChunk, StepResult, VerifiedDrafts
 from vacpack.engine.stop_checks import check_stop
@@ -300,6 +301,8 @@ class Scheduler:
         for count, token_id in enumerate(new_tokens, start=1):
             sequence.token_ids.append(token_id)
             sequence.num_computed_tokens = sequence.num_tokens - 1
+            if verified.logprobs is not None:
+                _record_row_logprobs(sequence, token_id, count - 1, verified.logprobs)
             stop = check_stop(sequence, token_id)
             if stop is not None:
                 self.pages.register_computed_pages(sequence)  # cached before they are freed
@@ -342,19 +345,34 @@ class Scheduler:
 
 def _record_logprobs(sequence: Sequence, token_id: int, row: int, result: StepResult) -> None:
     out = result.sampler_output
-    assert out is not None and sequence.logprobs is not None
+    assert out is not None
     assert out.sampled_logprobs is not None and out.sampled_ranks is not None
     assert out.topk_token_ids is not None and out.topk_logprobs is not None
+    _record_row_logprobs(
+        sequence,
+        token_id,
+        row,
+        TokenLogprobs(
+            out.sampled_logprobs, out.sampled_ranks, out.topk_token_ids, out.topk_logprobs
+        ),
+    )
+
+
+def _record_row_logprobs(
+    sequence: Sequence, token_id: int, row: int, logprobs: TokenLogprobs
+) -> None:
+    """Appends the sequence's logprobs of `token_id`, from row `row` of `logprobs`."""
+    assert sequence.logprobs is not None
     num_topk = sequence.params.logprobs or 0
-    logprob = float(out.sampled_logprobs[row])
+    logprob = float(logprobs.token_logprobs[row])
     sequence.cumulative_logprob += logprob
     sequence.logprobs.append(
         position_logprobs(
             sequence.detokenizer.token_text,
             token_id,
             logprob,
-            int(out.sampled_ranks[row]),
-            out.topk_token_ids[row, :num_topk].tolist(),
-            out.topk_logprobs[row, :num_topk].tolist(),
+            int(logprobs.token_ranks[row]),
+            logprobs.topk_token_ids[row, :num_topk].tolist(),
+            logprobs.topk_logprobs[row, :num_topk].tolist(),
         )
     )

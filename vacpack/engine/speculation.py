@@ -88,7 +88,7 @@ class SpeculationConfig:
 
 def speculates(sequence: Sequence) -> bool:
     """True when each row's distribution depends on the tokens before it alone (no
-    penalties, logprobs, token constraints or stop tokens held back for min_tokens), so that
+    penalties, token constraints or stop tokens held back for min_tokens), so that
     a draft is checked against it: greedy rows by their argmax, sampled ones by rejection
     sampling (draft_verification.py). Seeded requests do not speculate: their draws, taken
     by drafts that vary with the batch (its budget, free pages), would not be reproducible."""
@@ -98,7 +98,6 @@ def speculates(sequence: Sequence) -> bool:
         and not params.has_penalties
         and not params.constrains_tokens
         and sequence.constraints is None
-        and params.logprobs is None
         and sequence.num_output_tokens >= params.min_tokens
         and not sequence.num_pending_tokens
     )

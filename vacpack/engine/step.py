@@ -41,6 +41,8 @@ class VerifiedDrafts:
     sequence: Sequence
     draft_token_ids: tuple[int, ...]
     target_token_ids: list[int]
+    # Each row's logprob of its target and its top candidates, where the sequence wants them.
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
