@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -81,11 +82,14 @@ class BeamSearchOutput:
 
 
 def beam_search_score(
-    tokens: Sequence[int], cum_logprob: float, eos_token_ids: Iterable[int], length_penalty: float
+    tokens: Sequence[int],
+    cum_logprob: float,
+    eos_token_ids: AbstractSet[int],
+    length_penalty: float,
 ) -> float:
     """Cumulative log-probability over length ** length_penalty; the length counts the prompt
     and not a final end-of-sequence token (vLLM's scoring)."""
-    length = len(tokens) - (1 if tokens and tokens[-1] in set(eos_token_ids) else 0)
+    length = len(tokens) - (1 if tokens and tokens[-1] in eos_token_ids else 0)
     return cum_logprob / (length**length_penalty)
 
 
@@ -118,11 +122,8 @@ def run_beam_search(
     for _ in tqdm(range(params.max_tokens), desc="beam search", unit="tok", disable=not use_tqdm):
         for prompt_beams, prompt_finished in zip(live, finished, strict=True):
             # A beam that fills the context ends there.
-            prompt_finished.extend(
-                _finish(beam, "length")
-                for beam in prompt_beams
-                if len(beam.tokens) >= max_model_len
-            )
+            full = [beam for beam in prompt_beams if len(beam.tokens) >= max_model_len]
+            prompt_finished.extend(_finish(beam, "length") for beam in full)
             prompt_beams[:] = [beam for beam in prompt_beams if len(beam.tokens) < max_model_len]
         candidates = _next_token_candidates(engine, live, step_params, request_ids)
         for index, extensions in enumerate(candidates):

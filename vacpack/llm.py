@@ -18,6 +18,7 @@ from vacpack.config import EngineConfig, speculation_fields
 from vacpack.distributed.driver import Driver
 from vacpack.engine.engine import LLMEngine
 from vacpack.generation_defaults import sampling_defaults
+from vacpack.inputs import PromptType, as_prompt_list, corpus_input, read_prompt_dict
 from vacpack.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -35,13 +36,9 @@ if TYPE_CHECKING:
     from vacpack.corpus.runner import CorpusRunner
     from vacpack.corpus.tasks import CorpusTask
 
-# A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
-PromptType = str | Sequence[int] | Mapping[str, Any]
 Conversation = list[dict[str, Any]]
 
 _ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-# vLLM's prompt dict keys for inputs vacpack does not take: refused, not silently dropped.
-_UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "prompt_embeds"})
 
 
 class LLM:
@@ -147,7 +144,7 @@ class LLM:
         Every prompt is checked before any work starts, so a bad one raises without running the
         others and leaves the engine ready for the next call.
         """
-        batch = _as_prompt_list(prompts)
+        batch = as_prompt_list(prompts)
         if not batch:
             return []
         params_list = _as_params_list(
@@ -177,7 +174,7 @@ class LLM:
         its scoring: beam_search.py), in input order."""
         from vacpack.beam_search import run_beam_search
 
-        batch = _as_prompt_list(prompts)
+        batch = as_prompt_list(prompts)
         encoded = [token_ids for _, token_ids in map(self._encode, batch)]
         for index, token_ids in enumerate(encoded):
             try:
@@ -347,14 +344,14 @@ class LLM:
     ) -> list[Any]:
         if isinstance(inputs, (str, Mapping)):
             inputs = [inputs]
-        inputs = [_corpus_input(index, item) for index, item in enumerate(inputs)]
+        inputs = [corpus_input(index, item) for index, item in enumerate(inputs)]
         runner = self.corpus_runner
         results = [r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)]
         return results if return_failures else _raise_failures(results)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
-            token_ids = _read_prompt_dict(prompt)
+            token_ids = read_prompt_dict(prompt)
             if isinstance(token_ids, str):
                 return self._encode(token_ids)
             return prompt.get("prompt"), token_ids
@@ -399,40 +396,6 @@ class LLM:
 def _close_group(driver: Driver, num_threads: int) -> None:
     driver.close()
     torch.set_num_threads(num_threads)
-
-
-def _read_prompt_dict(prompt: Mapping[str, Any]) -> str | list[int]:
-    """A vLLM prompt dict's token ids (`prompt_token_ids`), else its text (`prompt`)."""
-    unread = set(prompt) & _UNSUPPORTED_PROMPT_KEYS
-    if unread:
-        raise ValueError(
-            f"prompt keys {sorted(unread)} are not supported: vacpack reads text and "
-            "token ids only (no images, audio or prompt embeddings)"
-        )
-    if "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
-    if "prompt" in prompt:
-        return cast(str, prompt["prompt"])
-    raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
-
-
-def _corpus_input(index: int, item: Any) -> Any:
-    """A corpus job's input as its task reads it: a prompt dict becomes its text or ids."""
-    if not isinstance(item, Mapping):
-        return item
-    try:
-        return _read_prompt_dict(item)
-    except ValueError as error:
-        raise ValueError(f"input {index}: {error}") from None
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    items = list(prompts)
-    if items and isinstance(items[0], int):  # a single prompt given as token ids
-        return [cast(list[int], items)]
-    return cast(list[PromptType], items)
 
 
 def _as_params_list(

@@ -240,8 +240,8 @@ class ModelRunner:
             else:  # all greedy without penalties (speculation.speculates): the raw argmax
                 verified = greedy_token_ids(logits)
             verify_token_ids = verified.to("cpu", non_blocking=True)
-            num_topk = max((c.sequence.params.logprobs or 0) for c in step.speculating)
             if any(c.sequence.logprobs is not None for c in step.speculating):
+                num_topk = max((c.sequence.params.logprobs or 0) for c in step.speculating)
                 verify_logprobs = _to_host(logprobs_of(logits, verified, num_topk))
         prompt_logprobs = [
             (span, _to_host(self._prompt_logprobs(output.hidden, span)))
