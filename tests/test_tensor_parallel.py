@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from process_table import is_running
 
-from vacpack import LLM, SamplingParams
+from vacpack import LLM, EngineArgs, LLMEngine, SamplingParams
 from vacpack.distributed.driver import TensorParallelError
 from vacpack.errors import CorruptWeightsError
 from vacpack.outputs import RequestOutput
@@ -110,6 +110,31 @@ def test_two_ranks_generate_and_score_what_one_does(
         steps = llm.engine.timeline.steps
         assert steps
         assert all(step.collective_s is not None and step.collective_s > 0 for step in steps)
+    _wait_until_gone(worker_pids)
+
+
+def test_an_engine_from_engine_args_runs_two_ranks_and_stops_them(tiny_checkpoint) -> None:
+    """vLLM's LLMEngine.from_engine_args with tensor parallelism: the caller's step loop drives
+    both ranks; close() stops the other."""
+    model_dir = str(tiny_checkpoint("qwen2"))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    expected = LLM(model_dir, **ENGINE).generate(PROMPTS, params, use_tqdm=False)
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=model_dir, **ENGINE, tensor_parallel_size=TP_SIZE)
+    )
+    assert engine.loaded.driver is not None
+    worker_pids = engine.loaded.driver.worker_pids
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(str(index), prompt, params)
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    assert [finished[str(index)] for index in range(len(PROMPTS))] == [
+        output.outputs[0].token_ids for output in expected
+    ]
+    engine.close()
     _wait_until_gone(worker_pids)
 
 

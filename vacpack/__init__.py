@@ -15,6 +15,8 @@ request_huge_pages()
 # Imported on first use, so that `vacpack --help` and `import vacpack.testing` stay fast.
 _EXPORTS = {
     "LLM": "vacpack.llm",
+    "LLMEngine": "vacpack.llm",
+    "EngineArgs": "vacpack.config",
     "BeamSearchParams": "vacpack.beam_search",
     "EngineConfig": "vacpack.config",
     "SamplingParams": "vacpack.sampling",
@@ -28,9 +30,9 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from vacpack.beam_search import BeamSearchParams
-    from vacpack.config import EngineConfig
+    from vacpack.config import EngineArgs, EngineConfig
     from vacpack.inputs import TextPrompt, TokensPrompt
-    from vacpack.llm import LLM
+    from vacpack.llm import LLM, LLMEngine
     from vacpack.outputs import CompletionOutput, Logprob, RequestOutput
     from vacpack.sampling import SamplingParams
     from vacpack.structured.params import StructuredOutputsParams
@@ -46,7 +48,9 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "EngineArgs",
     "EngineConfig",
+    "LLMEngine",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

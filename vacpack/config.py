@@ -7,7 +7,7 @@ Each field's docstring is its help text: `vacpack --help` flags are generated fr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -168,3 +168,20 @@ def speculation_fields(speculative_config: Mapping[str, Any] | None) -> dict[str
             f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(_NGRAM_KEYS)}"
         )
     return given
+
+
+# Named as vLLM's class, which vLLM users construct the same way.
+def EngineArgs(model: str, **engine_args: Any) -> EngineConfig:
+    """An EngineConfig from keyword arguments as vLLM's `EngineArgs(...)` takes them: its fields,
+    plus vLLM's `enforce_eager` (no CUDA graphs) and `speculative_config` dict. An unknown name
+    is a TypeError that lists the known ones."""
+    if "enforce_eager" in engine_args:
+        enforce_eager = bool(engine_args.pop("enforce_eager"))
+        engine_args.setdefault("enable_cuda_graphs", not enforce_eager)
+    if "speculative_config" in engine_args:
+        engine_args.update(speculation_fields(engine_args.pop("speculative_config")))
+    known = {field.name for field in fields(EngineConfig)} - {"model"}
+    unknown = set(engine_args) - known
+    if unknown:
+        raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
+    return EngineConfig(model=model, **engine_args)

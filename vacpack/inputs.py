@@ -6,7 +6,10 @@ and read as plain dicts.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -43,6 +46,20 @@ def read_prompt_dict(prompt: Mapping[str, Any]) -> str | list[int]:
     if "prompt" in prompt:
         return cast(str, prompt["prompt"])
     raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
+
+
+def encode_prompt(
+    prompt: PromptType, tokenizer: PreTrainedTokenizerBase, prompt_text: str | None = None
+) -> tuple[str | None, list[int]]:
+    """A prompt's text (where known; `prompt_text` for bare token ids) and its token ids."""
+    if isinstance(prompt, Mapping):
+        read = read_prompt_dict(prompt)
+        if isinstance(read, str):
+            return read, tokenizer.encode(read)
+        return prompt.get("prompt", prompt_text), read
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    return prompt_text, list(prompt)
 
 
 def corpus_input(index: int, item: Any) -> Any:

@@ -14,11 +14,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.chat_turns import template_turn
-from vacpack.config import EngineConfig, speculation_fields
+from vacpack.config import EngineArgs, EngineConfig
 from vacpack.distributed.driver import Driver
-from vacpack.engine.engine import LLMEngine
+from vacpack.engine import engine as step_engine
 from vacpack.generation_defaults import sampling_defaults
-from vacpack.inputs import PromptType, as_prompt_list, corpus_input, read_prompt_dict
+from vacpack.inputs import PromptType, as_prompt_list, corpus_input, encode_prompt
 from vacpack.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -27,7 +27,7 @@ from vacpack.outputs import (
     RequestOutputKind,
     ScoringRequestOutput,
 )
-from vacpack.runtime import load
+from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template
 
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from vacpack.corpus.tasks import CorpusTask
 
 Conversation = list[dict[str, Any]]
-
-_ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
 
 
 class LLM:
@@ -55,30 +53,8 @@ class LLM:
     def __init__(
         self, model: str, dtype: str = "auto", device: str = "auto", **engine_args: Any
     ) -> None:
-        if "enforce_eager" in engine_args:  # vLLM's name for running without CUDA graphs
-            enforce_eager = bool(engine_args.pop("enforce_eager"))
-            engine_args.setdefault("enable_cuda_graphs", not enforce_eager)
-        if "speculative_config" in engine_args:  # vLLM's form of the speculation arguments
-            engine_args.update(speculation_fields(engine_args.pop("speculative_config")))
-        unknown = set(engine_args) - _ENGINE_ARGS
-        if unknown:
-            raise TypeError(
-                f"unknown engine arguments {sorted(unknown)}; known: {sorted(_ENGINE_ARGS)}"
-            )
-        self.config = EngineConfig(model=model, dtype=dtype, device=device, **engine_args)
-        self._close_group: weakref.finalize | None = None
-        if self.config.tensor_parallel_size > 1:
-            # Imported here: a single-process LLM never loads the worker machinery.
-            from vacpack.tensor_parallel import load_tensor_parallel
-
-            num_threads = torch.get_num_threads()  # rank 0 takes its share; given back on close
-            self.loaded = load_tensor_parallel(self.config)
-            assert self.loaded.driver is not None
-            self._close_group = weakref.finalize(
-                self, _close_group, self.loaded.driver, num_threads
-            )
-        else:
-            self.loaded = load(self.config)
+        self.config = EngineArgs(model, dtype=dtype, device=device, **engine_args)
+        self.loaded, self._close_group = _load(self.config, self)
         self.sampling_defaults: Mapping[str, Any] = MappingProxyType(
             sampling_defaults(self.config.generation_config, self.loaded.model_dir)
         )
@@ -88,16 +64,21 @@ class LLM:
             raise ValueError(
                 f"the model's recommended sampling ({self.config.generation_config}): {error}"
             ) from None
-        self._engine: LLMEngine | None = None
+        self._engine: step_engine.LLMEngine | None = None
         self._corpus_runner: CorpusRunner | None = None
         self._request_counter = itertools.count()
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> step_engine.LLMEngine:
         """The generation engine, built (with its KV cache) on first use."""
         if self._engine is None:
-            self._engine = LLMEngine(self.config, self.loaded)
+            self._engine = step_engine.LLMEngine(self.config, self.loaded)
         return self._engine
+
+    @property
+    def llm_engine(self) -> step_engine.LLMEngine:
+        """vLLM's name for the engine (add_request, step, abort_request, ...)."""
+        return self.engine
 
     @property
     def corpus_runner(self) -> CorpusRunner:
@@ -350,14 +331,7 @@ class LLM:
         return results if return_failures else _raise_failures(results)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, Mapping):
-            token_ids = read_prompt_dict(prompt)
-            if isinstance(token_ids, str):
-                return self._encode(token_ids)
-            return prompt.get("prompt"), token_ids
-        if isinstance(prompt, str):
-            return prompt, self.loaded.tokenizer.encode(prompt)
-        return None, list(prompt)
+        return encode_prompt(prompt, self.loaded.tokenizer)
 
     def _run(
         self,
@@ -377,7 +351,7 @@ class LLM:
                 params = dataclasses.replace(
                     params_list[index], output_kind=RequestOutputKind.FINAL_ONLY
                 )
-                engine.add_request(request_id, token_ids, params, prompt=text)
+                engine.add_request(request_id, token_ids, params, prompt_text=text)
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
@@ -391,6 +365,45 @@ class LLM:
             for request_id in order:  # after an interruption, leave nothing running
                 engine.abort_request(request_id)
         return [r for r in results if r is not None]
+
+
+class LLMEngine(step_engine.LLMEngine):
+    """vLLM's LLMEngine, built from engine arguments: the step engine with its model loaded
+    (split over tensor_parallel_size processes too, stopped by `close()` or when the engine is
+    collected).
+
+        engine = LLMEngine.from_engine_args(EngineArgs(model=...))
+        engine.add_request("0", "Hello", SamplingParams(max_tokens=16))
+        while engine.has_unfinished_requests():
+            for output in engine.step(): ...
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        loaded, self._close_group = _load(config, self)
+        super().__init__(config, loaded)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+        return cls(engine_args)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any."""
+        if self._close_group is not None:
+            self._close_group()
+
+
+def _load(config: EngineConfig, owner: object) -> tuple[LoadedModel, weakref.finalize | None]:
+    """The model for `owner`; split over tensor_parallel_size processes, with the finalizer
+    that stops them (run by close(), or when owner is collected, or at exit)."""
+    if config.tensor_parallel_size == 1:
+        return load(config), None
+    # Imported here: a single-process model never loads the worker machinery.
+    from vacpack.tensor_parallel import load_tensor_parallel
+
+    num_threads = torch.get_num_threads()  # rank 0 takes its share; given back on close
+    loaded = load_tensor_parallel(config)
+    assert loaded.driver is not None
+    return loaded, weakref.finalize(owner, _close_group, loaded.driver, num_threads)
 
 
 def _close_group(driver: Driver, num_threads: int) -> None:

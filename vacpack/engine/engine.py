@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from vacpack.config import EngineConfig
 from vacpack.distributed.control import Program
@@ -31,6 +33,7 @@ from vacpack.engine.state import EngineSetup, EngineState
 from vacpack.engine.stats import EngineStats
 from vacpack.engine.step_executor import StepHandle, create_executor
 from vacpack.engine.timeline import StepTimeline, StepTiming
+from vacpack.inputs import PromptType, encode_prompt
 from vacpack.kvcache import PagePool
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
@@ -167,23 +170,31 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt: PromptType,
         params: SamplingParams,
-        prompt: str | None = None,
+        prompt_text: str | None = None,
         prompt_logprobs_start: int = 1,
     ) -> None:
-        """Queues a request. With params.prompt_logprobs, logprobs are computed for prompt
-        positions from `prompt_logprobs_start` on; positions before it may come from the prefix
-        cache (scoring a continuation after a shared context computes the context once).
+        """Queues a request. The prompt is text (tokenized here), token ids, or a vLLM prompt
+        dict; `prompt_text` is the text of prompt token ids for the outputs. With
+        params.prompt_logprobs, logprobs are computed for prompt positions from
+        `prompt_logprobs_start` on; positions before it may come from the prefix cache (scoring
+        a continuation after a shared context computes the context once).
         params.truncate_prompt_tokens keeps the prompt's last tokens."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"params must be SamplingParams, got {type(params).__name__}: the engine "
+                "generates (embed, classify and score are LLM's corpus jobs)"
+            )
+        prompt_text, prompt_token_ids = encode_prompt(prompt, self.loaded.tokenizer, prompt_text)
         prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.loaded.max_model_len)
         self.validate_prompt(prompt_token_ids)
         grammar = self.structured.check(params)
         request = build_request(
             request_id,
-            prompt,
+            prompt_text,
             prompt_token_ids,
             params,
             tokenizer=self.loaded.tokenizer,
@@ -196,9 +207,17 @@ class LLMEngine:
             sequence.constraints = self.structured.constraints_for(sequence.params, grammar)
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str) -> None:
-        """Stops a request and frees its KV pages; unknown or finished ids are ignored."""
-        self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stops a request (or each of several) and frees its KV pages; unknown or finished
+        ids are ignored."""
+        for one_id in [request_id] if isinstance(request_id, str) else request_id:
+            self.scheduler.abort_request(one_id)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.loaded.tokenizer
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.num_unfinished_requests
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished or a launched step is still to be read."""
