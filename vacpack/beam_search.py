@@ -25,7 +25,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.engine.engine import LLMEngine
-from vacpack.outputs import Logprob, PositionLogprobs, RequestOutputKind
+from vacpack.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+    RequestOutputKind,
+)
 from vacpack.sampling import MAX_LOGPROBS, SamplingParams
 
 # Candidates asked for per beam and step, per unit of beam width: as many again as the beam
@@ -93,6 +99,92 @@ def beam_search_score(
     return cum_logprob / (length**length_penalty)
 
 
+class BeamSearch:
+    """One search over several prompts, driven a step at a time by whoever runs the engine
+    (`run_beam_search` on the engine here, the server on its engine thread): each step, every
+    beam in `beams_to_extend()` needs its next-token log-probabilities (an engine request with
+    `step_params`), handed back in the same order to `advance`."""
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        params: BeamSearchParams,
+        eos_token_ids: AbstractSet[int],
+        max_model_len: int,
+    ) -> None:
+        self.prompts = prompts
+        self.params = params
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.max_model_len = max_model_len
+        self.step_params = SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            ignore_eos=True,
+            logprobs=CANDIDATES_PER_BEAM * params.beam_width,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self._live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
+        self._finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self._num_steps = 0
+        self._extending: list[tuple[int, BeamSearchSequence]] = []
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(
+            beam.tokens, beam.cum_logprob, self.eos_token_ids, self.params.length_penalty
+        )
+
+    def beams_to_extend(self) -> list[list[int]]:
+        """The live beams' tokens, every prompt's in turn; none once the search is over."""
+        if self._num_steps == self.params.max_tokens:
+            return []
+        self._extending = []
+        for index, (beams, finished) in enumerate(zip(self._live, self._finished, strict=True)):
+            # A beam that fills the context ends there.
+            full = [beam for beam in beams if len(beam.tokens) >= self.max_model_len]
+            finished.extend(_finish(beam, "length") for beam in full)
+            beams[:] = [beam for beam in beams if len(beam.tokens) < self.max_model_len]
+            self._extending.extend((index, beam) for beam in beams)
+        return [beam.tokens for _, beam in self._extending]
+
+    def advance(self, positions: Sequence[PositionLogprobs]) -> None:
+        """Each extended beam's next-token log-probabilities (`beams_to_extend`' order)."""
+        num_candidates = self.step_params.logprobs or 1
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in self.prompts]
+        for (index, beam), position in zip(self._extending, positions, strict=True):
+            # Most likely first; equally likely tokens in id order, so the order is stable.
+            ranked = sorted(position.items(), key=lambda item: (-item[1].logprob, item[0]))
+            candidates[index].extend(
+                _extend(beam, token_id, logprob, position)
+                for token_id, logprob in ranked[:num_candidates]
+            )
+        for index, extensions in enumerate(candidates):
+            growing = []
+            for beam in extensions:
+                if beam.tokens[-1] in self.eos_token_ids:
+                    self._finished[index].append(_finish(beam, "stop", beam.tokens[-1]))
+                else:
+                    growing.append(beam)
+            self._live[index] = sorted(growing, key=self._score, reverse=True)[
+                : self.params.beam_width
+            ]
+        self._num_steps += 1
+        if not any(self._live):
+            self._num_steps = self.params.max_tokens
+
+    def outputs(self, tokenizer: PreTrainedTokenizerBase) -> list[BeamSearchOutput]:
+        """Each prompt's best hypotheses among the finished and the live ones, with text."""
+        outputs = []
+        for prompt, beams, finished in zip(self.prompts, self._live, self._finished, strict=True):
+            hypotheses = finished + [_finish(beam, "length") for beam in beams]
+            best = sorted(hypotheses, key=self._score, reverse=True)[: self.params.beam_width]
+            for beam in best:
+                beam.text = _text(
+                    tokenizer, beam, len(prompt), self.params.include_stop_str_in_output
+                )
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+
 def run_beam_search(
     engine: LLMEngine,
     prompts: list[list[int]],
@@ -100,84 +192,53 @@ def run_beam_search(
     use_tqdm: bool = False,
 ) -> list[BeamSearchOutput]:
     """The best beam_width hypotheses of each prompt (token ids, checked by the caller)."""
-    eos_token_ids = frozenset() if params.ignore_eos else engine.loaded.eos_token_ids
-    max_model_len = engine.loaded.max_model_len
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(
-            beam.tokens, beam.cum_logprob, eos_token_ids, params.length_penalty
-        )
-
-    live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
-    finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    step_params = SamplingParams(
-        temperature=0.0,
-        max_tokens=1,
-        ignore_eos=True,
-        logprobs=CANDIDATES_PER_BEAM * params.beam_width,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
+    search = BeamSearch(prompts, params, engine.loaded.eos_token_ids, engine.loaded.max_model_len)
     request_ids = (f"beam-search-{index}" for index in itertools.count())
-    tokenizer = engine.loaded.tokenizer
-    for _ in tqdm(range(params.max_tokens), desc="beam search", unit="tok", disable=not use_tqdm):
-        for prompt_beams, prompt_finished in zip(live, finished, strict=True):
-            # A beam that fills the context ends there.
-            full = [beam for beam in prompt_beams if len(beam.tokens) >= max_model_len]
-            prompt_finished.extend(_finish(beam, "length") for beam in full)
-            prompt_beams[:] = [beam for beam in prompt_beams if len(beam.tokens) < max_model_len]
-        candidates = _next_token_candidates(engine, live, step_params, request_ids)
-        for index, extensions in enumerate(candidates):
-            growing = []
-            for beam in extensions:
-                if beam.tokens[-1] in eos_token_ids:
-                    finished[index].append(_finish(beam, "stop", beam.tokens[-1]))
-                else:
-                    growing.append(beam)
-            live[index] = sorted(growing, key=score, reverse=True)[: params.beam_width]
-        if not any(live):
-            break
-    outputs = []
-    for prompt, prompt_beams, prompt_finished in zip(prompts, live, finished, strict=True):
-        hypotheses = prompt_finished + [_finish(beam, "length") for beam in prompt_beams]
-        best = sorted(hypotheses, key=score, reverse=True)[: params.beam_width]
-        for beam in best:
-            beam.text = _text(tokenizer, beam, len(prompt), params.include_stop_str_in_output)
-        outputs.append(BeamSearchOutput(best))
-    return outputs
+    with tqdm(total=params.max_tokens, desc="beam search", unit="tok", disable=not use_tqdm) as bar:
+        while beams := search.beams_to_extend():
+            search.advance(_next_token_positions(engine, beams, search.step_params, request_ids))
+            bar.update(1)
+    return search.outputs(engine.loaded.tokenizer)
 
 
-def _next_token_candidates(
+def _next_token_positions(
     engine: LLMEngine,
-    live: list[list[BeamSearchSequence]],
+    beams: list[list[int]],
     step_params: SamplingParams,
     request_ids: Iterator[str],
-) -> list[list[BeamSearchSequence]]:
-    """Every live beam extended by each of its most likely next tokens, per prompt."""
-    num_candidates = step_params.logprobs or 1
-    beams_by_request: dict[str, tuple[int, BeamSearchSequence]] = {}
-    candidates: list[list[BeamSearchSequence]] = [[] for _ in live]
+) -> list[PositionLogprobs]:
+    """Each beam's most likely next tokens and their log-probabilities, in the beams' order."""
+    order = {next(request_ids): index for index in range(len(beams))}
+    positions: list[PositionLogprobs] = [{} for _ in beams]
     try:
-        for index, prompt_beams in enumerate(live):
-            for beam in prompt_beams:
-                request_id = next(request_ids)
-                beams_by_request[request_id] = (index, beam)
-                engine.add_request(request_id, beam.tokens, step_params)
+        for request_id, index in order.items():
+            engine.add_request(request_id, beams[index], step_params)
         while engine.has_unfinished_requests():
             for output in engine.step():
-                if not output.finished:
-                    continue
-                index, beam = beams_by_request[output.request_id]
-                (position,) = output.outputs[0].logprobs or [{}]
-                # Most likely first; equally likely tokens in id order, so the order is stable.
-                ranked = sorted(position.items(), key=lambda item: (-item[1].logprob, item[0]))
-                candidates[index].extend(
-                    _extend(beam, token_id, logprob, position)
-                    for token_id, logprob in ranked[:num_candidates]
-                )
+                if output.finished:
+                    (positions[order[output.request_id]],) = output.outputs[0].logprobs or [{}]
     finally:
-        for request_id in beams_by_request:  # after an interruption, leave nothing running
-            engine.abort_request(request_id)
-    return candidates
+        engine.abort_request(order)  # after an interruption, leave nothing running
+    return positions
+
+
+def beam_request_output(
+    request_id: str, prompt_text: str | None, prompt_token_ids: list[int], output: BeamSearchOutput
+) -> RequestOutput:
+    """A prompt's hypotheses as a finished RequestOutput, one completion per hypothesis."""
+    completions = [
+        CompletionOutput(
+            index=index,
+            text=beam.text or "",
+            token_ids=beam.tokens[len(prompt_token_ids) :],
+            cumulative_logprob=beam.cum_logprob,
+            logprobs=beam.logprobs,
+            finish_reason=beam.finish_reason,
+            stop_reason=beam.stop_reason,
+        )
+        for index, beam in enumerate(output.sequences)
+    ]
+    return RequestOutput(request_id, prompt_text, prompt_token_ids, None, completions, True)
 
 
 def _extend(

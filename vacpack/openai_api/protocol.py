@@ -77,6 +77,9 @@ class _GenerationRequest(_Body):
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's beam search: n beams, scored as LLM.beam_search scores them.
+    use_beam_search: bool | None = False
+    length_penalty: float | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -148,6 +151,7 @@ class EmbeddingRequest(_Body):
     input: PromptInput
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's first k tokens
     user: str | None = None
 
 
@@ -156,6 +160,7 @@ class ClassificationRequest(_Body):
 
     model: str | None = None
     input: PromptInput
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's first k tokens
     user: str | None = None
 
 
@@ -178,6 +183,7 @@ class ScoreRequest(_Body):
     data_1: str | list[str] | None = None
     data_2: str | list[str] | None = None
     use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each pair's first k tokens
     user: str | None = None
 
 
@@ -188,6 +194,7 @@ class RerankRequest(_Body):
     top_n: int | None = None  # 0 or None: every document
     use_activation: bool | None = None
     return_documents: bool | None = True
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each pair's first k tokens
     user: str | None = None
 
 

@@ -14,8 +14,10 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from vacpack.beam_search import BeamSearchParams
 from vacpack.chat_turns import called_function
 from vacpack.errors import RequestFieldError
+from vacpack.openai_api.beam_search_request import beam_search_params
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.message_checks import check_messages
 from vacpack.openai_api.output_constraints import (
@@ -75,6 +77,8 @@ class PreparedGeneration:
     # Chat with tools (tool_choice not "none"): splits each choice into content and tool calls.
     tool_parser: ToolParser | None = None
     parallel_tool_calls: bool = True  # False: a choice keeps its first call only
+    # use_beam_search: each prompt's n best beams are its choices (params then only checked).
+    beam_search: BeamSearchParams | None = None
 
     @property
     def num_choices_per_prompt(self) -> int:
@@ -150,6 +154,7 @@ def prepare_completion(
             prompts[index] = prompt = EnginePrompt(token_ids, text)
         where = f"prompt {index}" if len(prompts) > 1 else "the prompt"
         check_context(len(prompt.token_ids), params.max_tokens, max_model_len, where, "prompt")
+    longest_prompt = max((len(prompt.token_ids) for prompt in prompts), default=0)
     return PreparedGeneration(
         kind="completion",
         prompts=prompts,
@@ -158,6 +163,7 @@ def prepare_completion(
         want_logprobs=request.logprobs is not None,
         stream=bool(request.stream),
         include_usage_in_stream=request.include_usage_in_stream,
+        beam_search=beam_search_params(request, params.max_tokens, longest_prompt, max_model_len),
     )
 
 
@@ -208,6 +214,7 @@ def prepare_chat(
         include_usage_in_stream=request.include_usage_in_stream,
         tool_parser=tool_plan.parser,
         parallel_tool_calls=tool_plan.parallel,
+        beam_search=beam_search_params(request, params.max_tokens, len(token_ids), max_model_len),
     )
 
 

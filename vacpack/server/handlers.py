@@ -11,7 +11,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,8 +54,9 @@ from vacpack.openai_api.served_model import check_model, check_n, check_num_sequ
 from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.openai_api.streaming import StreamState
 from vacpack.openai_api.tokenization import detokenize_body, tokenize_body
-from vacpack.outputs import RequestOutputKind
+from vacpack.outputs import RequestOutput, RequestOutputKind
 from vacpack.server.async_engine import AsyncEngine, EngineRequest, RequestStream
+from vacpack.server.beam_search import beam_search_outputs
 from vacpack.server.options import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class OpenAIHandlers:
     pooling: PoolingFunctions
     # The model's recommended sampling, for fields a request leaves out (generation_defaults).
     sampling_defaults: Mapping[str, Any]
+    eos_token_ids: frozenset[int] = frozenset()  # ending a beam search's hypotheses
 
     # ------------------------------------------------------------ small endpoints
     def models(self, created: int) -> Response:
@@ -163,10 +165,6 @@ class OpenAIHandlers:
     async def _generate(
         self, raw: Request, prepared: PreparedGeneration, response_id: str
     ) -> Response:
-        engine_requests = [
-            EngineRequest(f"{response_id}-{index}", prompt.token_ids, prepared.params, prompt.text)
-            for index, prompt in enumerate(prepared.prompts)
-        ]
         n = prepared.num_choices_per_prompt
         state = StreamState(
             response_id=response_id,
@@ -176,18 +174,17 @@ class OpenAIHandlers:
             results=[PromptResult.start(prompt, n) for prompt in prepared.prompts],
             decode_token=self._decode_token,
         )
-        stream = await _unless_disconnected(self.engine.submit(engine_requests), raw)
+        outputs = await self._outputs(raw, prepared, response_id)
         if prepared.stream:
             return StreamingResponse(
-                self._stream_events(stream, state),
+                self._stream_events(outputs, state),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            await _unless_disconnected(self._collect(stream, state), raw)
+            await _unless_disconnected(self._collect(outputs, state), raw)
         finally:
-            if not stream.finished:
-                self.engine.abort(stream.request_ids)
+            await outputs.aclose()
         body = generation_body(
             response_id,
             state.created,
@@ -198,23 +195,44 @@ class OpenAIHandlers:
         )
         return json_response(body)
 
-    @staticmethod
-    async def _collect(stream: RequestStream, state: StreamState) -> None:
-        prompt_index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
-        async for output in stream:
-            state.results[prompt_index[output.request_id]].add_delta(output)
+    async def _outputs(
+        self, raw: Request, prepared: PreparedGeneration, response_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's outputs for the request, prompt i's under `{response_id}-{i}`; closing
+        the generator aborts what is still running."""
+        if prepared.beam_search is not None:
+            return beam_search_outputs(
+                self.engine,
+                prepared,
+                response_id,
+                self.eos_token_ids,
+                self.max_model_len,
+                self.tokenizer,
+            )
+        engine_requests = [
+            EngineRequest(f"{response_id}-{index}", prompt.token_ids, prepared.params, prompt.text)
+            for index, prompt in enumerate(prepared.prompts)
+        ]
+        stream = await _unless_disconnected(self.engine.submit(engine_requests), raw)
+        return _stream_outputs(self.engine, stream)
 
-    async def _stream_events(self, stream: RequestStream, state: StreamState) -> AsyncIterator[str]:
-        prompt_index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
+    @staticmethod
+    async def _collect(outputs: AsyncIterator[RequestOutput], state: StreamState) -> None:
+        async for output in outputs:
+            state.results[_prompt_index(output)].add_delta(output)
+
+    async def _stream_events(
+        self, outputs: AsyncGenerator[RequestOutput, None], state: StreamState
+    ) -> AsyncIterator[str]:
         is_chat = state.prepared.kind == "chat"
         try:
             if is_chat:
                 yield "".join(_sse(chunk) for chunk in state.chat_role_chunks())
-            async for output in stream:
+            async for output in outputs:
                 chunks = (
                     state.chat_chunks(output)
                     if is_chat
-                    else state.completion_chunks(prompt_index[output.request_id], output)
+                    else state.completion_chunks(_prompt_index(output), output)
                 )
                 events = "".join(_sse(chunk) for chunk in chunks)
                 if events:
@@ -231,8 +249,7 @@ class OpenAIHandlers:
             yield _sse(internal_error(error).to_body()) + _SSE_DONE
         finally:
             # Reached on normal end, on an error, and when Starlette cancels us on disconnect.
-            if not stream.finished:
-                self.engine.abort(stream.request_ids)
+            await outputs.aclose()
 
     # ------------------------------------------------------------ embeddings and scores
     async def embeddings(self, raw: Request) -> Response:
@@ -292,6 +309,22 @@ class OpenAIHandlers:
         request = parse_body(DetokenizeRequest, body)
         self._check_model(request.model)
         return detokenize_body(request, self.tokenizer)
+
+
+def _prompt_index(output: RequestOutput) -> int:
+    """The prompt an output belongs to: its request id ends in the prompt's index."""
+    return int(output.request_id.rpartition("-")[2])
+
+
+async def _stream_outputs(
+    engine: AsyncEngine, stream: RequestStream
+) -> AsyncGenerator[RequestOutput, None]:
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_ids)
 
 
 async def _unless_disconnected(work: Awaitable[T], raw: Request) -> T:

@@ -60,7 +60,13 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
         revision=llm.config.revision,
     )
     handlers = OpenAIHandlers(
-        config, async_engine, tokenizer, loaded.max_model_len, pooling, llm.sampling_defaults
+        config,
+        async_engine,
+        tokenizer,
+        loaded.max_model_len,
+        pooling,
+        llm.sampling_defaults,
+        eos_token_ids=frozenset(loaded.eos_token_ids),
     )
     app = build_app(handlers, metrics)
     # For a host's own health checks of the engine (Ray Serve's check_health).
