@@ -100,11 +100,13 @@ def test_a_pooling_request_that_fails_alone_spares_those_packed_with_it(tiny_che
     embed = functions.embed
     calls: list[list[Any]] = []
 
-    def embed_failing_on_poison(inputs: list[Any], dimensions: int | None) -> list[Any]:
+    def embed_failing_on_poison(
+        inputs: list[Any], dimensions: int | None, truncate_prompt_tokens: int | None
+    ) -> list[Any]:
         calls.append(list(inputs))
         if "poison" in inputs:
             raise RuntimeError("a device fault")
-        return embed(inputs, dimensions)
+        return embed(inputs, dimensions, truncate_prompt_tokens)
 
     functions = dataclasses.replace(functions, embed=embed_failing_on_poison)
     prepared = [

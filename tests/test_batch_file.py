@@ -223,6 +223,32 @@ def test_resume_refuses_an_output_whose_input_lines_have_changed(llm: LLM, tmp_p
     assert _statuses(options.output_path) == {"a": 200, "b": 200, "c": 200}
 
 
+def test_a_line_asking_to_stream_gets_its_own_error_record(llm: LLM, tmp_path: Path) -> None:
+    """A record holds a whole response: "stream": true is refused by its line's record, not
+    silently ignored, and the other lines are answered; "stream": false asks for what a batch
+    does anyway."""
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    lines = [
+        _completion_line("streamed", stream=True),
+        _line("streamed-chat", "/v1/chat/completions", {**chat_body, "stream": True}),
+        _completion_line("not-streamed", stream=False),
+        _completion_line("plain"),
+    ]
+    options = _options(tmp_path, _write_lines(tmp_path / "in.jsonl", lines))
+    summary = run_batch(llm, options)
+    assert (summary.num_answered, summary.num_failed) == (4, 2)
+    records = _by_custom_id(options.output_path)
+    for custom_id, line_number in (("streamed", 1), ("streamed-chat", 2)):
+        record = records[custom_id]
+        assert record["response"] is None  # the shape of every line's error record
+        error = record["error"]
+        assert (error["code"], error["line"]) == ("invalid_request", line_number)
+        assert "stream is not supported in batch files" in error["message"]
+    assert records["not-streamed"]["response"]["status_code"] == 200
+    assert records["plain"]["response"]["status_code"] == 200
+    assert run_batch(llm, options).num_resumed == 4  # its record resumes as any other
+
+
 def _statuses(path: Path) -> dict[str, int]:
     return {name: r["response"]["status_code"] for name, r in _by_custom_id(path).items()}
 

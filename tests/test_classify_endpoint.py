@@ -76,6 +76,25 @@ def test_bad_classify_requests_get_a_400_naming_the_field(server: ServerProcess)
     assert response.status_code == 404
 
 
+def test_truncate_prompt_tokens_classifies_each_inputs_first_tokens(
+    server: ServerProcess, classifier_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
+    first_tokens = [tokenizer.decode(tokenizer.encode(text)[:2]) for text in TEXTS]
+    expected = _transformers_probs(classifier_dir, first_tokens, independent=False)
+    response = _post(server, "/classify", {"input": TEXTS, "truncate_prompt_tokens": 2})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["prompt_tokens"] == 2 * len(TEXTS)
+    probs = torch.tensor([item["probs"] for item in body["data"]])
+    assert torch.allclose(probs, expected, atol=1e-5)
+    for value in (0, -3, 10**6):
+        refused = _post(server, "/v1/classify", {"input": TEXTS, "truncate_prompt_tokens": value})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "truncate_prompt_tokens" and "(max_model_len)" in error["message"]
+
+
 @pytest.mark.parametrize("kind", ["one label", "multi-label"])
 def test_independent_labels_get_each_its_sigmoid(kind: str, tmp_path: Path) -> None:
     if kind == "one label":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from vacpack import LLM
+from vacpack.cli import main
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.tasks import LoglikelihoodTask
 from vacpack.outputs import embeddings_array
@@ -159,3 +163,32 @@ def test_documents_longer_than_the_context_need_truncation(tiny_checkpoint) -> N
         short.loglikelihood([long_text], use_tqdm=False)
     (result,) = short.loglikelihood([long_text], truncate=True, use_tqdm=False)
     assert result.num_tokens == 31  # the prefix token plus 31 scored tokens fill the context
+
+
+def test_the_truncation_hint_names_the_command_line_flag_too(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """A command-line user cannot pass truncate=True: a document's error names --truncate."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(["rain"] * 100) + "\n")
+    output = tmp_path / "out.jsonl"
+    argv = ["loglikelihood", "--model", str(tiny_checkpoint("qwen2")), "--dtype", "float32",
+            "--max-model-len", "32", "--input", str(corpus), "--output", str(output)]  # fmt: skip
+    assert main(argv) == 0
+    (record,) = [json.loads(line) for line in output.read_text().splitlines()]
+    assert "pass truncate=True (--truncate on the command line)" in record["error"]
+    assert main([*argv, "--overwrite", "--truncate"]) == 0
+    (record,) = [json.loads(line) for line in output.read_text().splitlines()]
+    assert record["num_tokens"] == 31
+
+
+def test_a_continuation_longer_than_the_context_is_not_told_to_truncate(
+    tiny_checkpoint,
+) -> None:
+    """Only context tokens are ever dropped: truncating cannot fit such a continuation."""
+    short = LLM(str(tiny_checkpoint("qwen2")), dtype="float32", max_model_len=32)
+    continuation = " " + " ".join(["rain"] * 100)
+    for truncate in (False, True):
+        with pytest.raises(ValueError, match="the continuation alone is") as raised:
+            short.loglikelihood(["the sky"], [continuation], truncate=truncate, use_tqdm=False)
+        assert "truncate" not in str(raised.value)

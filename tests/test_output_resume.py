@@ -3,6 +3,7 @@ after an interruption, a foreign output refused unless --overwrite replaces it."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from vacpack.batch.prompt_file import (
 )
 from vacpack.batch.runner import run_batch
 from vacpack.cli import main
-from vacpack.errors import ExitCode
+from vacpack.errors import ExitCode, OutputExistsError
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +144,113 @@ def test_overwrite_replaces_a_foreign_output(llm: LLM, tmp_path: Path) -> None:
     assert run_batch(llm, options).num_answered == 1
     (record,) = read_records(notes)
     assert record["custom_id"] == "a" and record["response"]["status_code"] == 200
+
+
+def _corpus_argv(model_dir: Path, corpus: Path, output: Path, *flags: str) -> list[str]:
+    return ["loglikelihood", "--model", str(model_dir), "--dtype", "float32",
+            "--input", str(corpus), "--output", str(output), *flags]  # fmt: skip
+
+
+def test_corpus_command_skips_blank_jsonl_lines_as_run_batch_does(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A blank or whitespace-only line of a .jsonl corpus is no document (it was an "is not
+    valid JSON" error row); each record names the line its document is on, and resumes."""
+    texts = [f"document number {i}" for i in range(4)]
+    lines = ["", json.dumps({"text": texts[0]}), "   \t", json.dumps({"text": texts[1]})]
+    lines += [json.dumps({"text": texts[2]}), "", json.dumps({"text": texts[3]}), " "]
+    corpus = write_lines(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    assert main(_corpus_argv(model_dir, corpus, output)) == 0
+    complete = read_records(output)
+    assert [r["index"] for r in complete] == [0, 1, 2, 3]
+    assert [r["line"] for r in complete] == [2, 4, 5, 7]
+    assert not [r for r in complete if "error" in r]
+    whole_lines = output.read_bytes().splitlines(keepends=True)
+    output.write_bytes(b"".join(whole_lines[:2]) + whole_lines[2][:10])
+
+    assert main(_corpus_argv(model_dir, corpus, output)) == 0
+    resumed = read_records(output)
+    assert [(r["index"], r["line"]) for r in resumed] == [(0, 2), (1, 4), (2, 5), (3, 7)]
+    for got, expected in zip(resumed, complete, strict=True):
+        assert got["logprob"] == pytest.approx(expected["logprob"], rel=1e-5)
+
+
+def test_corpus_resume_refuses_an_output_whose_input_lines_have_changed(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [json.dumps({"text": f"document number {i}"}) for i in range(3)]
+    corpus = write_lines(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    argv = _corpus_argv(model_dir, corpus, output)
+    assert main(argv) == 0
+    answered = output.read_bytes()
+
+    # An answered line edited: its record answers a document the input no longer has.
+    write_lines(corpus, [lines[0], json.dumps({"text": "another document"}), lines[2]])
+    capsys.readouterr()
+    assert main(argv) == ExitCode.OUTPUT_EXISTS
+    error = capsys.readouterr().err
+    assert "line 2 answers input line 2, which has changed since" in error
+    assert "--overwrite" in error
+    assert output.read_bytes() == answered  # refused untouched
+    # A line put above moves the answered documents: their records would name other lines.
+    write_lines(corpus, ["", *lines])
+    assert main(argv) == ExitCode.OUTPUT_EXISTS
+    assert "answers input line 1, but document 0 is on line 2 now" in capsys.readouterr().err
+
+    # A line not answered yet may change: the interrupted run resumes with the new document.
+    write_lines(corpus, [*lines[:2], json.dumps({"text": "a new last document"})])
+    output.write_bytes(b"".join(answered.splitlines(keepends=True)[:2]))
+    assert main(argv) == 0
+    assert [r["line"] for r in read_records(output)] == [1, 2, 3]
+
+    # A record written before records carried "line" and "input_digest" still resumes.
+    legacy = [{"index": r["index"], "logprob": r["logprob"]} for r in read_records(output)[:2]]
+    output.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in legacy))
+    assert main(argv) == 0
+    assert [r["index"] for r in read_records(output)] == [0, 1, 2]
+
+    # --overwrite answers the edited file afresh.
+    write_lines(corpus, [lines[0], json.dumps({"text": "another document"}), lines[2]])
+    assert main([*argv, "--overwrite"]) == 0
+    assert [r["line"] for r in read_records(output)] == [1, 2, 3]
+
+
+def test_generate_resume_refuses_an_output_whose_input_lines_have_changed(
+    llm: LLM, tmp_path: Path
+) -> None:
+    lines = [json.dumps({"prompt": f"prompt {i}", "max_tokens": 2}) for i in range(3)]
+    input_path = write_lines(tmp_path / "in.jsonl", lines)
+    source = PromptSource(input_path)
+    options = GenerateOptions(tmp_path / "out.jsonl", show_progress=False)
+    run_generate_file(llm, source, DEFAULTS, options)
+    answered = options.output_path.read_bytes()
+
+    # A BOM and CRLF line ends change no prompt: the run resumes with nothing left to do.
+    input_path.write_bytes(b"\xef\xbb\xbf" + input_path.read_bytes().replace(b"\n", b"\r\n"))
+    assert run_generate_file(llm, source, DEFAULTS, options).num_resumed == 3
+
+    # An answered line edited (its max_tokens, which its record does not show): refused.
+    edited = [lines[0], json.dumps({"prompt": "prompt 1", "max_tokens": 4}), lines[2]]
+    write_lines(input_path, edited)
+    with pytest.raises(OutputExistsError, match="answers line 2, which has changed since"):
+        run_generate_file(llm, source, DEFAULTS, options)
+    assert options.output_path.read_bytes() == answered  # refused untouched
+
+    # A line not answered yet may change: the interrupted run answers the new request.
+    kept = [r for r in answered.splitlines(keepends=True) if b'"index":1,' not in r]
+    options.output_path.write_bytes(b"".join(kept))
+    assert run_generate_file(llm, source, DEFAULTS, options).num_answered == 1
+    records = {r["index"]: r for r in read_records(options.output_path)}
+    assert records[1]["outputs"][0]["num_tokens"] == 4
+
+    # A record written before records carried "input_digest" still resumes.
+    legacy = [{k: v for k, v in r.items() if k != "input_digest"} for r in records.values()]
+    options.output_path.write_text("".join(json.dumps(r) + "\n" for r in legacy))
+    assert run_generate_file(llm, source, DEFAULTS, options).num_resumed == 3
+
+    # --overwrite answers the edited file afresh.
+    write_lines(input_path, lines)
+    overwrite = dataclasses.replace(options, overwrite=True)
+    assert run_generate_file(llm, source, DEFAULTS, overwrite).num_answered == 3

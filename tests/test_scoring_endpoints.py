@@ -184,6 +184,66 @@ def test_a_decoder_embedding_model_serves_embeddings_scores_and_chat_tokens(
     assert rendered == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_truncate_prompt_tokens_cuts_each_pair_as_cross_encoder_max_length(
+    reranker_server: ServerProcess, reranker_dir: Path
+) -> None:
+    """vLLM's field: each pair keeps its first k tokens, both texts' separators included."""
+    k = 9
+    pairs = [(QUERY, d) for d in DOCUMENTS]
+    expected = CrossEncoder(str(reranker_dir), device="cpu", max_length=k).predict(pairs)
+    body = {"text_1": QUERY, "text_2": DOCUMENTS, "truncate_prompt_tokens": k}
+    scored = _post(reranker_server, "/v1/score", body).json()
+    np.testing.assert_allclose([item["score"] for item in scored["data"]], expected, atol=1e-4)
+    assert scored["usage"]["prompt_tokens"] == k * len(DOCUMENTS)  # every pair is longer
+    ranking = {"query": QUERY, "documents": DOCUMENTS}
+    ranked = _post(reranker_server, "/rerank", {**ranking, "truncate_prompt_tokens": k})
+    ranked = ranked.json()["results"]
+    assert [result["index"] for result in ranked] == list(np.argsort(-expected))
+    scores = [result["relevance_score"] for result in sorted(ranked, key=lambda r: r["index"])]
+    np.testing.assert_allclose(scores, expected, atol=1e-4)
+
+    for path, value, text in (
+        ("/v1/score", 0, "in [1, 512] (max_model_len), got 0"),
+        ("/v1/score", 513, "got 513"),
+        ("/v1/rerank", -2, "got -2"),
+        # [CLS] q [SEP] d [SEP]: fewer than 5 tokens would drop a whole text.
+        ("/rerank", 4, "in [5, 512] for this model, got 4"),
+    ):
+        inputs = {"text_1": QUERY, "text_2": DOCUMENTS} if path.endswith("score") else ranking
+        body = {**inputs, "truncate_prompt_tokens": value}
+        _error(_post(reranker_server, path, body), 400, "truncate_prompt_tokens", text)
+    as_text = {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": "5"}
+    _error(
+        _post(reranker_server, "/score", as_text), 400, "truncate_prompt_tokens", "valid integer"
+    )
+
+
+def test_truncate_prompt_tokens_cuts_embeddings_to_their_first_tokens(
+    embedder_server: ServerProcess, embedder_dir: Path
+) -> None:
+    reference = SentenceTransformer(str(embedder_dir), device="cpu")
+    reference.max_seq_length = 3
+    with openai.OpenAI(base_url=embedder_server.api_url, api_key="-", max_retries=0) as api:
+        cut = api.embeddings.create(
+            model="embedder", input=DOCUMENTS, extra_body={"truncate_prompt_tokens": 3}
+        )
+        whole = api.embeddings.create(
+            model="embedder", input=DOCUMENTS, extra_body={"truncate_prompt_tokens": -1}
+        )
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens") as refused:
+            api.embeddings.create(
+                model="embedder", input="hi", extra_body={"truncate_prompt_tokens": 0}
+            )
+    assert refused.value.body["param"] == "truncate_prompt_tokens"
+    assert cut.usage.prompt_tokens == 3 * len(DOCUMENTS)
+    vectors = np.array([item.embedding for item in cut.data])
+    np.testing.assert_allclose(vectors, reference.encode(DOCUMENTS), atol=1e-4)
+    reference.max_seq_length = 512
+    np.testing.assert_allclose(
+        [item.embedding for item in whole.data], reference.encode(DOCUMENTS), atol=1e-4
+    )
+
+
 # ------------------------------------------------------------------ run-batch
 
 
@@ -231,6 +291,32 @@ def test_run_batch_answers_score_and_rerank_lines(reranker_dir: Path, tmp_path: 
     assert responses["bad-shape"]["body"]["error"]["param"] == "text_2"
     assert "is a classifier" in responses["embed"]["body"]["error"]["message"]
     assert "does not generate text" in responses["chat"]["body"]["error"]["message"]
+
+
+def test_run_batch_lines_cut_only_where_they_ask(reranker_dir: Path, tmp_path: Path) -> None:
+    """Lines with and without truncate_prompt_tokens are buffered together: each gets its own."""
+    llm = LLM(str(reranker_dir), dtype="float32", max_num_batched_tokens=256)
+    whole = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    cut = [
+        o.outputs.score
+        for o in llm.score(QUERY, DOCUMENTS, truncate_prompt_tokens=9, use_tqdm=False)
+    ]
+    assert not np.allclose(whole, cut, atol=1e-4), "cutting should change the scores"
+    pair = {"text_1": QUERY, "text_2": DOCUMENTS}
+    responses = _run(
+        llm,
+        tmp_path,
+        [
+            _line("whole", "/v1/score", pair),
+            _line("cut", "/v1/score", {**pair, "truncate_prompt_tokens": 9}),
+            _line("too-few", "/v1/score", {**pair, "truncate_prompt_tokens": 4}),
+        ],
+    )
+    for key, expected in (("whole", whole), ("cut", cut)):
+        scores = [item["score"] for item in responses[key]["body"]["data"]]
+        np.testing.assert_allclose(scores, expected, atol=1e-6)
+    assert responses["too-few"]["status_code"] == 400
+    assert responses["too-few"]["body"]["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_run_batch_embeds_with_dimensions(embedder_dir: Path, tmp_path: Path) -> None:

@@ -276,6 +276,22 @@ def test_bad_schema_and_bad_tool_choice_get_a_400_naming_the_problem(
         _chat(client, logit_bias={"5": 101})
 
 
+@pytest.mark.parametrize("grammar", ["root ::= ", 'root ::= ""', 'start: ""'])
+def test_a_grammar_matching_only_the_empty_string_gets_a_400(
+    client: openai.OpenAI, grammar: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model="tiny",
+            prompt="x",
+            max_tokens=4,
+            extra_body={"structured_outputs": {"grammar": grammar}},
+        )
+    error = caught.value.body
+    assert error["param"] == "structured_outputs"
+    assert "root rule matches only the empty string" in error["message"]
+
+
 def test_completion_choice_and_logit_bias(client: openai.OpenAI, tools_checkpoint) -> None:
     choices = ["alpha", "beta"]
     response = client.completions.create(

@@ -281,6 +281,18 @@ MALFORMED_CONSTRAINTS: list[tuple[dict[str, Any], str]] = [
     ({"json": {"type": "object", "x-guidance": 5}}, '"x-guidance" must be an object'),
 ]
 
+# Grammars llguidance accepts that match the empty string alone: the output could only be "".
+EMPTY_ONLY_GRAMMARS = [
+    "root ::= ",
+    "root ::= \n",
+    'root ::= ""',
+    'root ::= "" | ""',
+    'root ::= ""*',
+    'root ::= body\nbody ::= ""',
+    "start: ",
+    'start: ""',
+]
+
 
 @pytest.mark.parametrize(("given", "words"), MALFORMED_CONSTRAINTS)
 def test_a_malformed_constraint_is_a_value_error(given: dict[str, Any], words: str) -> None:
@@ -288,6 +300,29 @@ def test_a_malformed_constraint_is_a_value_error(given: dict[str, Any], words: s
     # turn into a 400 or a usage error; a TypeError or RecursionError would be a crash.
     with pytest.raises(ValueError, match=re.escape(words)):
         grammar_spec(StructuredOutputsParams.from_dict(given))
+
+
+@pytest.mark.parametrize("grammar", EMPTY_ONLY_GRAMMARS)
+def test_a_grammar_matching_only_the_empty_string_is_refused(grammar: str) -> None:
+    message = "the grammar's root rule matches only the empty string"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        grammar_spec(StructuredOutputsParams(grammar=grammar))
+
+
+def test_empty_only_constraints_are_refused_before_any_work(llm: LLM) -> None:
+    empty = _sampled(0, StructuredOutputsParams(grammar="root ::= "))
+    with pytest.raises(ValueError, match="prompt 1: the grammar's root rule matches only the emp"):
+        llm.generate(["fine", "empty"], [SamplingParams(max_tokens=2), empty], use_tqdm=False)
+    for regex in ("()", "a{0}"):
+        with pytest.raises(ValueError, match="the regex matches only the empty string"):
+            grammar_spec(StructuredOutputsParams(regex=regex))
+    # Grammars that may be empty but need not be stay accepted, as do special-token grammars.
+    for grammar in ('root ::= "a"?', "root ::= [0-9]*", "start: <|im_end|>"):
+        grammar_spec(StructuredOutputsParams(grammar=grammar))
+    [output] = llm.generate(
+        "x", _sampled(0, StructuredOutputsParams(grammar='root ::= "ab"')), use_tqdm=False
+    )
+    assert output.outputs[0].text == "ab"
 
 
 def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:

@@ -13,7 +13,7 @@ import logging
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from vacpack.outputs import RequestOutputKind
 from vacpack.structured.params import StructuredOutputsParams
@@ -52,6 +52,33 @@ def _is_real(value: object) -> bool:
 
 def _fail(field_name: str, requirement: str, value: object) -> ValueError:
     return ValueError(f"{field_name} must be {requirement}, got {value!r}")
+
+
+def check_truncate_prompt_tokens(value: object, max_num_tokens: int | None = None) -> None:
+    """ValueError unless `value` is a valid vLLM ``truncate_prompt_tokens``: None (keep every
+    prompt token), -1 (as many as the context holds) or a count k >= 1, and at most
+    `max_num_tokens` where that limit is given (pooling requests refuse a k above the context,
+    as vLLM does; generation keeps a short prompt whole whatever k is)."""
+    if value is None:
+        return
+    if not _is_int(value):
+        raise _fail("truncate_prompt_tokens", "None or an int", value)
+    count = int(cast(numbers.Integral, value))
+    if max_num_tokens is None:
+        if not (count == -1 or count >= 1):
+            raise _fail("truncate_prompt_tokens", "None, -1 (the context's limit) or >= 1", value)
+    elif not (count == -1 or 1 <= count <= max_num_tokens):
+        raise _fail(
+            "truncate_prompt_tokens",
+            f"None, -1 (the context's limit) or in [1, {max_num_tokens}] (max_model_len)",
+            value,
+        )
+
+
+def prompt_tokens_to_keep(truncate_prompt_tokens: int | None, limit: int) -> int | None:
+    """How many prompt tokens a checked ``truncate_prompt_tokens`` keeps where at most `limit`
+    fit: None keeps them all, -1 keeps `limit`, k keeps k."""
+    return limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -199,9 +226,7 @@ class SamplingParams:
             value = getattr(self, field_name)
             if value is not None and not (0 <= value <= MAX_LOGPROBS):
                 raise _fail(field_name, f"None or in [0, {MAX_LOGPROBS}]", value)
-        keep = self.truncate_prompt_tokens
-        if keep is not None and not (keep == -1 or keep >= 1):
-            raise _fail("truncate_prompt_tokens", "None, -1 (the context's limit) or >= 1", keep)
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.seed is not None and not (_MIN_SEED <= self.seed <= _MAX_SEED):
             raise _fail("seed", "None or an int in [-2**63, 2**64 - 1]", self.seed)
 
@@ -307,12 +332,11 @@ class SamplingParams:
     def truncate_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt the model reads: its last ``truncate_prompt_tokens`` tokens (-1: the
         last max_model_len - 1), or all of it when that is None."""
-        keep = self.truncate_prompt_tokens
-        if keep is None:
+        # -1 leaves room for the one output token every request generates.
+        keep = prompt_tokens_to_keep(self.truncate_prompt_tokens, max_model_len - 1)
+        if keep is None or len(prompt_token_ids) <= keep:
             return prompt_token_ids
-        if keep == -1:
-            keep = max_model_len - 1
-        return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
+        return prompt_token_ids[-keep:]
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy, with `changes` applied and checked (vLLM's name; SamplingParams is frozen, so

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vacpack.corpus.input_fields import is_blank_line
 from vacpack.openai_api.protocol import is_unicode
 
 ENDPOINTS = (
@@ -35,6 +36,12 @@ DIGEST_HEX_CHARS = 16
 INVALID_REQUEST = "invalid_request"
 # OpenAI's code for this, in the errors of a batch whose input it refuses.
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+# A record holds a whole response, so a stream could only be ignored; said, not silently done.
+# (A non-boolean "stream" is left to the request's own checks: a 400 naming the field.)
+_STREAM_NOT_SUPPORTED = (
+    'stream is not supported in batch files (each record holds a whole response): drop "stream" '
+    "or set it to false"
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,7 @@ def iter_lines(path: Path) -> Iterator[BatchLine | LineError]:
     first_lines: dict[str, int] = {}  # custom_id -> the line that has it first
     with path.open("rb") as lines:
         for line_number, raw in enumerate(lines, start=1):
-            if not raw.strip():
+            if is_blank_line(raw):
                 continue
             item = parse_line(line_number, raw)
             if item.custom_id is None:
@@ -132,6 +139,8 @@ def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
         problem = f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}"
     elif not isinstance(body, dict):
         problem = "body must be a JSON object"
+    elif body.get("stream") is True:
+        problem = _STREAM_NOT_SUPPORTED
     if problem is not None:
         return LineError(line_number, custom_id, f"line {line_number}: {problem}", digest)
     assert isinstance(url, str) and isinstance(body, dict)  # checked just above

@@ -5,9 +5,12 @@ Each non-blank input line is a prompt: plain text, or in a .jsonl file an object
 checked by the server's own request validation; the command line's sampling flags are the
 defaults a line overrides. A line that is not a valid request becomes an error record naming
 its line; the others are answered. Records are appended as requests finish, in completion
-order: {"index": i, "line": n, "prompt": ..., "outputs": [{"text", "finish_reason",
-"num_tokens"}]} or {"index": i, "line": n, "error": ...}, where `index` counts prompts from 0.
-Rerun with the same output to answer only what is missing.
+order: {"index": i, "line": n, "input_digest": d, "prompt": ..., "outputs": [{"text",
+"finish_reason", "num_tokens"}]} or {"index": i, "line": n, "input_digest": d, "error": ...},
+where `index` counts prompts from 0 and `input_digest` is a digest of the prompt's line
+(lines.line_digest, as run-batch's record ids carry). Rerun with the same output to answer only
+what is missing; an output whose records answer lines edited since is refused, as run-batch
+refuses one: an edited request must not keep the answer to what it was.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from vacpack.corpus.input_fields import parse_json_object
+from vacpack.batch.lines import DIGEST_HEX_CHARS, line_digest
+from vacpack.corpus.input_fields import is_blank_line, parse_json_object
 from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request, internal_error, refused_by_engine
 from vacpack.openai_api.protocol import CompletionRequest, parse_body
@@ -38,7 +42,8 @@ from vacpack.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 GENERATE_RECORD_START = b'{"index":'
-_RECORD_KEYS = frozenset({"index", "line", "prompt", "outputs", "error"})
+# "input_digest" is absent from records written before records carried it.
+_RECORD_KEYS = frozenset({"index", "line", "input_digest", "prompt", "outputs", "error"})
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,25 @@ class PromptLine:
     index: int  # among the input's prompts, from 0
     line_number: int | None  # 1-based in the input file; None for --prompt texts
     fields: dict[str, Any] | None  # request fields, "prompt" included; None for a bad line
+    digest: str  # line_digest of the line (of the text, for --prompt texts)
     error: str | None = None
+
+    @property
+    def record_keys(self) -> dict[str, Any]:
+        """What every record of this prompt starts with ("index" first: GENERATE_RECORD_START)."""
+        return {"index": self.index, "line": self.line_number, "input_digest": self.digest}
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """What identifies each prompt of an input, 16 bytes a prompt: its line number (0 for
+    --prompt texts) and its line's digest (as an unsigned 64-bit integer)."""
+
+    line_numbers: array[int]
+    digests: array[int]
+
+    def digest(self, index: int) -> str:
+        return format(self.digests[index], f"0{DIGEST_HEX_CHARS}x")
 
 
 @dataclass(frozen=True)
@@ -59,58 +82,84 @@ class PromptSource:
     def lines(self) -> Iterator[PromptLine]:
         if self.path is None:
             for index, text in enumerate(self.texts):
-                yield PromptLine(index, None, {"prompt": text})
+                yield PromptLine(index, None, {"prompt": text}, _text_digest(text))
             return
         is_jsonl = self.path.suffix == ".jsonl"
+        for index, (line_number, raw) in enumerate(self._prompt_lines()):
+            yield _parse_line(index, line_number, raw, is_jsonl)
+
+    def _prompt_lines(self) -> Iterator[tuple[int, bytes]]:
+        """(line number, line) of every prompt of the file: its non-blank lines."""
+        assert self.path is not None
         with self.path.open("rb") as source:
-            index = 0
             for line_number, raw in enumerate(source, start=1):
-                if raw.strip():
-                    yield _parse_line(index, line_number, raw, is_jsonl)
-                    index += 1
+                if not is_blank_line(raw):
+                    yield line_number, raw
 
-    def line_numbers(self) -> array[int]:
-        """The line number of every prompt (0 for --prompt texts), 8 bytes each."""
-        numbers = array("q")
+    def num_prompts(self) -> int:
         if self.path is None:
-            numbers.extend([0] * len(self.texts))
-            return numbers
-        with self.path.open("rb") as source:
-            numbers.extend(n for n, raw in enumerate(source, start=1) if raw.strip())
-        return numbers
+            return len(self.texts)
+        return sum(1 for _ in self._prompt_lines())
 
-    def record_problem(self, record: dict[str, Any], line_numbers: array[int]) -> str | None:
-        """Why a record of an existing output does not answer a prompt of this input."""
+    def keys(self) -> PromptKeys:
+        """The line number and line digest of every prompt."""
+        keys = PromptKeys(array("q"), array("Q"))
+        if self.path is None:
+            keys.line_numbers.extend([0] * len(self.texts))
+            keys.digests.extend(int(_text_digest(text), 16) for text in self.texts)
+            return keys
+        for line_number, raw in self._prompt_lines():
+            keys.line_numbers.append(line_number)
+            keys.digests.append(int(line_digest(raw), 16))
+        return keys
+
+    def record_problem(self, record: dict[str, Any], keys: PromptKeys) -> str | None:
+        """Why a record of an existing output does not answer a prompt of this input, as the
+        input has it now."""
         index = record.get("index")
-        keys = set(record)
-        is_record = keys <= _RECORD_KEYS and "line" in keys and bool(keys & {"outputs", "error"})
+        fields = set(record)
+        is_record = (
+            fields <= _RECORD_KEYS and "line" in fields and bool(fields & {"outputs", "error"})
+        )
         if not is_record or not isinstance(index, int):
             return "is not a generate output record"
-        if not 0 <= index < len(line_numbers):
-            return f"answers prompt {index}, but the input has {len(line_numbers)}"
-        if (record["line"] or 0) != line_numbers[index]:
+        if not 0 <= index < len(keys.line_numbers):
+            return f"answers prompt {index}, but the input has {len(keys.line_numbers)}"
+        if (record["line"] or 0) != keys.line_numbers[index]:
             return f"answers line {record['line']}, but prompt {index} is on another line"
         if self.path is None and record.get("prompt", self.texts[index]) != self.texts[index]:
             return f"answers another prompt {index}"
+        # A record written before records carried the digest is judged on the rest.
+        if record.get("input_digest", keys.digest(index)) != keys.digest(index):
+            where = f"line {record['line']}" if record["line"] else f"prompt {index}"
+            return f"answers {where}, which has changed since"
         return None
 
 
+def _text_digest(text: str) -> str:
+    """A --prompt text's digest, as its line's would be ("surrogatepass": command-line
+    arguments may hold undecodable bytes as lone surrogates)."""
+    return line_digest(text.encode("utf-8", "surrogatepass"))
+
+
 def _parse_line(index: int, line_number: int, raw: bytes, is_jsonl: bool) -> PromptLine:
+    digest = line_digest(raw)
     try:
         text = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as error:
-        return PromptLine(index, line_number, None, f"line {line_number} is not UTF-8: {error}")
+        message = f"line {line_number} is not UTF-8: {error}"
+        return PromptLine(index, line_number, None, digest, message)
     if not is_jsonl:
-        return PromptLine(index, line_number, {"prompt": text})
+        return PromptLine(index, line_number, {"prompt": text}, digest)
     record = parse_json_object(text)
     if isinstance(record, str):
-        return PromptLine(index, line_number, None, f"line {line_number} {record}")
+        return PromptLine(index, line_number, None, digest, f"line {line_number} {record}")
     if "prompt" not in record and "text" in record:
         record = {"prompt": record.pop("text"), **record}
     if "prompt" not in record:
         message = f'line {line_number} has no "prompt" (or "text")'
-        return PromptLine(index, line_number, None, message)
-    return PromptLine(index, line_number, record)
+        return PromptLine(index, line_number, None, digest, message)
+    return PromptLine(index, line_number, record, digest)
 
 
 def request_defaults(params: SamplingParams) -> dict[str, Any]:
@@ -178,12 +227,12 @@ def open_generate_output(
     answered: set[int] = set()
     if options.output_path is None:
         return StreamWriter(), answered
-    line_numbers: list[array[int]] = []  # read from the input only if there is an output
+    keys: list[PromptKeys] = []  # read from the input only if there is an output
 
     def check_record(record: dict[str, Any]) -> str | None:
-        if not line_numbers:
-            line_numbers.append(source.line_numbers())
-        problem = source.record_problem(record, line_numbers[0])
+        if not keys:
+            keys.append(source.keys())
+        problem = source.record_problem(record, keys[0])
         if problem is None:
             answered.add(record["index"])
         return problem
@@ -218,7 +267,7 @@ class PromptFileRunner:
     def run(self, source: PromptSource, writer: RecordSink, answered: set[int]) -> GenerateSummary:
         start_s = time.perf_counter()
         self._writer = writer
-        num_prompts = len(source.line_numbers())
+        num_prompts = source.num_prompts()
         self._progress = tqdm(
             total=num_prompts, desc="generate", unit="req", disable=not self._show_progress
         )
@@ -298,11 +347,11 @@ class PromptFileRunner:
         ]
         self._num_output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
         prompt = output.prompt if output.prompt is not None else (line.fields or {}).get("prompt")
-        record = {"index": line.index, "line": line.line_number, "prompt": prompt}
-        self._write({**record, "outputs": completions}, failed=False)
+        record = {**line.record_keys, "prompt": prompt, "outputs": completions}
+        self._write(record, failed=False)
 
     def _write_error(self, line: PromptLine, message: str) -> None:
-        self._write({"index": line.index, "line": line.line_number, "error": message}, failed=True)
+        self._write({**line.record_keys, "error": message}, failed=True)
 
     def _write(self, record: dict[str, Any], failed: bool) -> None:
         self._writer.write(record)

@@ -1,5 +1,6 @@
-"""Reading JSON records wherever they are read (corpus and prompt files, Ray Data columns):
-a line's object, and which of its fields holds a document's text."""
+"""Reading JSON records wherever they are read (corpus, prompt and batch files, Ray Data
+columns): which lines hold one, a line's object, and which of its fields holds a document's
+text."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import json
 from typing import Any
 
 TEXT_KEYS = ("text", "input", "prompt")
+
+
+def is_blank_line(raw: bytes) -> bool:
+    """Whether a line holds only whitespace. Every JSON Lines reader here skips such a line, as
+    most JSONL readers do (an editor's trailing empty line is no record, and no error either):
+    run-batch, `generate --input`, the corpus commands, and Ray Data's reader under --ray."""
+    return not raw.strip()
 
 
 def parse_json_object(line: str) -> dict[str, Any] | str:

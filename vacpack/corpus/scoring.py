@@ -78,7 +78,8 @@ class CrossEncoderTask(CorpusTask):
                 f"has {num_labels} labels (classify gives their probabilities)"
             )
         self.use_activation = use_activation
-        self.joins_texts = bool(getattr(model, "is_causal", False))
+        self.joins_texts = joins_pair_texts(model)
+        self.reads_pairs = not self.joins_texts
         # XLM-R has a single token type, and its tokenizer returns none.
         self.reads_token_types = (
             not self.joins_texts and getattr(loaded.config, "type_vocab_size", 1) > 1
@@ -155,6 +156,12 @@ class CrossEncoderTask(CorpusTask):
             ScoringRequestOutput(str(doc.index), doc.token_ids.tolist(), ScoringOutput(score))
             for doc, score in zip(documents, scores.cpu().tolist(), strict=True)
         ]
+
+
+def joins_pair_texts(model: object) -> bool:
+    """Whether a cross-encoder reads a pair as its two texts joined (a decoder classifier, as
+    vLLM's "LLM as reranker"), not as its tokenizer's pair with separators (an encoder)."""
+    return bool(getattr(model, "is_causal", False))
 
 
 def cosine_scores(

@@ -16,6 +16,7 @@ import torch
 
 from vacpack.corpus.packing import Document, DocumentError
 from vacpack.corpus.token_logprobs import score_tokens
+from vacpack.corpus.truncation import pooling_tokens_to_keep
 from vacpack.models.base import SequenceClassifier
 from vacpack.models.pooling import (
     PoolingConfig,
@@ -34,15 +35,34 @@ from vacpack.outputs import (
 )
 from vacpack.runtime import LoadedModel
 
+# How to ask for over-long documents to be cut. A task cannot tell whether LLM.embed / classify /
+# score / loglikelihood or the command line (embed, classify, loglikelihood) made it, and its
+# per-document error reaches users of both, so it names both ways.
+TRUNCATE_HINT = "pass truncate=True (--truncate on the command line)"
+
 
 class CorpusTask(ABC):
     name: str
+    # Whether inputs are text pairs the tokenizer joins with its special tokens (cross-encoders).
+    reads_pairs = False
 
     def __init__(self, loaded: LoadedModel, truncate: bool = False) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.truncate = truncate
         self.max_len = loaded.max_model_len
+
+    def keep_input_tokens(self, truncate_prompt_tokens: int | None) -> None:
+        """Cuts every input to its first `truncate_prompt_tokens` tokens, special tokens kept
+        (vLLM's pooling truncation: corpus/truncation.py); None keeps today's behaviour.
+        ValueError, before any work, for a value this model cannot take."""
+        keep = pooling_tokens_to_keep(
+            truncate_prompt_tokens, self.loaded.max_model_len, self.tokenizer, self.reads_pairs
+        )
+        if keep is not None:
+            # The tokenizer's own truncation (and _fit for token ids) then cuts at max_len.
+            self.truncate = True
+            self.max_len = min(self.max_len, keep)
 
     @abstractmethod
     def encode(self, index: int, item: Any) -> Document:
@@ -113,7 +133,7 @@ class CorpusTask(ABC):
         if not self.truncate:
             raise ValueError(
                 f"{len(token_ids)} tokens is longer than the model's context "
-                f"({self.max_len}); pass truncate=True to cut it"
+                f"({self.max_len}); {TRUNCATE_HINT} to cut it"
             )
         return token_ids[: self.max_len]
 
@@ -339,10 +359,16 @@ class LoglikelihoodTask(CorpusTask):
         total = len(context_ids) + len(continuation_ids)
         if total <= self.max_len:
             return context_ids + continuation_ids
-        if not self.truncate or len(continuation_ids) >= self.max_len:
+        if len(continuation_ids) >= self.max_len:
+            # Only context tokens are ever dropped: truncating cannot help, so none is advised.
+            raise ValueError(
+                f"the continuation alone is {len(continuation_ids)} tokens, and at least one "
+                f"context token must fit before it in the model's context ({self.max_len})"
+            )
+        if not self.truncate:
             raise ValueError(
                 f"context and continuation are {total} tokens, longer than the model's context "
-                f"({self.max_len}); pass truncate=True to drop the oldest context tokens"
+                f"({self.max_len}); {TRUNCATE_HINT} to drop the oldest context tokens"
             )
         return context_ids[total - self.max_len :] + continuation_ids
 

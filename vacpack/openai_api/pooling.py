@@ -34,9 +34,9 @@ from vacpack.outputs import ClassificationRequestOutput, ScoringRequestOutput
 class PreparedPooling:
     """A request ready to run: its inputs, which job it may share, how to answer it."""
 
-    # ("embed", dimensions), ("score", use_activation) or ("classify", None): requests with
-    # equal keys share a job.
-    job_key: tuple[str, Any]
+    # ("embed", dimensions, k), ("score", use_activation, k) or ("classify", None, k), k the
+    # request's truncate_prompt_tokens: requests with equal keys share a job.
+    job_key: tuple[str, Any, int | None]
     inputs: list[Any]  # texts or token ids to embed, or (text_1, text_2) pairs
     finish: Callable[[list[Any]], dict[str, Any]]  # the job's outputs -> the response body
     error_param: str | None  # the request field a failed input is reported under
@@ -53,8 +53,9 @@ def prepare_embeddings(
         except ValueError as error:
             raise bad_request(str(error), "dimensions") from None
     encoding_format = request.encoding_format or "float"
+    truncation = _checked_truncation(request.truncate_prompt_tokens, functions, "embed")
     return PreparedPooling(
-        job_key=("embed", request.dimensions),
+        job_key=("embed", request.dimensions, truncation),
         inputs=prepare_embedding(request),
         finish=partial(_embeddings_finish, model_name, encoding_format),
         error_param="input",
@@ -66,8 +67,9 @@ def prepare_classify(
 ) -> PreparedPooling:
     if functions.classify is None:
         raise bad_request(functions.no_classify_reason, "model")
+    truncation = _checked_truncation(request.truncate_prompt_tokens, functions, "classify")
     return PreparedPooling(
-        job_key=("classify", None),
+        job_key=("classify", None, truncation),
         inputs=prepare_embedding(request),
         finish=partial(classification_body, response_id, model_name, now_s()),
         error_param="input",
@@ -86,8 +88,9 @@ def prepare_score(
         raise bad_request(f"give exactly one pair of inputs: {names}", SCORE_FIELD_PAIRS[0][1])
     first, second = given[0]
     pairs = _pairs(getattr(request, first), getattr(request, second), first, second)
+    truncation = _checked_truncation(request.truncate_prompt_tokens, functions, "score")
     return PreparedPooling(
-        job_key=("score", request.use_activation is not False),
+        job_key=("score", request.use_activation is not False, truncation),
         inputs=pairs,
         finish=partial(score_body, response_id, model_name, now_s()),
         error_param=second,
@@ -102,8 +105,9 @@ def prepare_rerank(
     if request.top_n is not None and request.top_n < 0:
         raise bad_request(f"top_n must be >= 0, got {request.top_n}", "top_n")
     pairs = _pairs(request.query, request.documents, "query", "documents")
+    truncation = _checked_truncation(request.truncate_prompt_tokens, functions, "score")
     return PreparedPooling(
-        job_key=("score", request.use_activation is not False),
+        job_key=("score", request.use_activation is not False, truncation),
         inputs=pairs,
         finish=partial(
             rerank_body,
@@ -120,7 +124,7 @@ def run_pooling(
     functions: PoolingFunctions, prepared: Sequence[PreparedPooling]
 ) -> list[dict[str, Any] | APIError]:
     """Each request's response body, or its 400; requests sharing a job key run as one job."""
-    by_key: dict[tuple[str, Any], list[int]] = defaultdict(list)
+    by_key: dict[tuple[str, Any, int | None], list[int]] = defaultdict(list)
     for index, request in enumerate(prepared):
         by_key[request.job_key].append(index)
     results: dict[int, dict[str, Any] | APIError] = {}
@@ -235,15 +239,30 @@ def rerank_body(
 
 
 def _job_function(
-    functions: PoolingFunctions, key: tuple[str, Any]
+    functions: PoolingFunctions, key: tuple[str, Any, int | None]
 ) -> Callable[[list[Any]], list[Any]]:
-    kind, option = key
+    kind, option, truncate_prompt_tokens = key
+    classify, embed, score = functions.classify, functions.embed, functions.score
     if kind == "classify":
-        assert functions.classify is not None, "prepare_classify refuses it"
-        return functions.classify
-    function = functions.embed if kind == "embed" else functions.score
-    assert function is not None, "prepare_* refuses requests the model does not serve"
-    return partial(function, **{"dimensions" if kind == "embed" else "use_activation": option})
+        assert classify is not None, "prepare_classify refuses it"
+        return lambda inputs: classify(inputs, truncate_prompt_tokens)
+    if kind == "embed":
+        assert embed is not None, "prepare_embeddings refuses it"
+        return lambda inputs: embed(inputs, option, truncate_prompt_tokens)
+    assert score is not None, "prepare_score and prepare_rerank refuse it"
+    return lambda pairs: score(pairs, option, truncate_prompt_tokens)
+
+
+def _checked_truncation(
+    truncate_prompt_tokens: int | None, functions: PoolingFunctions, kind: str
+) -> int | None:
+    """The request's truncate_prompt_tokens, or a 400 naming the field and its limits."""
+    if truncate_prompt_tokens is not None:
+        try:
+            functions.check_truncation(kind, truncate_prompt_tokens)
+        except ValueError as error:
+            raise bad_request(str(error), "truncate_prompt_tokens") from None
+    return truncate_prompt_tokens
 
 
 def _pairs(

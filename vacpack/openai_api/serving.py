@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vacpack.corpus.scoring import TextPair
+from vacpack.corpus.scoring import TextPair, joins_pair_texts
+from vacpack.corpus.truncation import pooling_tokens_to_keep
 from vacpack.engine.engine import LLMEngine
 from vacpack.llm import LLM
 from vacpack.models.base import SequenceClassifier
@@ -29,13 +30,14 @@ from vacpack.outputs import (
 )
 
 EmbedInput = str | list[int]
+# Every function also takes truncate_prompt_tokens (the tokens each input keeps; None: all).
 # Texts or token-id lists in (and the Matryoshka dimensions, None for all), one output per
 # input out, in order.
-EmbedFunction = Callable[[list[EmbedInput], int | None], list[EmbeddingRequestOutput]]
+EmbedFunction = Callable[[list[EmbedInput], int | None, int | None], list[EmbeddingRequestOutput]]
 # (text_1, text_2) pairs in (and whether a cross-encoder's sigmoid applies), one score each out.
-ScoreFunction = Callable[[list[TextPair], bool], list[ScoringRequestOutput]]
+ScoreFunction = Callable[[list[TextPair], bool, int | None], list[ScoringRequestOutput]]
 # Texts or token-id lists in, their label probabilities out, in order.
-ClassifyFunction = Callable[[list[EmbedInput]], list[ClassificationRequestOutput]]
+ClassifyFunction = Callable[[list[EmbedInput], int | None], list[ClassificationRequestOutput]]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class PoolingFunctions:
     score: ScoreFunction | None
     classify: ClassifyFunction | None
     check_dimensions: Callable[[int], None]  # ValueError if embeddings may not be cut to it
+    # (kind: "embed", "score" or "classify", truncate_prompt_tokens) -> ValueError naming the
+    # field and its limits if this model's inputs of that kind may not be cut to it.
+    check_truncation: Callable[[str, int], None]
     no_embed_reason: str
     no_score_reason: str
     no_classify_reason: str
@@ -63,18 +68,43 @@ def pooling_functions(llm: LLM) -> PoolingFunctions:
     is_classifier = isinstance(loaded.model, SequenceClassifier)
     num_labels = int(getattr(config, "num_labels", 0) or 0)
 
-    def embed(inputs: list[EmbedInput], dimensions: int | None) -> list[EmbeddingRequestOutput]:
-        return llm.embed(inputs, dimensions=dimensions, use_tqdm=False)
+    def embed(
+        inputs: list[EmbedInput], dimensions: int | None, truncate_prompt_tokens: int | None
+    ) -> list[EmbeddingRequestOutput]:
+        return llm.embed(
+            inputs,
+            dimensions=dimensions,
+            use_tqdm=False,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
 
-    def score(pairs: list[TextPair], use_activation: bool) -> list[ScoringRequestOutput]:
+    def score(
+        pairs: list[TextPair], use_activation: bool, truncate_prompt_tokens: int | None
+    ) -> list[ScoringRequestOutput]:
         texts_1, texts_2 = [a for a, _ in pairs], [b for _, b in pairs]
-        return llm.score(texts_1, texts_2, use_activation=use_activation, use_tqdm=False)
+        return llm.score(
+            texts_1,
+            texts_2,
+            use_activation=use_activation,
+            use_tqdm=False,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
 
-    def classify(inputs: list[EmbedInput]) -> list[ClassificationRequestOutput]:
-        return llm.classify(inputs, use_tqdm=False)
+    def classify(
+        inputs: list[EmbedInput], truncate_prompt_tokens: int | None
+    ) -> list[ClassificationRequestOutput]:
+        return llm.classify(inputs, use_tqdm=False, truncate_prompt_tokens=truncate_prompt_tokens)
 
     def check(dimensions: int) -> None:
         check_dimensions(dimensions, config.hidden_size, loaded.hf_config)
+
+    def check_truncation(kind: str, truncate_prompt_tokens: int) -> None:
+        # Only a cross-encoder's scores read pairs joined by the tokenizer; an embedding model
+        # scores each text alone (the rule the jobs apply: CorpusTask.keep_input_tokens).
+        reads_pairs = kind == "score" and is_classifier and not joins_pair_texts(loaded.model)
+        pooling_tokens_to_keep(
+            truncate_prompt_tokens, loaded.max_model_len, loaded.tokenizer, reads_pairs
+        )
 
     serves_score = not is_classifier or num_labels == 1
     return PoolingFunctions(
@@ -82,6 +112,7 @@ def pooling_functions(llm: LLM) -> PoolingFunctions:
         score=score if serves_score else None,
         classify=classify if is_classifier else None,
         check_dimensions=check,
+        check_truncation=check_truncation,
         no_embed_reason=(
             f"this model does not serve embeddings: {architecture} is a classifier"
             + ("; use /v1/score or /v1/rerank" if serves_score else "")

@@ -3,7 +3,9 @@
 llguidance (guidance-ai's grammar engine, a Rust library) takes every kind of constraint as one
 grammar text: a JSON schema, a regex, a list of choices and a Lark or GBNF grammar all become
 it. Checking a grammar needs no tokenizer and takes about a millisecond, so a bad schema is
-refused when the request arrives, with llguidance's own description of the problem.
+refused when the request arrives, with llguidance's own description of the problem. A grammar
+or regex that llguidance accepts but that matches only the empty string (`root ::= `) is refused
+too: a matcher over a one-token-per-byte vocabulary (about 2 ms) shows it allows no first byte.
 
 JSON is generated in one fixed layout, ``{"key": value, "other": [1, 2]}``: a space after each
 ``:`` and ``,`` and nowhere else. A grammar that allows any whitespace lets a model that has lost
@@ -13,6 +15,7 @@ vLLM's users report); a fixed layout keeps every token on the document.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +30,9 @@ JSON_LAYOUT: Mapping[str, Any] = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
+
+# The byte vocabulary's tokens 0-255 are the byte values; token 256 ends the output.
+_NUM_BYTES = 256
 
 
 class GrammarError(ValueError):
@@ -60,6 +66,14 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
         text = _grammar_text(params.grammar or "")
         description = "the grammar"
     check_grammar(text, description)
+    # A JSON value or a choice is never empty; a grammar or a regex can match "" alone.
+    if kind in ("grammar", "regex") and matches_only_empty_text(text):
+        what = "the regex" if kind == "regex" else "the grammar's root rule"
+        example = "" if kind == "regex" else ' (it is empty, as in `root ::= ` or `root ::= ""`)'
+        raise GrammarError(
+            f"{what} matches only the empty string{example}: the output could only be empty; "
+            "give it something to match"
+        )
     return GrammarSpec(text, description)
 
 
@@ -94,6 +108,38 @@ def lark_grammar(lark: str, description: str) -> GrammarSpec:
     text = llguidance.LLMatcher.grammar_from_lark(lark)
     check_grammar(text, description)
     return GrammarSpec(text, description)
+
+
+def matches_only_empty_text(text: str) -> bool:
+    """Whether a checked grammar matches the empty string and nothing else: at its start it
+    allows no byte at all, only the end. llguidance accepts such a grammar, and a request
+    under it would end at its first token with empty text, min_tokens and ignore_eos aside.
+
+    False where the grammar names special tokens, which the byte vocabulary here lacks."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), text, log_level=0)
+    if matcher.is_error():
+        return False
+    mask = matcher.compute_bitmask()
+    return not any(mask[byte // 8] >> (byte % 8) & 1 for byte in range(_NUM_BYTES))
+
+
+class _ByteVocabulary:
+    """One token per byte value, then an end token: under it a grammar's first token mask says
+    which bytes its output can start with. What llguidance's TokenizerWrapper reads."""
+
+    eos_token_id = _NUM_BYTES
+    bos_token_id = None
+    tokens = (*(bytes([value]) for value in range(_NUM_BYTES)), b"\xff[END]")
+    special_token_ids = (eos_token_id,)
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    # Built once (a few ms), shared by every thread: an LLTokenizer is immutable.
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()))
 
 
 def check_grammar(text: str, description: str) -> None:
