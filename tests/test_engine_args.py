@@ -39,6 +39,9 @@ FLAG_VALUES = {
     "num_speculative_tokens": ("--num-speculative-tokens", "0", 0),
     "prompt_lookup_max": ("--prompt-lookup-max", "5", 5),
     "prompt_lookup_min": ("--prompt-lookup-min", "3", 3),
+    "enable_lora": ("--enable-lora", None, True),
+    "max_loras": ("--max-loras", "2", 2),
+    "max_lora_rank": ("--max-lora-rank", "32", 32),
 }
 
 

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"vacpack.tensor_parallel", "vacpack.beam_search"},
     {"vacpack.corpus"},
     {"vacpack.engine"},
-    {"vacpack.runtime", "vacpack.testing"},
+    {"vacpack.runtime", "vacpack.testing", "vacpack.lora"},
     {"vacpack.models"},
     {"vacpack.attention"},
     {"vacpack.kvcache"},

@@ -3,6 +3,8 @@ a caller-driven step loop with streamed outputs, aborting, and `LLM.llm_engine`.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from vacpack import LLM, EngineArgs, LLMEngine, SamplingParams, TextPrompt, TokensPrompt
@@ -55,7 +57,7 @@ def test_a_step_loop_gives_what_llm_generate_gives(engine: LLMEngine, checkpoint
         assert final.outputs[0].text == reference.outputs[0].text
         # Cumulative outputs (vLLM's default): each step's text extends the one before.
         texts = [step.outputs[0].text for step in steps]
-        assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+        assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
         assert len(steps) > 1
     assert outputs["0"][-1].prompt == PROMPTS[0]
     assert outputs["2"][-1].prompt is None  # token ids without text

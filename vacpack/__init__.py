@@ -16,6 +16,7 @@ request_huge_pages()
 _EXPORTS = {
     "LLM": "vacpack.llm",
     "LLMEngine": "vacpack.llm",
+    "LoRARequest": "vacpack.lora.request",
     "EngineArgs": "vacpack.config",
     "BeamSearchParams": "vacpack.beam_search",
     "EngineConfig": "vacpack.config",
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from vacpack.config import EngineArgs, EngineConfig
     from vacpack.inputs import TextPrompt, TokensPrompt
     from vacpack.llm import LLM, LLMEngine
+    from vacpack.lora.request import LoRARequest
     from vacpack.outputs import CompletionOutput, Logprob, RequestOutput
     from vacpack.sampling import SamplingParams
     from vacpack.structured.params import StructuredOutputsParams
@@ -51,6 +53,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -87,6 +87,14 @@ class EngineConfig:
     earlier tokens; what followed its latest occurrence is the draft."""
     prompt_lookup_min: int = 2
     """Speculative decoding: the shortest n-gram looked up."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT checkpoints) on the decoder's attention and MLP projections:
+    each request may name its own (`lora_request`), and one step runs several adapters and the
+    base model side by side."""
+    max_loras: int = 4
+    """LoRA: the most distinct adapters in one step; a request needing another waits."""
+    max_lora_rank: int = 64
+    """LoRA: the largest adapter rank accepted."""
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -100,6 +108,8 @@ class EngineConfig:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
         _positive("prompt_lookup_min", self.prompt_lookup_min)
         _positive("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_min > self.prompt_lookup_max:

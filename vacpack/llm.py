@@ -19,6 +19,7 @@ from vacpack.distributed.driver import Driver
 from vacpack.engine import engine as step_engine
 from vacpack.generation_defaults import sampling_defaults
 from vacpack.inputs import PromptType, as_prompt_list, corpus_input, encode_prompt
+from vacpack.lora.request import LoRARequest
 from vacpack.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -119,8 +120,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; outputs come back in input order.
+        """Generates for every prompt; outputs come back in input order. `lora_request`: the
+        LoRA adapter every prompt runs, or one (or None) per prompt (needs enable_lora).
 
         Every prompt is checked before any work starts, so a bad one raises without running the
         others and leaves the engine ready for the next call.
@@ -143,7 +146,10 @@ class LLM:
                 self.engine.structured.check(params)
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
-        return self._run(encoded, params_list, use_tqdm)
+        adapters = _as_adapter_list(lora_request, len(batch))
+        for adapter in {a.lora_int_id: a for a in adapters if a is not None}.values():
+            self.engine.add_adapter(adapter)  # loaded (and checked) before any work starts
+        return self._run(encoded, params_list, use_tqdm, adapters)
 
     def beam_search(
         self,
@@ -174,6 +180,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered by the tokenizer's chat template, which
         also gets `tools` (OpenAI function tools) when given, and `chat_template_kwargs` (such as
@@ -207,7 +214,7 @@ class LLM:
             }
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     # ----------------------------------------------------------------- corpus jobs
     def embed(
@@ -221,6 +228,7 @@ class LLM:
         prompt: str | None = None,
         prompt_name: str | None = None,
         return_failures: bool = False,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per input (text, token ids or a vLLM prompt dict), in input order
         (`out.outputs.embedding`).
@@ -233,12 +241,15 @@ class LLM:
         before each text, as sentence-transformers does. Classifiers are refused. With
         `return_failures`, an input that fails comes back as a DocumentError (index, message)
         in its place, as in every corpus job here, instead of one ValueError for the whole call.
+        `truncate_prompt_tokens` (vLLM's): k keeps each input's first k tokens, its special
+        tokens included ([CLS] ... [SEP]); -1 as many as the context holds (corpus/truncation.py).
         """
         from vacpack.corpus.tasks import EmbedTask, resolve_pooling, resolve_prompt
 
         config = resolve_pooling(self.loaded, pooling, normalize, dimensions)
         instruction = resolve_prompt(self.loaded, prompt, prompt_name)
         task = EmbedTask(self.loaded, config, truncate=truncate, prompt=instruction)
+        task.keep_input_tokens(truncate_prompt_tokens)
         return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
     def score(
@@ -248,6 +259,7 @@ class LLM:
         truncate: bool = False,
         use_activation: bool = True,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """One score per pair (`out.outputs.score`), as vLLM's `score`: one text_1 against every
         text_2, or text_1[i] against text_2[i].
@@ -255,16 +267,24 @@ class LLM:
         A cross-encoder (a *ForSequenceClassification with one label) reads each pair whole and
         scores it with the sigmoid of its logit, as sentence-transformers' CrossEncoder does
         (`use_activation=False`: the logit). Any other model embeds both texts and scores their
-        cosine similarity.
+        cosine similarity. `truncate_prompt_tokens` k keeps a cross-encoder pair's first k
+        tokens (its tokenizer cuts the longer text first, separators kept), or each embedded
+        text's first k.
         """
         from vacpack.corpus.scoring import CrossEncoderTask, cosine_scores, pair_inputs
 
         pairs = pair_inputs(data_1, data_2)
         if hasattr(self.loaded.model, "classify"):
             task = CrossEncoderTask(self.loaded, truncate, use_activation)
+            task.keep_input_tokens(truncate_prompt_tokens)
             return self._run_corpus(task, pairs, use_tqdm)
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        embedded = self.embed(texts, truncate=truncate, use_tqdm=use_tqdm)
+        embedded = self.embed(
+            texts,
+            truncate=truncate,
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
         return cosine_scores(pairs, dict(zip(texts, embedded, strict=True)))
 
     def loglikelihood(
@@ -309,11 +329,14 @@ class LLM:
         truncate: bool = False,
         use_tqdm: bool = True,
         return_failures: bool = False,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
-        """Label probabilities per input (`out.outputs.probs`, `.label`), in input order."""
+        """Label probabilities per input (`out.outputs.probs`, `.label`), in input order;
+        `truncate_prompt_tokens` as in `embed`."""
         from vacpack.corpus.tasks import ClassifyTask
 
         task = ClassifyTask(self.loaded, truncate=truncate)
+        task.keep_input_tokens(truncate_prompt_tokens)
         return self._run_corpus(task, inputs, use_tqdm, return_failures)
 
     def _run_corpus(
@@ -338,6 +361,7 @@ class LLM:
         encoded: list[tuple[str | None, list[int]]],
         params_list: list[SamplingParams],
         use_tqdm: bool,
+        adapters: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.engine
         order = {str(next(self._request_counter)): index for index in range(len(encoded))}
@@ -351,7 +375,9 @@ class LLM:
                 params = dataclasses.replace(
                     params_list[index], output_kind=RequestOutputKind.FINAL_ONLY
                 )
-                engine.add_request(request_id, token_ids, params, prompt_text=text)
+                engine.add_request(
+                    request_id, token_ids, params, prompt_text=text, lora_request=adapters[index]
+                )
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
@@ -409,6 +435,20 @@ def _load(config: EngineConfig, owner: object) -> tuple[LoadedModel, weakref.fin
 def _close_group(driver: Driver, num_threads: int) -> None:
     driver.close()
     torch.set_num_threads(num_threads)
+
+
+def _as_adapter_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    adapters = list(lora_request)
+    if len(adapters) != num_prompts:
+        raise ValueError(
+            f"got {len(adapters)} lora_requests for {num_prompts} prompts: give one, or one "
+            "per prompt"
+        )
+    return adapters
 
 
 def _as_params_list(

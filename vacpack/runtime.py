@@ -175,7 +175,16 @@ def _load(
     )
     linear_kernels = LinearKernelChooser(device, linears)
     model, load_stats = load_model_shard(
-        model_dir, hf_config, dtype, device, layer_ops, tp, linear_kernels, weight_dtype
+        model_dir,
+        hf_config,
+        dtype,
+        device,
+        layer_ops,
+        tp,
+        linear_kernels,
+        weight_dtype,
+        # LoRA adds its delta to the gate before the activation: the gate is not fused.
+        gate_in_kernel=not config.enable_lora,
     )
     if device.type == "cpu":
         check_weights_in_huge_pages(load_stats.parameter_bytes)

@@ -35,6 +35,8 @@ from vacpack.engine.step_executor import StepHandle, create_executor
 from vacpack.engine.timeline import StepTimeline, StepTiming
 from vacpack.inputs import PromptType, encode_prompt
 from vacpack.kvcache import PagePool
+from vacpack.lora.manager import LoraManager
+from vacpack.lora.request import LoRARequest
 from vacpack.outputs import RequestOutput
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
@@ -112,6 +114,7 @@ class LLMEngine:
                 config.block_size,
                 model_config.kv_window,
                 _speculation(config),
+                config.max_loras if config.enable_lora else None,
             ),
             self.page_pool,
         )
@@ -123,6 +126,11 @@ class LLMEngine:
         self.async_scheduling = not config.num_speculative_tokens and _resolve_async_scheduling(
             config.async_scheduling, device
         )
+        # LoRA: adapters on the linear layers, for the steps whose sequences run one.
+        self.lora = (
+            LoraManager(loaded.model, config.max_lora_rank, device) if config.enable_lora else None
+        )
+        engine_device.forward.lora = self.lora
         self.runner = ModelRunner(
             engine_device.forward,
             self.sampler,
@@ -174,13 +182,15 @@ class LLMEngine:
         params: SamplingParams,
         prompt_text: str | None = None,
         prompt_logprobs_start: int = 1,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request. The prompt is text (tokenized here), token ids, or a vLLM prompt
         dict; `prompt_text` is the text of prompt token ids for the outputs. With
         params.prompt_logprobs, logprobs are computed for prompt positions from
         `prompt_logprobs_start` on; positions before it may come from the prefix cache (scoring
         a continuation after a shared context computes the context once).
-        params.truncate_prompt_tokens keeps the prompt's last tokens."""
+        params.truncate_prompt_tokens keeps the prompt's last tokens; `lora_request` names
+        the LoRA adapter it runs (loaded on first use; the engine needs enable_lora)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -192,6 +202,7 @@ class LLMEngine:
         prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.loaded.max_model_len)
         self.validate_prompt(prompt_token_ids)
         grammar = self.structured.check(params)
+        lora_id = self.add_adapter(lora_request)
         request = build_request(
             request_id,
             prompt_text,
@@ -202,10 +213,24 @@ class LLMEngine:
             max_total_tokens=self.loaded.max_model_len,
             device=self.loaded.device,
             prompt_logprobs_start=prompt_logprobs_start,
+            lora_id=lora_id,
         )
         for sequence in request.sequences:
             sequence.constraints = self.structured.constraints_for(sequence.params, grammar)
         self.scheduler.add_request(request)
+
+    def add_adapter(self, lora_request: LoRARequest | None) -> int:
+        """The adapter's id, loaded if new (0 without one); ValueError for one that does not
+        fit the model, or without enable_lora."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} given, but the engine was started "
+                "without enable_lora"
+            )
+        self.lora.add(lora_request)
+        return lora_request.lora_int_id
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stops a request (or each of several) and frees its KV pages; unknown or finished

@@ -166,11 +166,17 @@ class ModelRunner:
         num_slots = forward.future_tokens.shape[0]
         future_slots = [(self._next_future_slot + i) % num_slots for i in range(len(sample_rows))]
         self._next_future_slot = (self._next_future_slot + len(sample_rows)) % num_slots
+        lora_ids = [chunk.sequence.lora_id for chunk in chunks]
+        if not any(lora_ids):
+            lora_ids = []
         inputs = StepInputs(
             token_ids=token_ids,
             positions=positions,
             layout=layout,
-            use_graph=forward.graph_runner is not None and forward.graph_runner.can_run(layout),
+            # A captured graph runs the base model's linears alone.
+            use_graph=not lora_ids
+            and forward.graph_runner is not None
+            and forward.graph_runner.can_run(layout),
             sample_rows=sample_rows,
             future_slots=future_slots,
             prompt_passes=[
@@ -180,6 +186,7 @@ class ModelRunner:
             ],
             shares_sampled_tokens=self.shares_sampled_tokens and bool(sample_rows),
             verify_rows=verify_rows,
+            lora_ids=lora_ids,
         )
         verify_sampling_rows: list[SamplingRow] = []
         verify_drafts: list[int] = []

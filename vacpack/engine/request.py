@@ -68,6 +68,7 @@ class Sequence:
     in_flight_hashes: set[int] = field(default_factory=set, repr=False)
     # Speculative decoding: how many drafts it takes, after how its drafts fared.
     draft_state: DraftState = field(default_factory=DraftState, repr=False)
+    lora_id: int = 0  # the LoRA adapter it runs (0: the base model alone)
     _token_page_hashes: list[int] = field(default_factory=list, repr=False)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
@@ -156,7 +157,7 @@ class Sequence:
                 page_hashes(
                     self.token_ids[start : num_full_pages * page_size],
                     page_size,
-                    hashes[-1] if hashes else None,
+                    hashes[-1] if hashes else _chain_seed(self.lora_id),
                 )
             )
         return hashes[:num_full_pages]
@@ -217,6 +218,12 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
         )
 
 
+def _chain_seed(lora_id: int) -> int | None:
+    """The parent hash of a sequence's first page: an adapter's keys and values differ from
+    the base model's, so its pages are cached apart, under a chain seeded by its id."""
+    return hash(("lora", lora_id)) if lora_id else None
+
+
 def build_request(
     request_id: str,
     prompt: str | None,
@@ -228,6 +235,7 @@ def build_request(
     max_total_tokens: int,
     device: torch.device,
     prompt_logprobs_start: int = 1,
+    lora_id: int = 0,
 ) -> Request:
     """A request and its `params.n` sequences, each with its own detokenizer and seed."""
     request = Request(request_id, prompt, RequestMetrics(arrival_time=time.perf_counter()))
@@ -258,6 +266,7 @@ def build_request(
                 ),
                 metrics=RequestMetrics(arrival_time=request.metrics.arrival_time),
                 prompt_logprobs_start=prompt_logprobs_start,
+                lora_id=lora_id,
             )
         )
     return request

@@ -47,6 +47,7 @@ class SchedulerConfig:
     # sequences advance. None keeps every page until the sequence finishes.
     kv_window: int | None = None
     speculation: SpeculationConfig | None = None  # n-gram drafts for decodes (speculation.py)
+    max_loras: int | None = None  # LoRA: the most distinct adapters running at once
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,9 @@ class Scheduler:
             if self.pages.next_page_in_flight(sequence):
                 position += 1  # the one overtaking allowed: its prefix is being computed
                 continue
+            if not self._adapter_fits(sequence):
+                position += 1  # every adapter slot is taken: it waits for one to free up
+                continue
             self.pages.take_cached_prefix(sequence)
             self.pages.release_dead_pages(sequence)
             num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
@@ -191,6 +195,13 @@ class Scheduler:
 
         chunks.sort(key=lambda chunk: chunk.num_new_tokens != 1)  # stable: decodes first
         return SchedulerOutput(chunks, preempted)
+
+    def _adapter_fits(self, sequence: Sequence) -> bool:
+        """Whether the sequence's LoRA adapter may run beside the running sequences'."""
+        if not sequence.lora_id or self.config.max_loras is None:
+            return True
+        running = {other.lora_id for other in self.running if other.lora_id}
+        return sequence.lora_id in running or len(running) < self.config.max_loras
 
     def on_launch(
         self, chunks: list[ScheduledChunk], sampled: list[Sequence], placeholders: list[int]

@@ -18,6 +18,7 @@ from vacpack.attention.backend import AttentionBackend
 from vacpack.engine.cuda_graphs import DecodeGraphRunner
 from vacpack.engine.step_inputs import StepInputs
 from vacpack.kvcache.paged_cache import PagedKVCache
+from vacpack.lora.manager import LoraManager
 from vacpack.models.base import PackedModel
 from vacpack.models.forward_context import ForwardContext, attention_windows
 from vacpack.models.parallel import SINGLE_RANK, TensorParallel
@@ -63,6 +64,7 @@ class StepForward:
         self.device = device
         self.graph_runner = graph_runner
         self.tp = tp
+        self.lora: LoraManager | None = None  # the engine's adapters, where LoRA is enabled
         self.stager = PinnedStager(device)
         # Sampled token ids stay on the device here so that the next step can read them
         # before the host has. A placeholder lives at most two steps (launched with one step,
@@ -103,10 +105,12 @@ class StepForward:
         # Where nothing reads the other rows' hidden states (no prompt logprobs, no drafts to
         # verify), the model returns the sampled rows alone: a prefill's last layer runs its
         # MLP for them only.
+        # LoRA rows are laid out by the step's whole stream: no row is dropped inside the model.
         sampled_only = (
             self.model.prunes_output_rows
             and not inputs.prompt_passes
             and not inputs.verify_rows
+            and not inputs.lora_ids
             and len(inputs.sample_rows) < len(inputs.token_ids)
         )
         ctx = ForwardContext(
@@ -115,7 +119,15 @@ class StepForward:
             self.kv_cache,
             output_rows=sample_rows if sampled_only else None,
         )
-        hidden = self.model(token_ids, positions, ctx)
+        if not inputs.lora_ids:
+            hidden = self.model(token_ids, positions, ctx)
+        else:
+            assert self.lora is not None, "a step with adapters runs on an engine with LoRA"
+            self.lora.set_batch(inputs.layout.query_lens, inputs.lora_ids)
+            try:
+                hidden = self.model(token_ids, positions, ctx)
+            finally:
+                self.lora.clear_batch()
         return ForwardOutput(hidden, 0, sample_rows, future_slots, sampled_only, verify_rows)
 
     def store_sampled(self, sampled_token_ids: torch.Tensor, future_slots: torch.Tensor) -> None:

@@ -43,6 +43,8 @@ class StepInputs:
     # Speculative decoding: stream rows whose greedy tokens verify draft tokens (each
     # speculating sequence's last token and its drafts), after the sampled rows' LM head.
     verify_rows: list[int] = field(default_factory=list)
+    # LoRA: each sequence's adapter id (0: none), in stream order; empty when none runs one.
+    lora_ids: list[int] = field(default_factory=list)
 
     @property
     def has_placeholders(self) -> bool:

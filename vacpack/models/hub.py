@@ -13,8 +13,11 @@ from vacpack.errors import ModelNotFoundError
 _CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
-def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
-    """A checkpoint directory, resolved as huggingface_hub resolves a model name.
+def resolve_model_path(
+    name_or_path: str, revision: str | None = None, required_file: str = "config.json"
+) -> Path:
+    """A checkpoint directory (holding `required_file`: a LoRA adapter's is
+    adapter_config.json), resolved as huggingface_hub resolves a model name.
 
     A path that exists locally wins. Otherwise a valid hub id ("name" or "org/name", dots
     allowed) goes to the hub (HF_ENDPOINT) at `revision`, through the hub cache (HF_HUB_CACHE),
@@ -23,8 +26,8 @@ def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
     """
     local = Path(name_or_path).expanduser()
     if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise ModelNotFoundError(f"model directory {str(local)!r} has no config.json")
+        if not (local / required_file).is_file():
+            raise ModelNotFoundError(f"model directory {str(local)!r} has no {required_file}")
         return local
     tried_locally = f"{str(local.absolute())!r} is not a directory"
     if local.exists():
@@ -42,9 +45,10 @@ def resolve_model_path(name_or_path: str, revision: str | None = None) -> Path:
             "('name' or 'org/name')"
         )
     model_dir = Path(_download_from_hub(name_or_path, revision, tried_locally))
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / required_file).is_file():
         raise ModelNotFoundError(
-            f"model {name_or_path!r}: the hub repository has no config.json ({str(model_dir)!r})"
+            f"model {name_or_path!r}: the hub repository has no {required_file} "
+            f"({str(model_dir)!r})"
         )
     return model_dir
 

@@ -114,7 +114,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = self.ops.mlp_rows_per_pass  # a CPU's caches hold a slice of rows, not all
-        if rows is None or hidden.shape[0] <= rows:
+        # LoRA's rows are those of the whole step: its MLPs take them in one pass.
+        lora = self.gate_up_proj.lora
+        if rows is None or hidden.shape[0] <= rows or (lora is not None and lora.active):
             return self._mlp(hidden)
         return torch.cat([self._mlp(part) for part in hidden.split(rows)])
 

@@ -206,6 +206,7 @@ def load_model_shard(
     tp: TensorParallel = SINGLE_RANK,
     linear_kernel_for: LinearKernelFor | None = None,
     weight_dtype: torch.dtype | None = None,
+    gate_in_kernel: bool = True,
 ) -> tuple[PackedModel, LoadStats]:
     """Builds this rank's part of the model on the meta device, then streams each checkpoint
     tensor's slice for this rank into place (`weight_dtype`: see build_model).
@@ -238,7 +239,7 @@ def load_model_shard(
         )
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.finish_loading()
-    num_packed = prepack_linear_weights(model, linear_kernel_for)
+    num_packed = prepack_linear_weights(model, linear_kernel_for, gate_in_kernel)
     if num_packed:
         logger.info("%d linear weights prepacked", num_packed)
     return model.eval(), LoadStats(bytes_read, parameter_bytes)

@@ -33,6 +33,7 @@ from vacpack.models.cpu_prepack import (
     packed_linear,
     prepack,
 )
+from vacpack.models.lora_layer import LinearLora
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: PackedWeight | None = None
+        self.lora: LinearLora | None = None  # adapters, where LoRA is enabled (lora_layer.py)
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         """The full shape checkpoint tensor `shard_index` must have: all ranks' rows, of every
@@ -167,10 +169,18 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """x W^T + b, then `activation` (a name in activations.ONEDNN_POST_OPS) where given:
         on a prepacked CPU weight, fused into the matmul."""
+        if self.lora is not None and self.lora.active:
+            y = self.lora.add_to(x, self._linear(x))
+            return y if activation is None else ACTIVATIONS[activation](y)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias, activation)
         y = F.linear(x, self.weight, self.bias)
         return y if activation is None else ACTIVATIONS[activation](y)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -206,11 +216,15 @@ class GateUpParallelLinear(ColumnParallelLinear):
     ) -> None:
         super().__init__(hidden_size, [intermediate_size, intermediate_size], False, tp)
         self.activation = activation
+        self.gate_in_kernel = True
 
     @property
     def c_kernel_gate(self) -> str | None:
-        """The activation the C kernel applies to this layer's gate, None where it cannot."""
-        return self.activation if applies_activation(self.activation) else None
+        """The activation the C kernel applies to this layer's gate, None where it cannot (or
+        must not: LoRA adds its delta to the gate before the activation)."""
+        if not self.gate_in_kernel or not applies_activation(self.activation):
+            return None
+        return self.activation
 
     def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
         _prepack_weight(self, kernel, self.c_kernel_gate if kernel == "c_gemm" else None)
@@ -246,6 +260,7 @@ class RowParallelLinear(nn.Module):
         )
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed_weight: PackedWeight | None = None
+        self.lora: LinearLora | None = None  # adapters, where LoRA is enabled (lora_layer.py)
 
     def checkpoint_shape(self, name: str, shard_index: int = 0) -> tuple[int, ...]:
         """The full shape of the checkpoint tensor (all ranks' input columns)."""
@@ -271,6 +286,8 @@ class RowParallelLinear(nn.Module):
             y = packed_linear(x, self.packed_weight, bias)
         else:
             y = F.linear(x, self.weight, bias)
+        if self.lora is not None and self.lora.active:  # a partial sum too, with x's columns
+            self.lora.add_to(x, y)
         if self.reduce_results:
             self.tp.all_reduce(y)
         return y if self.bias is None or bias is not None else y + self.bias
@@ -379,13 +396,19 @@ def store_weights_as(model: nn.Module, weight_dtype: torch.dtype) -> None:
 LinearKernelFor: TypeAlias = Callable[[int, int, bool, str | None], LinearKernel]
 
 
-def prepack_linear_weights(model: nn.Module, kernel_for: LinearKernelFor | None = None) -> int:
+def prepack_linear_weights(
+    model: nn.Module, kernel_for: LinearKernelFor | None = None, gate_in_kernel: bool = True
+) -> int:
     """Packs `model`'s linear layers and its LM head, if it has one, where they can be (a no-op
     off the CPU), each for the kernel `kernel_for` names (oneDNN where None); returns how many
-    were packed."""
+    were packed. Without `gate_in_kernel` (LoRA) a gated MLP's gate/up layer returns [gate | up]
+    for the activation to run after it."""
     layers: list[ColumnParallelLinear | RowParallelLinear | VocabEmbedding] = [
         m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
     ]
+    for layer in layers:
+        if isinstance(layer, GateUpParallelLinear):
+            layer.gate_in_kernel = gate_in_kernel
     lm_head = getattr(model, "lm_head", None)
     if isinstance(lm_head, VocabEmbedding):
         layers.append(lm_head)

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from vacpack.beam_search import BeamSearchParams
 from vacpack.chat_turns import called_function
 from vacpack.errors import RequestFieldError
+from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.beam_search_request import beam_search_params
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.message_checks import check_messages
@@ -79,6 +80,7 @@ class PreparedGeneration:
     parallel_tool_calls: bool = True  # False: a choice keeps its first call only
     # use_beam_search: each prompt's n best beams are its choices (params then only checked).
     beam_search: BeamSearchParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` names
 
     @property
     def num_choices_per_prompt(self) -> int:

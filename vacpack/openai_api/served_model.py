@@ -8,7 +8,13 @@ and message. This module imports nothing heavy: option parsing reads DEFAULT_MAX
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.errors import APIError, bad_request
+
+NO_ADAPTERS: Mapping[str, LoRARequest] = MappingProxyType({})
 
 # OpenAI's own bound on n. vLLM's bound (VLLM_MAX_N_SEQUENCES, 16,384) only guards memory; here
 # a request's n sequences run together, so a much larger n would hold most of the engine's
@@ -22,15 +28,28 @@ DEFAULT_MAX_N = 128
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 4096
 
 
-def check_model(model: str | None, served_model_name: str) -> None:
-    """404 model_not_found unless the request names the served model (or none: the default)."""
-    if model is not None and model != served_model_name:
+def check_model(
+    model: str | None,
+    served_model_name: str,
+    adapters: Mapping[str, LoRARequest] = NO_ADAPTERS,
+) -> LoRARequest | None:
+    """The LoRA adapter the request names (None: the base model, also when it names none);
+    404 model_not_found for any other name."""
+    if model is None or model == served_model_name:
+        return None
+    adapter = adapters.get(model)
+    if adapter is None:
+        names = ", ".join(f"`{name}`" for name in [served_model_name, *adapters])
         raise APIError(
             404,
-            f"The model `{model}` does not exist; the model served here is `{served_model_name}`.",
+            f"The model `{model}` does not exist; the models served here are {names}."
+            if adapters
+            else f"The model `{model}` does not exist; the model served here is "
+            f"`{served_model_name}`.",
             param="model",
             code="model_not_found",
         )
+    return adapter
 
 
 def check_n(n: int | None, max_n: int) -> None:

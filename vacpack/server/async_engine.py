@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vacpack.engine.engine import LLMEngine
+from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.errors import APIError, bad_request, refused_by_engine
 from vacpack.openai_api.pooling import PreparedPooling, run_pooling_apart_on_failure
 from vacpack.openai_api.serving import PoolingFunctions
@@ -47,6 +48,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class _Accepted:
@@ -294,7 +296,11 @@ class AsyncEngine:
             for index, request in enumerate(command.requests):
                 try:
                     engine.add_request(
-                        request.request_id, request.prompt_token_ids, request.params, request.prompt
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.params,
+                        request.prompt,
+                        lora_request=request.lora_request,
                     )
                 except ValueError as error:
                     where = f"prompt {index}: " if len(command.requests) > 1 else ""

@@ -37,7 +37,12 @@ async def beam_search_outputs(
         if not beams:
             break
         requests = [
-            EngineRequest(f"{response_id}-beam-{step}-{index}", tokens, search.step_params)
+            EngineRequest(
+                f"{response_id}-beam-{step}-{index}",
+                tokens,
+                search.step_params,
+                lora_request=prepared.lora_request,
+            )
             for index, tokens in enumerate(beams)
         ]
         search.advance(await _next_token_positions(engine, requests))

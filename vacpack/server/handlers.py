@@ -8,6 +8,7 @@ work against a disconnect watcher.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -19,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
+from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.errors import APIError, bad_request, internal_error
 from vacpack.openai_api.logprobs import DecodeToken
 from vacpack.openai_api.pooling import (
@@ -103,24 +105,41 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------ small endpoints
     def models(self, created: int) -> Response:
-        return json_response({"object": "list", "data": [self._model_card(created)]})
+        cards = [self._model_card(created, None)]
+        cards += [self._model_card(created, adapter) for adapter in self._adapters.values()]
+        return json_response({"object": "list", "data": cards})
 
     def model(self, model_id: str, created: int) -> Response:
-        """The served model's card, or 404 model_not_found for any other id."""
-        self._check_model(model_id)
-        return json_response(self._model_card(created))
+        """The served model's (or adapter's) card, or 404 model_not_found for any other id."""
+        return json_response(self._model_card(created, self._check_model(model_id)))
 
-    def _model_card(self, created: int) -> dict[str, Any]:
-        return {
-            "id": self.config.served_model_name,
+    def _model_card(self, created: int, adapter: LoRARequest | None) -> dict[str, Any]:
+        base = self.config.served_model_name
+        card = {
+            "id": base if adapter is None else adapter.lora_name,
             "object": "model",
             "created": created,
             "owned_by": "vacpack",
             "max_model_len": self.max_model_len,
         }
+        if adapter is not None:  # as vLLM lists a LoRA module: its base model and its files
+            card |= {"parent": base, "root": adapter.lora_path}
+        return card
 
-    def _check_model(self, model: str | None) -> None:
-        check_model(model, self.config.served_model_name)
+    @functools.cached_property
+    def _adapters(self) -> dict[str, LoRARequest]:
+        return self.config.lora_requests
+
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        return check_model(model, self.config.served_model_name, self._adapters)
+
+    def _check_pooling_model(self, model: str | None) -> None:
+        if self._check_model(model) is not None:
+            raise bad_request(
+                f"`{model}` is a LoRA adapter: adapters serve completions and chat only; name "
+                f"`{self.config.served_model_name}` for embeddings, scores and classes",
+                "model",
+            )
 
     def _check_n(self, n: int | None) -> None:
         check_n(n, self.config.max_n)
@@ -148,12 +167,12 @@ class OpenAIHandlers:
 
     def _prepare(self, kind: GenerationKind, body: bytes) -> PreparedGeneration:
         request = parse_generation(kind, body)
-        self._check_model(request.model)
+        adapter = self._check_model(request.model)
         self._check_n(request.n)
         check_num_sequences(request.num_prompts, request.n, self.config.max_sequences_per_request)
         self._require_generation()
         output_kind = RequestOutputKind.DELTA
-        return prepare_generation(
+        prepared = prepare_generation(
             request,
             self.tokenizer,
             self.max_model_len,
@@ -161,6 +180,7 @@ class OpenAIHandlers:
             tool_call_parser=self.config.tool_call_parser,
             sampling_defaults=self.sampling_defaults,
         )
+        return dataclasses.replace(prepared, lora_request=adapter)
 
     async def _generate(
         self, raw: Request, prepared: PreparedGeneration, response_id: str
@@ -169,7 +189,10 @@ class OpenAIHandlers:
         state = StreamState(
             response_id=response_id,
             created=now_s(),
-            model_name=self.config.served_model_name,
+            # The name the client asked for: the adapter's, where it named one (as vLLM answers).
+            model_name=prepared.lora_request.lora_name
+            if prepared.lora_request is not None
+            else self.config.served_model_name,
             prepared=prepared,
             results=[PromptResult.start(prompt, n) for prompt in prepared.prompts],
             decode_token=self._decode_token,
@@ -210,7 +233,13 @@ class OpenAIHandlers:
                 self.tokenizer,
             )
         engine_requests = [
-            EngineRequest(f"{response_id}-{index}", prompt.token_ids, prepared.params, prompt.text)
+            EngineRequest(
+                f"{response_id}-{index}",
+                prompt.token_ids,
+                prepared.params,
+                prompt.text,
+                prepared.lora_request,
+            )
             for index, prompt in enumerate(prepared.prompts)
         ]
         stream = await _unless_disconnected(self.engine.submit(engine_requests), raw)
@@ -270,24 +299,24 @@ class OpenAIHandlers:
 
     def _prepare_embeddings(self, body: bytes) -> PreparedPooling:
         request = parse_body(EmbeddingRequest, body)
-        self._check_model(request.model)
+        self._check_pooling_model(request.model)
         return prepare_embeddings(request, self.pooling, self.config.served_model_name)
 
     def _prepare_score(self, body: bytes) -> PreparedPooling:
         request = parse_body(ScoreRequest, body)
-        self._check_model(request.model)
+        self._check_pooling_model(request.model)
         name = self.config.served_model_name
         return prepare_score(request, self.pooling, name, new_response_id("score"))
 
     def _prepare_rerank(self, body: bytes) -> PreparedPooling:
         request = parse_body(RerankRequest, body)
-        self._check_model(request.model)
+        self._check_pooling_model(request.model)
         name = self.config.served_model_name
         return prepare_rerank(request, self.pooling, name, new_response_id("rerank"))
 
     def _prepare_classify(self, body: bytes) -> PreparedPooling:
         request = parse_body(ClassificationRequest, body)
-        self._check_model(request.model)
+        self._check_pooling_model(request.model)
         name = self.config.served_model_name
         return prepare_classify(request, self.pooling, name, new_response_id("classify"))
 

@@ -39,6 +39,11 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.served_model_name)
     pooling = pooling_functions(llm)
     engine = generation_engine(llm)
+    if config.lora_modules:
+        if engine is None or not llm.config.enable_lora:
+            raise ValueError("--lora-modules needs a generating model started with --enable-lora")
+        for adapter in config.lora_requests.values():  # a bad adapter stops the start, here
+            engine.add_adapter(adapter)
     # Chosen now, at start: a model that only pools times its packed attention before serving.
     metrics.set_measured_choices(
         llm.loaded.measured_choices + engine.setup.measured_choices

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 
+from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.served_model import DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from vacpack.openai_api.tool_parsers import TOOL_CALL_PARSERS
 
@@ -32,6 +34,8 @@ class ServerConfig:
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     # A larger request body gets 413, refused by its Content-Length before it is read.
     max_request_body_bytes: int = 32 << 20
+    # LoRA adapters served beside the base model: (name, path), a request's `model` picks one.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
@@ -57,6 +61,17 @@ class ServerConfig:
             )
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        names = [self.served_model_name, *(name for name, _ in self.lora_modules)]
+        if len(set(names)) < len(names):
+            raise ValueError(f"served model and LoRA module names must differ, got {names}")
+
+    @property
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """The served adapters by name, with ids 1, 2, ... in the order given."""
+        return {
+            name: LoRARequest(name, index, path)
+            for index, (name, path) in enumerate(self.lora_modules, start=1)
+        }
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +113,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_MAX_SEQUENCES_PER_REQUEST})",
     )
     group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (needs --enable-lora): name=path, or vLLM's JSON "
+        '{"name": ..., "path": ...}; a request whose model is the name runs the adapter',
+    )
+    group.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=32 << 20,
@@ -118,4 +142,21 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n,
         max_sequences_per_request=args.max_sequences_per_request,
         max_request_body_bytes=args.max_request_body_bytes,
+        lora_modules=tuple(args.lora_modules),
     )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """(name, path) from `name=path` or vLLM's JSON form."""
+    if text.lstrip().startswith("{"):
+        try:
+            module = json.loads(text)
+            return str(module["name"]), str(module["path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(
+                f'a LoRA module in JSON needs "name" and "path", got {text!r}'
+            ) from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is name=path, got {text!r}")
+    return name, path

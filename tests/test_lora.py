@@ -1,0 +1,136 @@
+"""LoRA adapters against transformers + PEFT on tiny random models: the same greedy tokens and
+prompt logprobs for each adapter and for the base model, mixed in one batch; adapters cached
+apart from the base model in the prefix cache; bad adapters refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lora_adapters import make_adapter
+from peft import PeftModel
+from transformers_reference import load_reference, random_prompts, transformers_greedy
+
+from vacpack import LLM, SamplingParams
+from vacpack.lora.request import LoRARequest
+
+MAX_NEW_TOKENS = 6
+LOGPROB_TOLERANCE = 1e-4
+ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Phi-3's checkpoints merge q/k/v and gate/up: its adapters name the merged layers.
+TARGETS = {"qwen2": ATTENTION_AND_MLP, "gemma2": ATTENTION_AND_MLP,
+           "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # fmt: skip
+ENGINE = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 48, "enable_lora": True}
+
+
+def reference_model(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module:
+    model = load_reference(base_dir)
+    return model if adapter_dir is None else PeftModel.from_pretrained(model, adapter_dir).eval()
+
+
+@pytest.mark.parametrize("family", sorted(TARGETS))
+def test_adapters_and_the_base_model_in_one_batch_match_peft(
+    family: str, tiny_checkpoint, tmp_path: Path
+) -> None:
+    base_dir = tiny_checkpoint(family)
+    adapters = [
+        LoRARequest(f"a{index}", index + 1, str(make_adapter(base_dir, tmp_path / f"a{index}",
+                    seed=index, targets=TARGETS[family], r=4 * (index + 1), lora_alpha=16)))
+        for index in range(2)
+    ]  # fmt: skip
+    llm = LLM(str(base_dir), **ENGINE)
+    vocab_size = llm.loaded.config.vocab_size
+    # Prompts longer than a step's budget are prefilled in chunks; each prompt runs with each
+    # adapter and with none, in one call: the same tokens meet three different models.
+    prompts = random_prompts([5, 23, 70], vocab_size, seed=1)
+    runs = [(prompt, adapter) for prompt in prompts for adapter in [None, *adapters]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(
+        [prompt for prompt, _ in runs], params, use_tqdm=False,
+        lora_request=[adapter for _, adapter in runs],
+    )  # fmt: skip
+    tokens = {
+        (tuple(prompt), adapter and adapter.lora_int_id): output.outputs[0].token_ids
+        for (prompt, adapter), output in zip(runs, outputs, strict=True)
+    }
+    for adapter in [None, *adapters]:
+        reference = reference_model(base_dir, adapter and Path(adapter.lora_path))
+        expected = transformers_greedy(reference, prompts, MAX_NEW_TOKENS)
+        got = [tokens[(tuple(prompt), adapter and adapter.lora_int_id)] for prompt in prompts]
+        assert got == expected, f"adapter {adapter}"
+    # The adapters change the model: their tokens are not the base model's.
+    assert any(tokens[(tuple(p), 1)] != tokens[(tuple(p), None)] for p in prompts)
+
+
+def test_prompt_logprobs_with_an_adapter_match_peft(tiny_checkpoint, tmp_path: Path) -> None:
+    base_dir = tiny_checkpoint("qwen2")
+    adapter_dir = make_adapter(base_dir, tmp_path / "a", seed=3, targets=ATTENTION_AND_MLP,
+                               r=8, lora_alpha=8, use_rslora=True)  # fmt: skip
+    adapter = LoRARequest("a", 1, str(adapter_dir))
+    llm = LLM(str(base_dir), **ENGINE)
+    prompts = random_prompts([12, 40], llm.loaded.config.vocab_size, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+    reference = reference_model(base_dir, adapter_dir)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), -1)
+        for position in range(1, len(prompt)):
+            logprob = output.prompt_logprobs[position][prompt[position]].logprob
+            assert logprob == pytest.approx(float(expected[position - 1, prompt[position]]),
+                                            abs=LOGPROB_TOLERANCE)  # fmt: skip
+
+
+def test_more_adapters_than_slots_wait_their_turn(tiny_checkpoint, tmp_path: Path) -> None:
+    base_dir = tiny_checkpoint("qwen2")
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(make_adapter(base_dir, tmp_path / f"a{i}", seed=10 + i,
+                    targets=["q_proj", "v_proj"], r=4, lora_alpha=8)))
+        for i in range(3)
+    ]  # fmt: skip
+    prompts = random_prompts([9, 14, 11], 1000, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    wide = LLM(str(base_dir), **ENGINE)
+    expected = wide.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+    narrow = LLM(str(base_dir), **{**ENGINE, "max_loras": 1})
+    got = narrow.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_bad_adapters_are_refused_and_the_engine_goes_on(tiny_checkpoint, tmp_path: Path) -> None:
+    base_dir = tiny_checkpoint("qwen2")
+    good = make_adapter(base_dir, tmp_path / "good", seed=0, targets=["q_proj"], r=4)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    without = LLM(str(base_dir), dtype="float32")
+    with pytest.raises(ValueError, match="without enable_lora"):
+        without.generate(
+            [[1, 2, 3]], params, use_tqdm=False, lora_request=LoRARequest("g", 1, str(good))
+        )
+    llm = LLM(str(base_dir), **{**ENGINE, "max_lora_rank": 8})
+    wide = make_adapter(base_dir, tmp_path / "wide", seed=0, targets=["q_proj"], r=16)
+    head = make_adapter(base_dir, tmp_path / "head", seed=0, targets=["lm_head"], r=4)
+    other_dir = tiny_checkpoint("qwen2", hidden_size=48)
+    mismatched = make_adapter(other_dir, tmp_path / "other", seed=0, targets=["q_proj"], r=4)
+    dora = make_adapter(base_dir, tmp_path / "dora", seed=0, targets=["q_proj"], r=4, use_dora=True)
+    cases = [
+        (LoRARequest("wide", 2, str(wide)), "exceeds max_lora_rank"),
+        (LoRARequest("head", 3, str(head)), "not supported"),
+        (LoRARequest("other", 4, str(mismatched)), "not the model's"),
+        (LoRARequest("dora", 5, str(dora)), "DoRA is not supported"),
+        (LoRARequest("missing", 6, str(tmp_path / "nowhere")), "nowhere"),
+        (LoRARequest("good", 1, str(good)), None),
+        (LoRARequest("reused", 1, str(wide)), "give each adapter its own id"),
+    ]
+    for adapter, message in cases:
+        if message is None:
+            assert llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=adapter)
+            continue
+        with pytest.raises(Exception, match=message):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=adapter)
+    # Nothing half-loaded: the refused adapters left no weights behind.
+    assert set(llm.engine.lora.adapters) == {1}
+    assert all(set(layer.weights) <= {1} for layer in llm.engine.lora.layers.values())
+    config = json.loads((good / "adapter_config.json").read_text())
+    assert config["r"] == 4

@@ -1,0 +1,74 @@
+"""The engine's LoRA adapters: loaded once per id, kept, and assigned to a step's rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vacpack.lora.adapter import read_adapter
+from vacpack.lora.request import LoRARequest
+from vacpack.models.base import PackedModel
+from vacpack.models.lora_layer import LinearLora, LoraRows, LoraState
+from vacpack.models.parallel import ColumnParallelLinear, RowParallelLinear
+
+
+class LoraManager:
+    """Gives each of the model's linear layers (the LM head aside) a LinearLora, reads adapters
+    into them on first use, and for each step tells them which rows run which adapter."""
+
+    def __init__(self, model: PackedModel, max_lora_rank: int, device: torch.device) -> None:
+        self.model = model
+        self.max_lora_rank = max_lora_rank
+        self.device = device
+        self.state = LoraState()
+        self.layers: dict[str, LinearLora] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                module.lora = self.layers[name] = LinearLora(self.state)
+        self.adapters: dict[int, LoRARequest] = {}
+
+    def add(self, request: LoRARequest) -> None:
+        """Loads the adapter unless its id is loaded already (then it must be the same one).
+        Raises ValueError for an adapter that does not fit the model, before any layer has it."""
+        known = self.adapters.get(request.lora_int_id)
+        if known is not None:
+            if known.lora_path != request.lora_path:
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} "
+                    f"({known.lora_path}), not {request.lora_path!r}: give each adapter its own id"
+                )
+            return
+        try:
+            weights = read_adapter(request.lora_path, self.model, self.max_lora_rank)
+        except ValueError as error:  # the loader's typed errors are ValueErrors too
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: {error}") from None
+        for name, pair in weights.items():
+            self.layers[name].weights[request.lora_int_id] = pair
+        self.adapters[request.lora_int_id] = request
+
+    def set_batch(self, rows_per_sequence: Sequence[int], lora_ids: Sequence[int]) -> None:
+        """The next forward's rows: sequence i (in stream order) has rows_per_sequence[i] rows
+        and runs adapter lora_ids[i] (0: the base model alone)."""
+        rows_by_adapter: dict[int, list[int]] = {}
+        start = 0
+        for num_rows, lora_id in zip(rows_per_sequence, lora_ids, strict=True):
+            if lora_id:
+                rows_by_adapter.setdefault(lora_id, []).extend(range(start, start + num_rows))
+            start += num_rows
+        if not rows_by_adapter:
+            self.state.batch = None
+            return
+        self.state.num_rows = start
+        self.state.batch = [
+            LoraRows(
+                lora_id,
+                None
+                if len(rows) == start
+                else torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True),
+            )
+            for lora_id, rows in rows_by_adapter.items()
+        ]
+
+    def clear_batch(self) -> None:
+        self.state.batch = None
