@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from vacpack.lora.modules import add_lora_modules_arg
 from vacpack.openai_api.served_model import DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 
@@ -31,6 +32,8 @@ class BatchOptions:
     # The most sequences (prompts x n) one line may start, as the server's
     # --max-sequences-per-request.
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    # LoRA adapters lines may name as their model, as the server's --lora-modules.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
@@ -78,6 +81,7 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
         help="the model name lines may give in their body (default: --model); lines naming "
         "another model get a 404 record",
     )
+    add_lora_modules_arg(group)
     group.add_argument(
         "--max-n",
         type=int,
@@ -105,4 +109,5 @@ def batch_options_from_args(args: argparse.Namespace) -> BatchOptions:
         served_model_name=args.served_model_name,
         max_n=args.max_n,
         max_sequences_per_request=args.max_sequences_per_request,
+        lora_modules=tuple(args.lora_modules),
     )

@@ -18,6 +18,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from vacpack.batch.beam_lines import BeamLines
+from vacpack.batch.line_requests import LineTranslator, ReadyLine
 from vacpack.batch.lines import (
     DUPLICATE_CUSTOM_ID,
     BatchLine,
@@ -29,67 +31,27 @@ from vacpack.batch.options import BatchOptions
 from vacpack.batch.records import line_error_record, response_record
 from vacpack.batch.result_file import AnsweredSet, open_batch_output
 from vacpack.llm import LLM
-from vacpack.openai_api.errors import APIError, bad_request, internal_error, refused_by_engine
+from vacpack.lora.modules import lora_requests
+from vacpack.openai_api.errors import APIError, internal_error, refused_by_engine
 from vacpack.openai_api.logprobs import DecodeToken
 from vacpack.openai_api.pooling import (
-    PreparedPooling,
-    prepare_classify,
-    prepare_embeddings,
-    prepare_rerank,
-    prepare_score,
     run_pooling_apart_on_failure,
-)
-from vacpack.openai_api.protocol import (
-    ChatCompletionRequest,
-    ClassificationRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    RerankRequest,
-    ScoreRequest,
-    parse_body,
-)
-from vacpack.openai_api.requests import (
-    GENERATION_URLS,
-    RESPONSE_ID_PREFIXES,
-    PreparedGeneration,
-    parse_generation,
-    prepare_generation,
 )
 from vacpack.openai_api.responses import (
     PromptResult,
     generation_body,
-    new_response_id,
     now_s,
 )
-from vacpack.openai_api.served_model import check_model, check_n, check_num_sequences
-from vacpack.openai_api.serving import generation_engine, pooling_functions
+from vacpack.openai_api.serving import (
+    generation_engine,
+    load_served_adapters,
+    pooling_functions,
+)
 from vacpack.output_file import RecordSink, check_input_file
-from vacpack.outputs import RequestOutput, RequestOutputKind
+from vacpack.outputs import RequestOutput
 from vacpack.python_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
-
-_RESPONSE_ID_PREFIXES = {
-    **{url: RESPONSE_ID_PREFIXES[kind] for url, kind in GENERATION_URLS.items()},
-    "/v1/embeddings": "embd",
-    "/v1/score": "score",
-    "/score": "score",
-    "/v1/rerank": "rerank",
-    "/rerank": "rerank",
-    "/v1/classify": "classify",
-    "/classify": "classify",
-}
-_PoolingRequest = EmbeddingRequest | ScoreRequest | RerankRequest | ClassificationRequest
-_POOLING_REQUESTS: dict[str, type[_PoolingRequest]] = {
-    "/v1/embeddings": EmbeddingRequest,
-    "/v1/score": ScoreRequest,
-    "/score": ScoreRequest,
-    "/v1/rerank": RerankRequest,
-    "/rerank": RerankRequest,
-    "/v1/classify": ClassificationRequest,
-    "/classify": ClassificationRequest,
-}
-_BatchRequest = CompletionRequest | ChatCompletionRequest | _PoolingRequest
 
 
 @dataclass(frozen=True)
@@ -105,27 +67,11 @@ class BatchSummary:
     elapsed_s: float
 
 
-@dataclass(frozen=True)
-class _Ready:
-    """A line translated for the engine: a generation, or an embedding, score or rerank job."""
-
-    line: BatchLine
-    response_id: str
-    prepared: PreparedGeneration | None = None
-    pooling: PreparedPooling | None = None
-
-    @property
-    def size(self) -> int:
-        if self.prepared is not None:
-            return len(self.prepared.prompts)
-        return len(self.pooling.inputs) if self.pooling is not None else 0
-
-
 @dataclass
 class _Pending:
     """A generation line whose prompts are in the engine."""
 
-    ready: _Ready
+    ready: ReadyLine
     created: int
     results: list[PromptResult | None]
     num_unfinished: int
@@ -135,15 +81,32 @@ class BatchRunner:
     def __init__(self, llm: LLM, options: BatchOptions) -> None:
         self._engine = generation_engine(llm)
         self._pooling = pooling_functions(llm)
-        self._tokenizer = llm.get_tokenizer()
-        self._decode_token = DecodeToken(self._tokenizer)
-        self._max_model_len = llm.loaded.max_model_len
-        self._sampling_defaults = llm.sampling_defaults
+        tokenizer = llm.get_tokenizer()
+        self._decode_token = DecodeToken(tokenizer)
         self._model_name = options.served_model_name or llm.config.model
+        adapters = lora_requests(options.lora_modules, self._model_name)
+        load_served_adapters(llm, self._engine, adapters)  # a bad adapter stops the run here
+        max_model_len = llm.loaded.max_model_len
+        self._translator = LineTranslator(
+            options,
+            self._model_name,
+            adapters,
+            generates=self._engine is not None,
+            tokenizer=tokenizer,
+            max_model_len=max_model_len,
+            sampling_defaults=llm.sampling_defaults,
+            pooling=self._pooling,
+        )
         self._options = options
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
         self._pending: dict[str, tuple[_Pending, int]] = {}  # engine request id -> (line, prompt)
-        self._pooling_buffer: list[_Ready] = []
+        # Lines with use_beam_search: their searches' step requests.
+        self._beams: BeamLines[ReadyLine] | None = (
+            BeamLines(self._engine, llm.loaded.eos_token_ids, max_model_len, tokenizer)
+            if self._engine is not None
+            else None
+        )
+        self._pooling_buffer: list[ReadyLine] = []
         self._num_resumed = 0
         self._num_answered = 0
         self._num_failed = 0
@@ -163,9 +126,8 @@ class BatchRunner:
         try:
             self._feed_and_drain(iter_lines(options.input_path), answered)
         finally:
-            for request_id in list(self._pending):  # interrupted: leave nothing running
-                assert self._engine is not None
-                self._engine.abort_request(request_id)
+            if self._engine is not None:  # interrupted: leave nothing running
+                self._engine.abort_request(self._in_flight_ids)
             self._progress.close()
         return BatchSummary(
             num_requests=num_requests,
@@ -181,7 +143,7 @@ class BatchRunner:
     def _feed_and_drain(
         self, lines: Iterator[BatchLine | LineError], answered: AnsweredSet
     ) -> None:
-        held: _Ready | None = None
+        held: ReadyLine | None = None
         exhausted = False
         while True:
             # Take lines in up to the bound; the line that would cross it waits for room.
@@ -202,7 +164,7 @@ class BatchRunner:
                         self._flush_pooling()
                     self._pooling_buffer.append(held)
                     self._note_in_flight(self._num_buffered)
-                elif self._pending and len(self._pending) + held.size > self._max_in_flight:
+                elif self._in_flight_ids and self._num_in_flight + held.size > self._max_in_flight:
                     break
                 else:
                     self._submit(held)
@@ -215,7 +177,7 @@ class BatchRunner:
                 return
 
     # ------------------------------------------------------------ lines in
-    def _triage(self, item: BatchLine | LineError, answered: AnsweredSet) -> _Ready | None:
+    def _triage(self, item: BatchLine | LineError, answered: AnsweredSet) -> ReadyLine | None:
         """A line ready to run, or None when it was skipped or answered right away."""
         if item in answered:
             self._num_resumed += 1
@@ -227,9 +189,9 @@ class BatchRunner:
                 self._num_duplicates += 1
             self._write(line_error_record(item), failed=True)
             return None
-        response_id = new_response_id(_RESPONSE_ID_PREFIXES[item.url])
+        response_id = self._translator.response_id(item)
         try:
-            return self._translate(item, response_id)
+            return self._translator.translate(item, response_id)
         except APIError as error:
             self._write_response(item, response_id, error.status_code, error.to_body())
         except Exception as error:
@@ -238,38 +200,20 @@ class BatchRunner:
             self._write_unexpected(item, response_id, "preparing", error)
         return None
 
-    def _translate(self, line: BatchLine, response_id: str) -> _Ready:
-        """The line checked as the server checks a request, in the same order."""
-        request = _parse_request(line)
-        check_model(request.model, self._model_name)
-        if isinstance(request, _PoolingRequest):
-            return _Ready(line, response_id, pooling=self._prepare_pooling(request, response_id))
-        check_n(request.n, self._options.max_n)
-        check_num_sequences(request.num_prompts, request.n, self._options.max_sequences_per_request)
-        if self._engine is None:
-            raise bad_request("this model does not generate text: it has no LM head", "model")
-        kind = RequestOutputKind.FINAL_ONLY  # one output per request: nothing built per step
-        prepared = prepare_generation(
-            request,
-            self._tokenizer,
-            self._max_model_len,
-            kind,
-            sampling_defaults=self._sampling_defaults,
-        )
-        return _Ready(line, response_id, prepared=prepared)
+    @property
+    def _in_flight_ids(self) -> list[str]:
+        """Every engine request in flight: lines' prompts and beam searches' steps."""
+        return [*self._pending, *(self._beams.request_ids if self._beams else ())]
 
-    def _prepare_pooling(self, request: _PoolingRequest, response_id: str) -> PreparedPooling:
-        name, functions = self._model_name, self._pooling
-        if isinstance(request, EmbeddingRequest):
-            return prepare_embeddings(request, functions, name)
-        if isinstance(request, ClassificationRequest):
-            return prepare_classify(request, functions, name, response_id)
-        if isinstance(request, ScoreRequest):
-            return prepare_score(request, functions, name, response_id)
-        return prepare_rerank(request, functions, name, response_id)
+    @property
+    def _num_in_flight(self) -> int:
+        return len(self._in_flight_ids)
 
-    def _submit(self, ready: _Ready) -> None:
+    def _submit(self, ready: ReadyLine) -> None:
         assert self._engine is not None and ready.prepared is not None
+        if ready.prepared.beam_search is not None:
+            self._submit_beam_search(ready)
+            return
         prompts = ready.prepared.prompts
         pending = _Pending(ready, now_s(), [None] * len(prompts), len(prompts))
         added: list[str] = []
@@ -277,22 +221,42 @@ class BatchRunner:
             request_id = f"{ready.response_id}-{index}"
             try:
                 self._engine.add_request(
-                    request_id, prompt.token_ids, ready.prepared.params, prompt.text
+                    request_id,
+                    prompt.token_ids,
+                    ready.prepared.params,
+                    prompt.text,
+                    lora_request=ready.prepared.lora_request,
                 )
             except Exception as error:
                 for added_id in added:
                     self._engine.abort_request(added_id)
                     del self._pending[added_id]
-                if not isinstance(error, ValueError):  # as the server: a 500 for this line
-                    self._write_unexpected(ready.line, ready.response_id, "adding", error)
-                    return
-                where = f"prompt {index}: " if len(prompts) > 1 else ""
-                body = refused_by_engine(error, where).to_body()
-                self._write_response(ready.line, ready.response_id, 400, body)
+                self._write_adding_error(
+                    ready, error, f"prompt {index}: " if len(prompts) > 1 else ""
+                )
                 return
             added.append(request_id)
             self._pending[request_id] = (pending, index)
-        self._note_in_flight(len(self._pending))
+        self._note_in_flight(self._num_in_flight)
+
+    def _submit_beam_search(self, ready: ReadyLine) -> None:
+        assert self._beams is not None and ready.prepared is not None
+        try:
+            results = self._beams.start(ready, ready.response_id, ready.prepared)
+        except Exception as error:
+            self._write_adding_error(ready, error)
+            return
+        if results is not None:
+            self._answer(ready, now_s(), results)
+        self._note_in_flight(self._num_in_flight)
+
+    def _write_adding_error(self, ready: ReadyLine, error: Exception, where: str = "") -> None:
+        """A 400 for what the engine refused (as the server answers), else a 500."""
+        if not isinstance(error, ValueError):
+            self._write_unexpected(ready.line, ready.response_id, "adding", error)
+            return
+        body = refused_by_engine(error, where).to_body()
+        self._write_response(ready.line, ready.response_id, 400, body)
 
     @property
     def _num_buffered(self) -> int:
@@ -313,7 +277,7 @@ class BatchRunner:
                 status, body = 200, result
             self._write_response(ready.line, ready.response_id, status, body)
 
-    def _run_pooling(self, buffer: list[_Ready]) -> list[dict[str, Any] | APIError]:
+    def _run_pooling(self, buffer: list[ReadyLine]) -> list[dict[str, Any] | APIError]:
         """Each buffered line's response body, or its 400, or a 500 for a line that fails
         alone (the others still get their answers)."""
         prepared = [ready.pooling for ready in buffer if ready.pooling is not None]
@@ -324,6 +288,9 @@ class BatchRunner:
         )
 
     def _on_output(self, output: RequestOutput) -> None:
+        if self._beams is not None and self._beams.owns(output.request_id):
+            self._on_beam_output(output)
+            return
         pending, index = self._pending.pop(output.request_id)
         ready = pending.ready
         assert ready.prepared is not None
@@ -332,10 +299,24 @@ class BatchRunner:
         pending.num_unfinished -= 1
         if pending.num_unfinished:
             return
-        results = [r for r in pending.results if r is not None]
+        self._answer(ready, pending.created, [r for r in pending.results if r is not None])
+
+    def _on_beam_output(self, output: RequestOutput) -> None:
+        assert self._beams is not None
+        end = self._beams.on_output(output)
+        if end is None:
+            return
+        if end.error is not None:
+            self._write_adding_error(end.line, end.error)
+        else:
+            assert end.results is not None
+            self._answer(end.line, now_s(), end.results)
+
+    def _answer(self, ready: ReadyLine, created: int, results: list[PromptResult]) -> None:
+        assert ready.prepared is not None
         body = generation_body(
             ready.response_id,
-            pending.created,
+            created,
             self._model_name,
             ready.prepared,
             results,
@@ -365,14 +346,6 @@ class BatchRunner:
         self._progress.set_postfix_str(
             f"{self._num_output_tokens / elapsed_s:.1f} out tok/s", refresh=False
         )
-
-
-def _parse_request(line: BatchLine) -> _BatchRequest:
-    """The line's body as its endpoint's request; APIError 400 if it is not one."""
-    kind = GENERATION_URLS.get(line.url)
-    if kind is not None:
-        return parse_generation(kind, line.body)
-    return parse_body(_POOLING_REQUESTS[line.url], line.body)
 
 
 def _unexpected_error(line: BatchLine, doing: str, error: Exception) -> APIError:

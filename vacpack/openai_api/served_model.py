@@ -52,6 +52,18 @@ def check_model(
     return adapter
 
 
+def check_pooling_model(
+    model: str | None, served_model_name: str, adapters: Mapping[str, LoRARequest]
+) -> None:
+    """check_model, and a 400 for an adapter's name: adapters change generation only."""
+    if check_model(model, served_model_name, adapters) is not None:
+        raise bad_request(
+            f"`{model}` is a LoRA adapter: adapters serve completions and chat only; name "
+            f"`{served_model_name}` for embeddings, scores and classes",
+            "model",
+        )
+
+
 def check_n(n: int | None, max_n: int) -> None:
     """400 when a request asks for more choices than the run allows (--max-n)."""
     if n is not None and n > max_n:

@@ -13,7 +13,7 @@ Requests of a kind a model does not serve get a 400 naming the reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from vacpack.corpus.scoring import TextPair, joins_pair_texts
 from vacpack.corpus.truncation import pooling_tokens_to_keep
 from vacpack.engine.engine import LLMEngine
 from vacpack.llm import LLM
+from vacpack.lora.request import LoRARequest
 from vacpack.models.base import SequenceClassifier
 from vacpack.models.pooling import check_dimensions
 from vacpack.outputs import (
@@ -59,6 +60,19 @@ class PoolingFunctions:
 def generation_engine(llm: LLM) -> LLMEngine | None:
     """The LLM's generation engine, or None for a model that cannot generate."""
     return llm.engine if llm.loaded.is_decoder else None
+
+
+def load_served_adapters(
+    llm: LLM, engine: LLMEngine | None, adapters: Mapping[str, LoRARequest]
+) -> None:
+    """Loads the adapters named on the command line before any request: a bad one stops the
+    start with its reason (ValueError)."""
+    if not adapters:
+        return
+    if engine is None or not llm.config.enable_lora:
+        raise ValueError("--lora-modules needs a generating model started with --enable-lora")
+    for adapter in adapters.values():
+        engine.add_adapter(adapter)
 
 
 def pooling_functions(llm: LLM) -> PoolingFunctions:

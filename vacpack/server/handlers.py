@@ -52,7 +52,12 @@ from vacpack.openai_api.responses import (
     new_response_id,
     now_s,
 )
-from vacpack.openai_api.served_model import check_model, check_n, check_num_sequences
+from vacpack.openai_api.served_model import (
+    check_model,
+    check_n,
+    check_num_sequences,
+    check_pooling_model,
+)
 from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.openai_api.streaming import StreamState
 from vacpack.openai_api.tokenization import detokenize_body, tokenize_body
@@ -134,12 +139,7 @@ class OpenAIHandlers:
         return check_model(model, self.config.served_model_name, self._adapters)
 
     def _check_pooling_model(self, model: str | None) -> None:
-        if self._check_model(model) is not None:
-            raise bad_request(
-                f"`{model}` is a LoRA adapter: adapters serve completions and chat only; name "
-                f"`{self.config.served_model_name}` for embeddings, scores and classes",
-                "model",
-            )
+        check_pooling_model(model, self.config.served_model_name, self._adapters)
 
     def _check_n(self, n: int | None) -> None:
         check_n(n, self.config.max_n)

@@ -22,7 +22,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from vacpack.llm import LLM
-from vacpack.openai_api.serving import generation_engine, pooling_functions
+from vacpack.openai_api.serving import (
+    generation_engine,
+    load_served_adapters,
+    pooling_functions,
+)
 from vacpack.python_heap import freeze_startup_objects
 from vacpack.server.app import build_app
 from vacpack.server.async_engine import AsyncEngine
@@ -39,11 +43,7 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.served_model_name)
     pooling = pooling_functions(llm)
     engine = generation_engine(llm)
-    if config.lora_modules:
-        if engine is None or not llm.config.enable_lora:
-            raise ValueError("--lora-modules needs a generating model started with --enable-lora")
-        for adapter in config.lora_requests.values():  # a bad adapter stops the start, here
-            engine.add_adapter(adapter)
+    load_served_adapters(llm, engine, config.lora_requests)
     # Chosen now, at start: a model that only pools times its packed attention before serving.
     metrics.set_measured_choices(
         llm.loaded.measured_choices + engine.setup.measured_choices

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 
+from vacpack.lora.modules import add_lora_modules_arg, lora_requests
 from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.served_model import DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from vacpack.openai_api.tool_parsers import TOOL_CALL_PARSERS
@@ -61,17 +61,12 @@ class ServerConfig:
             )
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        names = [self.served_model_name, *(name for name, _ in self.lora_modules)]
-        if len(set(names)) < len(names):
-            raise ValueError(f"served model and LoRA module names must differ, got {names}")
+        lora_requests(self.lora_modules, self.served_model_name)  # the names are checked
 
     @property
     def lora_requests(self) -> dict[str, LoRARequest]:
         """The served adapters by name, with ids 1, 2, ... in the order given."""
-        return {
-            name: LoRARequest(name, index, path)
-            for index, (name, path) in enumerate(self.lora_modules, start=1)
-        }
+        return lora_requests(self.lora_modules, self.served_model_name)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -112,15 +107,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="most sequences (prompts x n) one request may start "
         f"(default {DEFAULT_MAX_SEQUENCES_PER_REQUEST})",
     )
-    group.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=_lora_module,
-        default=[],
-        metavar="NAME=PATH",
-        help="LoRA adapters to serve (needs --enable-lora): name=path, or vLLM's JSON "
-        '{"name": ..., "path": ...}; a request whose model is the name runs the adapter',
-    )
+    add_lora_modules_arg(group)
     group.add_argument(
         "--max-request-body-bytes",
         type=int,
@@ -144,19 +131,3 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=tuple(args.lora_modules),
     )
-
-
-def _lora_module(text: str) -> tuple[str, str]:
-    """(name, path) from `name=path` or vLLM's JSON form."""
-    if text.lstrip().startswith("{"):
-        try:
-            module = json.loads(text)
-            return str(module["name"]), str(module["path"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise argparse.ArgumentTypeError(
-                f'a LoRA module in JSON needs "name" and "path", got {text!r}'
-            ) from None
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"a LoRA module is name=path, got {text!r}")
-    return name, path
