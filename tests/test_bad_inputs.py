@@ -46,6 +46,10 @@ ENGINE_FLAGS = [
     "--kv-cache-memory-bytes", str(4 << 20),
 ]  # fmt: skip
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
+TRUNCATION_OVER_CONTEXT = (
+    f"truncate_prompt_tokens must be None, -1 (the context's limit) or in [1, {MAX_MODEL_LEN}] "
+    f"(max_model_len), got {MAX_MODEL_LEN + 1}"
+)
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,12 @@ def _call_with(case: str, w: Workspace, llm: LLM) -> Any:
         "negative temperature": lambda: SamplingParams(temperature=-1),
         "params for the wrong count": lambda: llm.generate(["a", "b"], [GREEDY] * 3),
         "contexts without continuations": lambda: llm.loglikelihood(["a", "b"], ["c"]),
+        "truncate_prompt_tokens above the context": lambda: llm.generate(
+            ["hello"], GREEDY.clone(truncate_prompt_tokens=MAX_MODEL_LEN + 1), use_tqdm=False
+        ),
+        "engine request truncating above the context": lambda: llm.engine.add_request(
+            "over", "hello", GREEDY.clone(truncate_prompt_tokens=MAX_MODEL_LEN + 1)
+        ),
     }
     return calls[case]()
 
@@ -310,6 +320,9 @@ API_CASES: list[tuple[str, type[Exception], str]] = [
     ("negative temperature", ValueError, "temperature must be"),
     ("params for the wrong count", ValueError, "got 3 SamplingParams for 2 prompts"),
     ("contexts without continuations", ValueError, "one continuation per context"),
+    # vLLM refuses a k above max_model_len, however short the prompt.
+    ("truncate_prompt_tokens above the context", ValueError, TRUNCATION_OVER_CONTEXT),
+    ("engine request truncating above the context", ValueError, TRUNCATION_OVER_CONTEXT),
 ]
 
 
@@ -400,6 +413,11 @@ BATCH_CASES: list[tuple[str, str, int | None, str]] = [
      "custom_id is not valid Unicode"),
     ("n above --max-n", completion_line("nm", n=129), 400, "n must be at most 128"),
     ("unknown model", completion_line("um", model="gpt-9"), 404, "does not exist"),
+    ("truncate_prompt_tokens above the context",
+     completion_line("tp", truncate_prompt_tokens=MAX_MODEL_LEN + 1), 400, TRUNCATION_OVER_CONTEXT),
+    ("chat truncate_prompt_tokens above the context",
+     batch_line("tpc", url=CHAT, messages=[{"role": "user", "content": "hi"}],
+                truncate_prompt_tokens=MAX_MODEL_LEN + 1), 400, TRUNCATION_OVER_CONTEXT),
 ]  # fmt: skip
 
 
@@ -425,6 +443,54 @@ def test_batch_bad_line_gets_its_record_and_the_rest_are_answered(
     assert good["response"]["status_code"] == 200
 
 
+def test_batch_lines_over_the_context_name_the_request_field(
+    llm: LLM, workspace: Workspace, tmp_path: Path
+) -> None:
+    """A batch line's knob is its request's field: an over-long pooling input's 400 names
+    truncate_prompt_tokens, not Python's truncate=True or the command line's --truncate; and a
+    truncate_prompt_tokens above the context is a 400 naming it, as vLLM refuses it."""
+    long_ids = [5] * (MAX_MODEL_LEN + 1)
+    long_text = "the river runs past the mill " * MAX_MODEL_LEN  # a token a word, at least
+    lines = [
+        batch_line("embed", url="/v1/embeddings", input=long_ids),
+        batch_line("score", url="/v1/score", text_1="a", text_2=long_text),
+        batch_line("rerank", url="/v1/rerank", query="a", documents=["b", long_text]),
+        completion_line("cut", truncate_prompt_tokens=MAX_MODEL_LEN + 1),
+    ]
+    classifier = LLM(str(workspace.classifier), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    errors = {
+        **_batch_errors(llm, tmp_path / "decoder", lines),
+        **_batch_errors(
+            classifier,
+            tmp_path / "classifier",
+            [batch_line("classify", url="/classify", input=long_ids)],
+        ),
+    }
+    assert {name: error["param"] for name, error in errors.items()} == {
+        "embed": "input",
+        "score": "text_2",
+        "rerank": "documents",
+        "cut": "truncate_prompt_tokens",
+        "classify": "input",
+    }
+    for name in ("embed", "score", "rerank", "classify"):
+        message = errors[name]["message"]
+        assert "set the request's truncate_prompt_tokens" in message, message
+        assert "truncate=True" not in message and "--truncate" not in message, message
+    assert TRUNCATION_OVER_CONTEXT in errors["cut"]["message"]
+
+
+def _batch_errors(llm: LLM, directory: Path, lines: list[str]) -> dict[str, dict[str, Any]]:
+    """Each line's 400 error body, by custom_id, from a run-batch over `lines`."""
+    directory.mkdir()
+    input_path = write_lines(directory / "in.jsonl", lines)
+    options = BatchOptions(input_path, directory / "out.jsonl", show_progress=False)
+    run_batch(llm, options)
+    responses = {r["custom_id"]: r["response"] for r in read_records(options.output_path)}
+    assert {response["status_code"] for response in responses.values()} == {400}, responses
+    return {name: response["body"]["error"] for name, response in responses.items()}
+
+
 def _raise_on_boom(prepare: Callable[..., Any]) -> Callable[..., Any]:
     """`prepare`, but raising an error no check expects (a stand-in for a bug) for the prompt
     "boom"."""
@@ -440,9 +506,11 @@ def _raise_on_boom(prepare: Callable[..., Any]) -> Callable[..., Any]:
 def test_batch_lines_around_bad_ones_all_get_their_records(
     llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import vacpack.batch.runner as runner
+    import vacpack.batch.line_requests as line_requests
 
-    monkeypatch.setattr(runner, "prepare_generation", _raise_on_boom(runner.prepare_generation))
+    monkeypatch.setattr(
+        line_requests, "prepare_generation", _raise_on_boom(line_requests.prepare_generation)
+    )
     lines = [
         completion_line("before"),
         completion_line("bad", structured_outputs={"choice": 5}),
@@ -512,6 +580,9 @@ PROMPT_CASES: list[tuple[str, str, str]] = [
     ("lone surrogate in the prompt", json.dumps({"prompt": LONE_SURROGATE}),
      "line 1: prompt is not valid Unicode"),
     ("n above --max-n", json.dumps({"prompt": "x", "n": 129}), "line 1: n must be at most 128"),
+    ("truncate_prompt_tokens above the context",
+     json.dumps({"prompt": "x", "truncate_prompt_tokens": MAX_MODEL_LEN + 1}),
+     f"line 1: {TRUNCATION_OVER_CONTEXT}"),
 ]  # fmt: skip
 
 

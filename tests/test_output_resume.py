@@ -3,6 +3,7 @@ after an interruption, a foreign output refused unless --overwrite replaces it."
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 from pathlib import Path
@@ -254,3 +255,74 @@ def test_generate_resume_refuses_an_output_whose_input_lines_have_changed(
     write_lines(input_path, lines)
     overwrite = dataclasses.replace(options, overwrite=True)
     assert run_generate_file(llm, source, DEFAULTS, overwrite).num_answered == 3
+
+
+def _with_byte_order_mark(path: Path) -> Path:
+    """A copy of the file whose first line starts with a UTF-8 byte-order mark, as Windows
+    Notepad (and Excel's "CSV UTF-8") save one."""
+    marked = path.with_name(f"marked-{path.name}")
+    marked.write_bytes(codecs.BOM_UTF8 + path.read_bytes())
+    return marked
+
+
+def test_a_byte_order_mark_opens_a_prompt_file_as_it_opens_a_batch_file(
+    llm: LLM, tmp_path: Path
+) -> None:
+    """A mark before the first line is no part of it: generate --input answers the line as it
+    answers it without one (it was "line 1 is not valid JSON", or a prompt starting with
+    U+FEFF), as run-batch does."""
+    for name, lines in (
+        ("in.jsonl", [json.dumps({"prompt": "hello"}), json.dumps({"prompt": "the sea"})]),
+        ("in.txt", ["hello", "the sea"]),
+    ):
+        plain = write_lines(tmp_path / name, lines)
+        answers = []
+        for path in (plain, _with_byte_order_mark(plain)):
+            options = GenerateOptions(tmp_path / f"{path.name}.out", show_progress=False)
+            run_generate_file(llm, PromptSource(path), DEFAULTS, options)
+            answers.append(sorted(read_records(options.output_path), key=lambda r: r["index"]))
+        assert answers[1] == answers[0], name
+    batch = _with_byte_order_mark(write_lines(tmp_path / "batch.jsonl", [completion_line("a")]))
+    run_batch(llm, BatchOptions(batch, tmp_path / "batch.out", show_progress=False))
+    (record,) = read_records(tmp_path / "batch.out")
+    assert record["response"]["status_code"] == 200
+
+
+def test_a_byte_order_mark_opens_a_corpus_as_it_opens_a_batch_file(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    for name, lines in (
+        ("in.jsonl", [json.dumps({"text": "document one"}), json.dumps({"text": "and two"})]),
+        ("in.txt", ["document one", "and two"]),
+    ):
+        plain = write_lines(tmp_path / name, lines)
+        answers = []
+        for path in (plain, _with_byte_order_mark(plain)):
+            output = tmp_path / f"{path.name}.out"
+            assert main(_corpus_argv(model_dir, path, output)) == 0
+            answers.append(read_records(output))
+        marked, unmarked = answers[1], answers[0]
+        assert not [r for r in marked if "error" in r], marked
+        keys = ("index", "line", "input_digest", "num_tokens")
+        assert [[r[k] for k in keys] for r in marked] == [[r[k] for k in keys] for r in unmarked]
+        assert [r["logprob"] for r in marked] == pytest.approx([r["logprob"] for r in unmarked])
+
+
+def test_a_prompt_line_asking_to_stream_gets_its_own_error_record(llm: LLM, tmp_path: Path) -> None:
+    """As run-batch answers such a line: a record holds a whole response, so "stream": true is
+    refused by its line's record, not silently ignored; "stream": false asks for what a prompt
+    file does anyway."""
+    lines = [json.dumps({"prompt": "hello", "stream": stream}) for stream in (True, False)]
+    source = PromptSource(
+        write_lines(tmp_path / "in.jsonl", [*lines, json.dumps({"prompt": "hello"})])
+    )
+    options = GenerateOptions(tmp_path / "out.jsonl", show_progress=False)
+    summary = run_generate_file(llm, source, DEFAULTS, options)
+    assert (summary.num_answered, summary.num_failed) == (3, 1)
+    records = {r["index"]: r for r in read_records(options.output_path)}
+    assert records[0]["error"].startswith(
+        "line 1: stream is not supported in generate --input files (each record holds a whole "
+        'response): drop "stream" or set it to false'
+    )
+    assert records[1]["outputs"] == records[2]["outputs"]
+    assert run_generate_file(llm, source, DEFAULTS, options).num_resumed == 3  # resumes as any

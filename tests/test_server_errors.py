@@ -25,6 +25,7 @@ API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 1024
 LONG_PROMPT_IDS = [5] * (MAX_MODEL_LEN + 10)
+LONG_TEXT = "the river runs past the mill " * MAX_MODEL_LEN  # a token a word, at least
 MAX_N = 16
 MAX_SEQUENCES = 64  # the 64 concurrent streams test sends 64 prompts in one request
 MAX_BODY_BYTES = 4 << 20
@@ -155,6 +156,33 @@ BAD_REQUESTS = [
     (
         "embedding dimensions above the model's",
         "POST", EMB, {"input": "hi", "dimensions": 65}, 400, "dimensions", "embedding size 64",
+    ),
+    # Over the context: the hint names the request's field, not truncate=True (Python's).
+    (
+        "embedding input over the context",
+        "POST", EMB, {"input": LONG_PROMPT_IDS}, 400, "input",
+        "set the request's truncate_prompt_tokens",
+    ),
+    (
+        "score text over the context",
+        "POST", "/v1/score", {"text_1": "a", "text_2": LONG_TEXT}, 400, "text_2",
+        "set the request's truncate_prompt_tokens",
+    ),
+    (
+        "rerank document over the context",
+        "POST", "/v1/rerank", {"query": "a", "documents": ["b", LONG_TEXT]}, 400, "documents",
+        "set the request's truncate_prompt_tokens",
+    ),
+    # vLLM refuses a truncate_prompt_tokens above max_model_len, however short the prompt.
+    (
+        "truncate_prompt_tokens above the context",
+        "POST", C, _completion(truncate_prompt_tokens=MAX_MODEL_LEN + 1), 400,
+        "truncate_prompt_tokens", f"in [1, {MAX_MODEL_LEN}] (max_model_len), got 1025",
+    ),
+    (
+        "chat truncate_prompt_tokens above the context",
+        "POST", CHAT, _chat(truncate_prompt_tokens=MAX_MODEL_LEN + 1), 400,
+        "truncate_prompt_tokens", f"in [1, {MAX_MODEL_LEN}] (max_model_len), got 1025",
     ),
     ("JSON nested 100,000 deep", "POST", CHAT, NESTED_100K, 400, None, "too deeply"),
     (

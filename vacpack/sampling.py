@@ -57,8 +57,9 @@ def _fail(field_name: str, requirement: str, value: object) -> ValueError:
 def check_truncate_prompt_tokens(value: object, max_num_tokens: int | None = None) -> None:
     """ValueError unless `value` is a valid vLLM ``truncate_prompt_tokens``: None (keep every
     prompt token), -1 (as many as the context holds) or a count k >= 1, and at most
-    `max_num_tokens` where that limit is given (pooling requests refuse a k above the context,
-    as vLLM does; generation keeps a short prompt whole whatever k is)."""
+    `max_num_tokens` where that limit is given: once the model is known, a k above its context
+    is refused, as vLLM refuses it (for pooling and generation alike), even where the prompt is
+    short enough for k not to matter."""
     if value is None:
         return
     if not _is_int(value):
@@ -331,7 +332,9 @@ class SamplingParams:
 
     def truncate_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt the model reads: its last ``truncate_prompt_tokens`` tokens (-1: the
-        last max_model_len - 1), or all of it when that is None."""
+        last max_model_len - 1), or all of it when that is None. ValueError naming the field
+        for a ``truncate_prompt_tokens`` above max_model_len: only here is the model known."""
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens, max_model_len)
         # -1 leaves room for the one output token every request generates.
         keep = prompt_tokens_to_keep(self.truncate_prompt_tokens, max_model_len - 1)
         if keep is None or len(prompt_token_ids) <= keep:

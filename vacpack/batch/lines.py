@@ -7,7 +7,6 @@ every custom_id names one request, answered once.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vacpack.corpus.input_fields import is_blank_line
+from vacpack.corpus.input_fields import is_blank_line, without_byte_order_mark
 from vacpack.openai_api.protocol import is_unicode
 
 ENDPOINTS = (
@@ -36,12 +35,17 @@ DIGEST_HEX_CHARS = 16
 INVALID_REQUEST = "invalid_request"
 # OpenAI's code for this, in the errors of a batch whose input it refuses.
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
-# A record holds a whole response, so a stream could only be ignored; said, not silently done.
-# (A non-boolean "stream" is left to the request's own checks: a 400 naming the field.)
-_STREAM_NOT_SUPPORTED = (
-    'stream is not supported in batch files (each record holds a whole response): drop "stream" '
-    "or set it to false"
-)
+
+
+def stream_not_supported(file_kind: str) -> str:
+    """Why a line of a file of requests (`file_kind`: "batch files", ...) may not ask to
+    stream. A record holds a whole response, so a stream could only be ignored; said, not
+    silently done. (A non-boolean "stream" is left to the request's own checks: a 400 naming
+    the field.)"""
+    return (
+        f"stream is not supported in {file_kind} (each record holds a whole response): drop "
+        '"stream" or set it to false'
+    )
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def _repeated(item: BatchLine | LineError, first_line: int) -> LineError:
 def line_digest(raw: bytes) -> str:
     """What identifies a line's request, in hex: a digest of its bytes, but for the line end,
     surrounding blanks and a byte-order mark, which a file may gain or lose unchanged."""
-    text = raw.removeprefix(codecs.BOM_UTF8).strip()
+    text = without_byte_order_mark(raw).strip()
     return hashlib.blake2b(text, digest_size=DIGEST_HEX_CHARS // 2).hexdigest()
 
 
@@ -113,7 +117,7 @@ def count_requests(path: Path) -> int:
 def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
     digest = line_digest(raw)
     try:
-        record = json.loads(raw)
+        record = json.loads(without_byte_order_mark(raw))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         message = f"line {line_number} is not valid JSON: {error}"
         return LineError(line_number, None, message, digest)
@@ -140,7 +144,7 @@ def parse_line(line_number: int, raw: bytes) -> BatchLine | LineError:
     elif not isinstance(body, dict):
         problem = "body must be a JSON object"
     elif body.get("stream") is True:
-        problem = _STREAM_NOT_SUPPORTED
+        problem = stream_not_supported("batch files")
     if problem is not None:
         return LineError(line_number, custom_id, f"line {line_number}: {problem}", digest)
     assert isinstance(url, str) and isinstance(body, dict)  # checked just above

@@ -2,8 +2,9 @@
 
 Each non-blank input line is a prompt: plain text, or in a .jsonl file an object with "prompt"
 (or "text") and any /v1/completions field (temperature, max_tokens, top_p, stop, n, seed, ...),
-checked by the server's own request validation; the command line's sampling flags are the
-defaults a line overrides. A line that is not a valid request becomes an error record naming
+checked by the server's own request validation ("stream": true is refused, as run-batch refuses
+it: a record holds a whole response); the command line's sampling flags are the defaults a
+line overrides. A line that is not a valid request becomes an error record naming
 its line; the others are answered. Records are appended as requests finish, in completion
 order: {"index": i, "line": n, "input_digest": d, "prompt": ..., "outputs": [{"text",
 "finish_reason", "num_tokens"}]} or {"index": i, "line": n, "input_digest": d, "error": ...},
@@ -26,8 +27,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from vacpack.batch.lines import DIGEST_HEX_CHARS, line_digest
-from vacpack.corpus.input_fields import is_blank_line, parse_json_object
+from vacpack.batch.lines import DIGEST_HEX_CHARS, line_digest, stream_not_supported
+from vacpack.corpus.input_fields import decode_line, is_blank_line, parse_json_object
 from vacpack.llm import LLM
 from vacpack.openai_api.errors import APIError, bad_request, internal_error, refused_by_engine
 from vacpack.openai_api.protocol import CompletionRequest, parse_body
@@ -145,7 +146,7 @@ def _text_digest(text: str) -> str:
 def _parse_line(index: int, line_number: int, raw: bytes, is_jsonl: bool) -> PromptLine:
     digest = line_digest(raw)
     try:
-        text = raw.decode("utf-8").rstrip("\r\n")
+        text = decode_line(raw)
     except UnicodeDecodeError as error:
         message = f"line {line_number} is not UTF-8: {error}"
         return PromptLine(index, line_number, None, digest, message)
@@ -158,6 +159,10 @@ def _parse_line(index: int, line_number: int, raw: bytes, is_jsonl: bool) -> Pro
         record = {"prompt": record.pop("text"), **record}
     if "prompt" not in record:
         message = f'line {line_number} has no "prompt" (or "text")'
+        return PromptLine(index, line_number, None, digest, message)
+    if record.get("stream") is True:
+        # A completions field, checked as run-batch checks its lines' (lines.parse_line).
+        message = f"line {line_number}: {stream_not_supported('generate --input files')}"
         return PromptLine(index, line_number, None, digest, message)
     return PromptLine(index, line_number, record, digest)
 
@@ -329,6 +334,11 @@ class PromptFileRunner:
         )
         if len(prepared.prompts) != 1:
             raise bad_request("give one prompt per line, not a list", "prompt")
+        if prepared.beam_search is not None:  # else its sampling would run instead, unsaid
+            raise bad_request(
+                "use_beam_search is not supported by generate --input: use run-batch or the server",
+                "use_beam_search",
+            )
         return prepared
 
     def _step(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from vacpack.batch.lines import line_digest
 from vacpack.cli.engine_args import add_engine_args, engine_kwargs
-from vacpack.corpus.input_fields import TEXT_KEYS, is_blank_line, parse_json_object
+from vacpack.corpus.input_fields import TEXT_KEYS, decode_line, is_blank_line, parse_json_object
 from vacpack.corpus.packing import DocumentError
 from vacpack.corpus.tasks import (
     ClassifyTask,
@@ -74,7 +74,7 @@ def read_corpus(path: Path, task: str, skip: int = 0) -> Iterator[Any]:
 def _document(index: int, line: CorpusLine, is_jsonl: bool, task: str) -> Any:
     """The line's document: its text, a (context, continuation) pair, or a DocumentError."""
     try:
-        text = line.raw.decode("utf-8").rstrip("\r\n")
+        text = decode_line(line.raw)
     except UnicodeDecodeError as error:
         return DocumentError(index, f"line {line.number} is not UTF-8: {error}")
     if not is_jsonl:

@@ -4,6 +4,7 @@ text."""
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Any
 
@@ -15,6 +16,20 @@ def is_blank_line(raw: bytes) -> bool:
     most JSONL readers do (an editor's trailing empty line is no record, and no error either):
     run-batch, `generate --input`, the corpus commands, and Ray Data's reader under --ray."""
     return not raw.strip()
+
+
+def without_byte_order_mark(raw: bytes) -> bytes:
+    """A line without the UTF-8 byte-order mark that some editors and exports (Windows Notepad,
+    Excel's "CSV UTF-8") put at the start of a file. It is no part of the first record: every
+    reader drops it (run-batch, `generate --input`, the corpus commands), and a line's digest
+    does not count it, so that a file saved again with or without one resumes unchanged."""
+    return raw.removeprefix(codecs.BOM_UTF8)
+
+
+def decode_line(raw: bytes) -> str:
+    """A line's text: UTF-8, without a byte-order mark or the line end. UnicodeDecodeError for
+    bytes that are not UTF-8."""
+    return without_byte_order_mark(raw).decode("utf-8").rstrip("\r\n")
 
 
 def parse_json_object(line: str) -> dict[str, Any] | str:

@@ -37,7 +37,8 @@ from vacpack.runtime import LoadedModel
 
 # How to ask for over-long documents to be cut. A task cannot tell whether LLM.embed / classify /
 # score / loglikelihood or the command line (embed, classify, loglikelihood) made it, and its
-# per-document error reaches users of both, so it names both ways.
+# per-document error reaches users of both, so it names both ways. (The server and run-batch
+# put their request's field in its place: openai_api/pooling.py.)
 TRUNCATE_HINT = "pass truncate=True (--truncate on the command line)"
 
 

@@ -189,8 +189,9 @@ class LLMEngine:
         params.prompt_logprobs, logprobs are computed for prompt positions from
         `prompt_logprobs_start` on; positions before it may come from the prefix cache (scoring
         a continuation after a shared context computes the context once).
-        params.truncate_prompt_tokens keeps the prompt's last tokens; `lora_request` names
-        the LoRA adapter it runs (loaded on first use; the engine needs enable_lora)."""
+        params.truncate_prompt_tokens keeps the prompt's last tokens (ValueError where it is
+        above max_model_len, as vLLM refuses it); `lora_request` names the LoRA adapter it
+        runs (loaded on first use; the engine needs enable_lora)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):

@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 from vacpack.corpus.scoring import TextPair, pair_inputs
+from vacpack.corpus.tasks import TRUNCATE_HINT
 from vacpack.openai_api.errors import APIError, bad_request
 from vacpack.openai_api.protocol import (
     SCORE_FIELD_PAIRS,
@@ -28,6 +29,13 @@ from vacpack.openai_api.requests import prepare_embedding
 from vacpack.openai_api.responses import embedding_body, now_s
 from vacpack.openai_api.serving import PoolingFunctions, run_grouped
 from vacpack.outputs import ClassificationRequestOutput, ScoringRequestOutput
+
+# How a request asks for over-long inputs to be cut. The jobs' errors name the Python and
+# command-line knob (tasks.TRUNCATE_HINT: truncate=True, --truncate), which an HTTP or batch-file
+# client does not have: its 400 names the request's field instead.
+REQUEST_TRUNCATE_HINT = (
+    "set the request's truncate_prompt_tokens (-1 keeps as many tokens as the context holds)"
+)
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ def run_pooling(
         for index, output in zip(indices, outputs, strict=True):
             request = prepared[index]
             if isinstance(output, ValueError):
-                results[index] = bad_request(str(output), request.error_param)
+                results[index] = bad_request(_for_request(str(output)), request.error_param)
             else:
                 results[index] = request.finish(output)
     return [results[index] for index in range(len(prepared))]
@@ -263,6 +271,11 @@ def _checked_truncation(
         except ValueError as error:
             raise bad_request(str(error), "truncate_prompt_tokens") from None
     return truncate_prompt_tokens
+
+
+def _for_request(job_message: str) -> str:
+    """A job's error message as a request's 400 says it: naming the request's knobs."""
+    return job_message.replace(TRUNCATE_HINT, REQUEST_TRUNCATE_HINT)
 
 
 def _pairs(

@@ -150,7 +150,7 @@ def prepare_completion(
         defaults=sampling_defaults,
     )
     for index, prompt in enumerate(prompts):
-        token_ids = params.truncate_prompt(prompt.token_ids, max_model_len)
+        token_ids = _truncated_prompt(params, prompt.token_ids, max_model_len)
         if len(token_ids) < len(prompt.token_ids):  # an echo shows what the model read
             text = decode_text(tokenizer, token_ids) if echo else prompt.text
             prompts[index] = prompt = EnginePrompt(token_ids, text)
@@ -204,7 +204,7 @@ def prepare_chat(
             ),
         },
     )
-    token_ids = params.truncate_prompt(token_ids, max_model_len)
+    token_ids = _truncated_prompt(params, token_ids, max_model_len)
     check_context(len(token_ids), params.max_tokens, max_model_len, "the messages", "messages")
     return PreparedGeneration(
         kind="chat",
@@ -218,6 +218,17 @@ def prepare_chat(
         parallel_tool_calls=tool_plan.parallel,
         beam_search=beam_search_params(request, params.max_tokens, len(token_ids), max_model_len),
     )
+
+
+def _truncated_prompt(
+    params: SamplingParams, token_ids: list[int], max_model_len: int
+) -> list[int]:
+    """The prompt the model reads (SamplingParams.truncate_prompt, which holds the rule); a 400
+    naming truncate_prompt_tokens where it is above the model's context."""
+    try:
+        return params.truncate_prompt(token_ids, max_model_len)
+    except ValueError as error:
+        raise bad_request(str(error), "truncate_prompt_tokens") from None
 
 
 def render_chat(
