@@ -9,6 +9,8 @@ Tasks:
 - generate: greedy generation from token ids, EOS ignored (G1, the shared-prompt workload).
 - score: each sequence's log-likelihood after its first token, from `prompt_logprobs=0` (P1).
 - embed: `LLM(runner="pooling").embed(texts)` (E1); the embeddings go to an .npy file.
+- lora: greedy generation with LoRA adapters assigned per prompt, several runs (the LoRA
+  benchmark).
 - structured: the same prompts twice, unconstrained and then constrained by a JSON schema through
   vLLM's structured outputs, each timed; sampled at temperature 1 from the engine's one seed
   (vLLM's CPU sampler refuses per-request seeds: "CPU Generator does not use offset"), EOS
@@ -192,7 +194,39 @@ def run_structured(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     return {"runs": runs, "structured_outputs_backend": config.backend}
 
 
+def run_lora(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Greedy generation, EOS ignored, per run: each prompt with its adapter (None: the base
+    model) as `job["runs"]` assign them; each run timed on its own, in order, once warmed up."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    adapters = {
+        adapter["id"]: LoRARequest(adapter["name"], adapter["id"], adapter["path"])
+        for adapter in job["adapters"]
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    requests = [{"prompt_token_ids": prompt} for prompt in job["prompts"]]
+
+    def generate(adapter_ids: list[int | None]) -> Any:
+        lora = [adapters[i] if i is not None else None for i in adapter_ids]
+        return llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+
+    runs = {}
+    for name, adapter_ids in job["runs"].items():
+        log(f"{name}: warm-up (not timed)")
+        generate(adapter_ids)
+        log(f"{name}: {len(requests)} prompts x {job['max_tokens']} tokens")
+        with timed_section(process_tree_cpu_s) as section:
+            outputs = generate(adapter_ids)
+        runs[name] = {
+            "timed": section.fields(),
+            "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        }
+    return {"runs": runs}
+
+
 TASKS = {
+    "lora": run_lora,
     "generate": run_generate,
     "score": run_score,
     "embed": run_embed,
