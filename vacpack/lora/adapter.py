@@ -43,15 +43,14 @@ class _Delta:
 
 
 def read_adapter(
-    path: str, model: PackedModel, max_rank: int
+    path: str, model: PackedModel, max_rank: int, device: torch.device
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each adapted layer's (A, B), by our layer name, on the model's device in float32.
-    Raises ValueError naming what does not fit the model or is not supported."""
+    """Each adapted layer's (A, B), by our layer name, on `device` in float32. Raises
+    ValueError naming what does not fit the model or is not supported."""
     adapter_dir = resolve_model_path(path, required_file="adapter_config.json")
     settings = _read_settings(adapter_dir)
     tensors = _read_tensors(adapter_dir)
     deltas = _deltas(tensors, model, settings, max_rank)
-    device = next(model.parameters()).device
     by_layer: dict[str, list[_Delta]] = {}
     for delta in deltas:
         by_layer.setdefault(delta.module, []).append(delta)

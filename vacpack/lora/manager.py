@@ -40,7 +40,7 @@ class LoraManager:
                 )
             return
         try:
-            weights = read_adapter(request.lora_path, self.model, self.max_lora_rank)
+            weights = read_adapter(request.lora_path, self.model, self.max_lora_rank, self.device)
         except ValueError as error:  # the loader's typed errors are ValueErrors too
             raise ValueError(f"LoRA adapter {request.lora_name!r}: {error}") from None
         for name, pair in weights.items():
