@@ -95,3 +95,64 @@ def test_a_bad_adapter_stops_the_start_with_its_reason(base_dir: Path, tmp_path:
     )  # fmt: skip
     assert result.returncode != 0
     assert "LoRA adapter 'broken'" in result.stderr and "missing" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def updating_server(base_dir: Path) -> Iterator[ServerProcess]:
+    with running_server(
+        base_dir, "--dtype", "float32", "--served-model-name", "base",
+        "--enable-lora", "--allow-runtime-lora-updating",
+    ) as process:  # fmt: skip
+        yield process
+
+
+def test_adapters_load_and_unload_at_run_time(
+    updating_server: ServerProcess, base_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    api = updating_server.api_url
+    assert _completion(updating_server, "sql", "hi").status_code == 404
+    body = {"lora_name": "sql", "lora_path": str(adapter_dirs["sql"])}
+    loaded = httpx.post(f"{api}/load_lora_adapter", json=body, timeout=60)
+    assert loaded.status_code == 200 and "added" in loaded.text
+    llm = LLM(str(base_dir), dtype="float32", enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    adapter = LoRARequest("sql", 1, str(adapter_dirs["sql"]))
+    expected = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=adapter)
+    got = _completion(updating_server, "sql", PROMPTS[0]).json()["choices"][0]["text"]
+    assert got == expected[0].outputs[0].text
+    assert [c["id"] for c in httpx.get(f"{api}/models").json()["data"]] == ["base", "sql"]
+    again = httpx.post(f"{api}/load_lora_adapter", json=body, timeout=60)
+    assert again.status_code == 400 and "served already" in again.json()["error"]["message"]
+    broken = {"lora_name": "broken", "lora_path": str(base_dir / "missing")}
+    refused = httpx.post(f"{api}/load_lora_adapter", json=broken, timeout=60)
+    assert refused.status_code == 400 and "missing" in refused.json()["error"]["message"]
+    unloaded = httpx.post(f"{api}/unload_lora_adapter", json={"lora_name": "sql"}, timeout=60)
+    assert unloaded.status_code == 200 and "removed" in unloaded.text
+    assert _completion(updating_server, "sql", "hi").status_code == 404
+    gone = httpx.post(f"{api}/unload_lora_adapter", json={"lora_name": "sql"}, timeout=60)
+    assert gone.status_code == 404
+    # Loaded again under its old name: a new id, the same answers.
+    assert httpx.post(f"{api}/load_lora_adapter", json=body, timeout=60).status_code == 200
+    again_text = _completion(updating_server, "sql", PROMPTS[0]).json()["choices"][0]["text"]
+    assert again_text == expected[0].outputs[0].text
+
+
+def test_an_adapter_in_use_is_not_unloaded(
+    updating_server: ServerProcess, adapter_dirs: dict[str, Path]
+) -> None:
+    api = updating_server.api_url
+    body = {"lora_name": "poet", "lora_path": str(adapter_dirs["poet"])}
+    assert httpx.post(f"{api}/load_lora_adapter", json=body, timeout=60).status_code == 200
+    long_request = {"model": "poet", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    streamed = {**long_request, "stream": True}
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{api}/completions", json=streamed),
+    ):
+        busy = client.post(f"{api}/unload_lora_adapter", json={"lora_name": "poet"})
+    assert busy.status_code == 409 and "in use" in busy.json()["error"]["message"]
+
+
+def test_the_runtime_endpoints_are_off_unless_asked_for(server: ServerProcess) -> None:
+    body = {"lora_name": "x", "lora_path": "/nowhere"}
+    assert httpx.post(f"{server.api_url}/load_lora_adapter", json=body).status_code == 404

@@ -233,6 +233,23 @@ class LLMEngine:
         self.lora.add(lora_request)
         return lora_request.lora_int_id
 
+    def remove_adapter(self, lora_id: int) -> None:
+        """Unloads a LoRA adapter; ValueError while an unfinished request runs it."""
+        if self.lora is None or lora_id not in self.lora.adapters:
+            raise ValueError(f"no LoRA adapter with lora_int_id {lora_id} is loaded")
+        num_using = sum(
+            sequence.lora_id == lora_id
+            for request in self.scheduler.requests.values()
+            for sequence in request.sequences
+            if not sequence.is_finished
+        )
+        if num_using:
+            raise ValueError(
+                f"LoRA adapter {lora_id} is in use by {num_using} unfinished sequences: unload "
+                "it once they finish"
+            )
+        self.lora.remove(lora_id)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stops a request (or each of several) and frees its KV pages; unknown or finished
         ids are ignored."""

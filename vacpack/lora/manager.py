@@ -27,10 +27,19 @@ class LoraManager:
             if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                 module.lora = self.layers[name] = LinearLora(self.state)
         self.adapters: dict[int, LoRARequest] = {}
+        # Paths of removed adapters by id: their KV pages may still be in the prefix cache under
+        # the id, so the id never serves another adapter.
+        self._removed_paths: dict[int, str] = {}
 
     def add(self, request: LoRARequest) -> None:
         """Loads the adapter unless its id is loaded already (then it must be the same one).
         Raises ValueError for an adapter that does not fit the model, before any layer has it."""
+        removed_path = self._removed_paths.get(request.lora_int_id)
+        if removed_path is not None and removed_path != request.lora_path:
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} was adapter {removed_path!r}, removed: give "
+                "another adapter another id"
+            )
         known = self.adapters.get(request.lora_int_id)
         if known is not None:
             if known.lora_path != request.lora_path:
@@ -46,6 +55,14 @@ class LoraManager:
         for name, pair in weights.items():
             self.layers[name].weights[request.lora_int_id] = pair
         self.adapters[request.lora_int_id] = request
+
+    def remove(self, lora_id: int) -> None:
+        """Forgets the adapter (the caller checked that no sequence runs it)."""
+        removed = self.adapters.pop(lora_id, None)
+        if removed is not None:
+            self._removed_paths[lora_id] = removed.lora_path
+        for layer in self.layers.values():
+            layer.weights.pop(lora_id, None)
 
     def set_batch(self, rows_per_sequence: Sequence[int], lora_ids: Sequence[int]) -> None:
         """The next forward's rows: sequence i (in stream order) has rows_per_sequence[i] rows

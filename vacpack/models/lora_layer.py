@@ -62,7 +62,7 @@ class LinearLora:
                 a, b = a.to(x.dtype), b.to(x.dtype)
                 self.weights[group.lora_id] = (a, b)
             if group.rows is None:
-                y.add_(torch.mm(torch.mm(x, a.t()), b.t()))
+                y.addmm_(torch.mm(x, a.t()), b.t())  # the add fused into the second product
             else:
                 rows = x.index_select(0, group.rows)
                 y.index_add_(0, group.rows, torch.mm(torch.mm(rows, a.t()), b.t()))

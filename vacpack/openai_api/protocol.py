@@ -212,6 +212,20 @@ class TokenizeRequest(_Body):
     return_token_strs: bool | None = False
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -202,6 +202,16 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     async def detokenize(request: Request) -> Response:
         return await handlers.detokenize(request)
 
+    if handlers.config.allow_runtime_lora_updating:  # vLLM's paths
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await handlers.load_lora_adapter(request)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await handlers.unload_lora_adapter(request)
+
     if handlers.config.api_key:
         app.add_middleware(BearerAuth, api_key=handlers.config.api_key)
     app.add_middleware(BodySizeLimit, max_body_bytes=handlers.config.max_request_body_bytes)

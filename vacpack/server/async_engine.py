@@ -20,9 +20,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from vacpack.engine.engine import LLMEngine
 from vacpack.lora.request import LoRARequest
@@ -34,6 +34,8 @@ from vacpack.sampling import SamplingParams
 from vacpack.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # After this many engine steps in a row have failed, /health reports the engine unhealthy, so
 # that what watches it (a load balancer, Kubernetes' probes, Ray Serve's check_health) can
@@ -116,6 +118,14 @@ class _Pool:
     future: asyncio.Future[dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class _Call:
+    """A function of the engine, run on the engine thread between two steps."""
+
+    function: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+
+
 class _EndDrain:
     pass
 
@@ -145,7 +155,7 @@ class AsyncEngine:
         self._metrics = metrics
         self._max_waiting = max_waiting_requests
         self._retry_after_s = retry_after_s
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | _EndDrain | _Stop] = (
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Pool | _Call | _EndDrain | _Stop] = (
             queue.SimpleQueue()
         )
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -228,6 +238,14 @@ class AsyncEngine:
         self._commands.put(_Pool(prepared, future))
         return await future
 
+    async def call(self, function: Callable[[LLMEngine], T]) -> T:
+        """`function(engine)` on the engine thread between two steps (the engine is not
+        thread-safe): loading or removing a LoRA adapter, say. Its exception is raised here."""
+        assert self._loop is not None, "start() first"
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._commands.put(_Call(function, future))
+        return await future
+
     # ------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         running = True
@@ -264,6 +282,8 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_ids)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 pool_jobs.append(command)
         if pool_jobs and self._refusal is not None:
@@ -348,6 +368,19 @@ class AsyncEngine:
         prepared = [command.prepared for command in commands]
         results = run_pooling_apart_on_failure(self._pooling, prepared, failure)
         self._settle_pool_jobs(commands, results)
+
+    def _call(self, command: _Call) -> None:
+        result: Any
+        if self._engine is None:
+            result = bad_request("this model does not generate text", "model")
+        else:
+            try:
+                result = command.function(self._engine)
+            except Exception as error:  # the caller's to answer
+                result = error
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the event loop has closed
+            self._loop.call_soon_threadsafe(_settle, command.future, result)
 
     def _settle_pool_jobs(self, commands: list[_Pool], results: list[Any]) -> None:
         assert self._loop is not None

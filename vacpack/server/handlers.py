@@ -64,6 +64,7 @@ from vacpack.openai_api.tokenization import detokenize_body, tokenize_body
 from vacpack.outputs import RequestOutput, RequestOutputKind
 from vacpack.server.async_engine import AsyncEngine, EngineRequest, RequestStream
 from vacpack.server.beam_search import beam_search_outputs
+from vacpack.server.lora_updates import ServedAdapters
 from vacpack.server.options import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,20 @@ class OpenAIHandlers:
         return card
 
     @functools.cached_property
+    def served_adapters(self) -> ServedAdapters:
+        return ServedAdapters(self.config.served_model_name, self.config.lora_requests)
+
+    @property
     def _adapters(self) -> dict[str, LoRARequest]:
-        return self.config.lora_requests
+        return self.served_adapters.by_name
+
+    async def load_lora_adapter(self, raw: Request) -> Response:
+        message = await self.served_adapters.load(self.engine, await raw.body())
+        return Response(message, media_type="text/plain")
+
+    async def unload_lora_adapter(self, raw: Request) -> Response:
+        message = await self.served_adapters.unload(self.engine, await raw.body())
+        return Response(message, media_type="text/plain")
 
     def _check_model(self, model: str | None) -> LoRARequest | None:
         return check_model(model, self.config.served_model_name, self._adapters)

@@ -36,6 +36,9 @@ class ServerConfig:
     max_request_body_bytes: int = 32 << 20
     # LoRA adapters served beside the base model: (name, path), a request's `model` picks one.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, as they change what the server runs.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
@@ -109,6 +112,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     add_lora_modules_arg(group)
     group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)",
+    )
+    group.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=32 << 20,
@@ -130,4 +138,5 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sequences_per_request=args.max_sequences_per_request,
         max_request_body_bytes=args.max_request_body_bytes,
         lora_modules=tuple(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
