@@ -13,7 +13,7 @@ from lora_adapters import make_adapter
 from peft import PeftModel
 from transformers_reference import load_reference, random_prompts, transformers_greedy
 
-from vacpack import LLM, SamplingParams
+from vacpack import LLM, BeamSearchParams, SamplingParams
 from vacpack.lora.request import LoRARequest
 
 MAX_NEW_TOKENS = 6
@@ -134,3 +134,26 @@ def test_bad_adapters_are_refused_and_the_engine_goes_on(tiny_checkpoint, tmp_pa
     assert all(set(layer.weights) <= {1} for layer in llm.engine.lora.layers.values())
     config = json.loads((good / "adapter_config.json").read_text())
     assert config["r"] == 4
+
+
+def test_beam_search_with_an_adapter_equals_the_search_on_peft(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    from test_beam_search import MIN_DECISION_GAP, reference_beam_search
+
+    base_dir = tiny_checkpoint("qwen2")
+    adapter_dir = make_adapter(base_dir, tmp_path / "a", seed=6, targets=ATTENTION_AND_MLP, r=8)
+    llm = LLM(str(base_dir), **ENGINE)
+    reference = reference_model(base_dir, adapter_dir)
+    prompts = random_prompts([6, 11, 17, 9], llm.loaded.config.vocab_size, seed=5)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    adapter = LoRARequest("a", 1, str(adapter_dir))
+    outputs = llm.beam_search(prompts, params, lora_request=adapter)
+    compared = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected, gap = reference_beam_search(reference, prompt, 2, 4, frozenset())
+        if gap < MIN_DECISION_GAP:
+            continue
+        compared += 1
+        assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in expected]
+    assert compared >= 2, "too few prompts without near ties to compare"

@@ -184,6 +184,10 @@ def test_ray_commands_refuse_what_cannot_run(
     samples = ["generate", "--model", str(decoder_dir), "--prompt", "hi", "--n", "2", "--ray"]
     assert main([*samples, "--output", str(tmp_path / "out")]) == 2
     assert "one completion per row" in capsys.readouterr().err
+    # A runtime adapter load would reach one replica of several.
+    updating = ["serve", "--model", str(decoder_dir), "--enable-lora"]
+    assert main([*updating, "--allow-runtime-lora-updating", "--ray"]) == 2
+    assert "changes one replica only" in capsys.readouterr().err
 
 
 def test_a_replica_killed_mid_job_loses_and_repeats_no_row(

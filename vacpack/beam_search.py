@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.engine.engine import LLMEngine
+from vacpack.lora.request import LoRARequest
 from vacpack.outputs import (
     CompletionOutput,
     Logprob,
@@ -146,6 +147,11 @@ class BeamSearch:
             self._extending.extend((index, beam) for beam in beams)
         return [beam.tokens for _, beam in self._extending]
 
+    @property
+    def extending_prompts(self) -> list[int]:
+        """The prompt index of each beam `beams_to_extend` returned last."""
+        return [index for index, _ in self._extending]
+
     def advance(self, positions: Sequence[PositionLogprobs]) -> None:
         """Each extended beam's next-token log-probabilities (`beams_to_extend`' order)."""
         num_candidates = self.step_params.logprobs or 1
@@ -190,13 +196,19 @@ def run_beam_search(
     prompts: list[list[int]],
     params: BeamSearchParams,
     use_tqdm: bool = False,
+    adapters: Sequence[LoRARequest | None] | None = None,
 ) -> list[BeamSearchOutput]:
-    """The best beam_width hypotheses of each prompt (token ids, checked by the caller)."""
+    """The best beam_width hypotheses of each prompt (token ids, checked by the caller), each
+    prompt's beams run with its LoRA adapter in `adapters` (None: the base model)."""
     search = BeamSearch(prompts, params, engine.loaded.eos_token_ids, engine.loaded.max_model_len)
     request_ids = (f"beam-search-{index}" for index in itertools.count())
     with tqdm(total=params.max_tokens, desc="beam search", unit="tok", disable=not use_tqdm) as bar:
         while beams := search.beams_to_extend():
-            search.advance(_next_token_positions(engine, beams, search.step_params, request_ids))
+            beam_adapters = [adapters[i] if adapters else None for i in search.extending_prompts]
+            positions = _next_token_positions(
+                engine, beams, beam_adapters, search.step_params, request_ids
+            )
+            search.advance(positions)
             bar.update(1)
     return search.outputs(engine.loaded.tokenizer)
 
@@ -204,6 +216,7 @@ def run_beam_search(
 def _next_token_positions(
     engine: LLMEngine,
     beams: list[list[int]],
+    adapters: list[LoRARequest | None],
     step_params: SamplingParams,
     request_ids: Iterator[str],
 ) -> list[PositionLogprobs]:
@@ -212,7 +225,7 @@ def _next_token_positions(
     positions: list[PositionLogprobs] = [{} for _ in beams]
     try:
         for request_id, index in order.items():
-            engine.add_request(request_id, beams[index], step_params)
+            engine.add_request(request_id, beams[index], step_params, lora_request=adapters[index])
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:

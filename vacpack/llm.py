@@ -146,19 +146,18 @@ class LLM:
                 self.engine.structured.check(params)
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
-        adapters = _as_adapter_list(lora_request, len(batch))
-        for adapter in {a.lora_int_id: a for a in adapters if a is not None}.values():
-            self.engine.add_adapter(adapter)  # loaded (and checked) before any work starts
+        adapters = self._add_adapters(lora_request, len(batch))
         return self._run(encoded, params_list, use_tqdm, adapters)
 
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """The best `params.beam_width` hypotheses of each prompt (vLLM's `beam_search`, with
-        its scoring: beam_search.py), in input order."""
+        its scoring: beam_search.py), in input order; `lora_request` as in `generate`."""
         from vacpack.beam_search import run_beam_search
 
         batch = as_prompt_list(prompts)
@@ -168,7 +167,8 @@ class LLM:
                 self.engine.validate_prompt(token_ids)
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
-        return run_beam_search(self.engine, encoded, params, use_tqdm) if encoded else []
+        adapters = self._add_adapters(lora_request, len(encoded))
+        return run_beam_search(self.engine, encoded, params, use_tqdm, adapters) if encoded else []
 
     def chat(
         self,
@@ -352,6 +352,15 @@ class LLM:
         runner = self.corpus_runner
         results = [r for _, r in runner.run(task, inputs, len(inputs), use_tqdm)]
         return results if return_failures else _raise_failures(results)
+
+    def _add_adapters(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        """Each prompt's adapter, every one loaded (and checked) before any work starts."""
+        adapters = _as_adapter_list(lora_request, num_prompts)
+        for adapter in {a.lora_int_id: a for a in adapters if a is not None}.values():
+            self.engine.add_adapter(adapter)
+        return adapters
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return encode_prompt(prompt, self.loaded.tokenizer)

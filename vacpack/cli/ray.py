@@ -110,6 +110,13 @@ def _check_before_starting(args: argparse.Namespace, sampling_params: Any) -> No
     if args.num_replicas < 1:
         raise ValueError(f"--num-replicas must be >= 1, got {args.num_replicas}")
     if args.command == "serve":
+        if getattr(args, "allow_runtime_lora_updating", False):
+            # Serve's proxy sends a load or unload request to one replica: the others would
+            # not have the adapter, and requests naming it would fail at random.
+            raise ValueError(
+                "--allow-runtime-lora-updating changes one replica only under --ray: name the "
+                "adapters with --lora-modules"
+            )
         return
     if not args.output:
         raise ValueError("--ray writes its results through Ray Data: give --output DIRECTORY")
