@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from lora_adapters import make_adapter
 from process_table import is_running
 
-from vacpack import LLM, EngineArgs, LLMEngine, SamplingParams
+from vacpack import LLM, EngineArgs, LLMEngine, LoRARequest, SamplingParams
 from vacpack.distributed.driver import TensorParallelError
 from vacpack.errors import CorruptWeightsError
 from vacpack.outputs import RequestOutput
@@ -136,6 +137,30 @@ def test_an_engine_from_engine_args_runs_two_ranks_and_stops_them(tiny_checkpoin
     ]
     engine.close()
     _wait_until_gone(worker_pids)
+
+
+def test_two_ranks_run_lora_adapters_as_one_does(tiny_checkpoint, tmp_path: Path) -> None:
+    """Each rank reads its slices of the adapters (column-parallel B rows, row-parallel A
+    columns); adapters and the base model mixed in one batch give one process's tokens."""
+    model_dir = tiny_checkpoint("qwen2")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(make_adapter(model_dir, tmp_path / f"a{i}", seed=i,
+                    targets=targets, r=4, lora_alpha=8)))
+        for i in range(2)
+    ]  # fmt: skip
+    assigned = [adapters[0], None, adapters[1], adapters[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    engine = {**ENGINE, "enable_lora": True}
+    expected = LLM(str(model_dir), **engine).generate(
+        PROMPTS, params, use_tqdm=False, lora_request=assigned
+    )
+    with LLM(str(model_dir), **engine, tensor_parallel_size=TP_SIZE) as llm:
+        got = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=assigned)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        llm.engine.remove_adapter(2)  # the other rank drops it too, and the group goes on
+        again = llm.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=adapters[0])
+        assert again[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
 
 
 def test_two_ranks_embed_what_one_does(tmp_path: Path) -> None:

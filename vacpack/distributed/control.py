@@ -34,6 +34,7 @@ class Program(enum.IntEnum):
     LONG_DOCUMENT = 4  # corpus/forward.py
     LM_HEAD = 5  # runtime.py
     SHUTDOWN = 6  # no payload: leave the worker loop
+    LORA_ADAPTER = 7  # lora/manager.py: an adapter loaded or removed
 
 
 class ControlChannel:

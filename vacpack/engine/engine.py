@@ -230,7 +230,10 @@ class LLMEngine:
                 f"LoRA adapter {lora_request.lora_name!r} given, but the engine was started "
                 "without enable_lora"
             )
-        self.lora.add(lora_request)
+        if self.lora.add(lora_request) and self.loaded.driver is not None:
+            message = LoraManager.change_message(lora_request.lora_int_id, lora_request.lora_path)
+            with self.loaded.driver.program(Program.LORA_ADAPTER, message):
+                pass  # every rank loads its slices of it
         return lora_request.lora_int_id
 
     def remove_adapter(self, lora_id: int) -> None:
@@ -249,6 +252,11 @@ class LLMEngine:
                 "it once they finish"
             )
         self.lora.remove(lora_id)
+        if self.loaded.driver is not None:
+            with self.loaded.driver.program(
+                Program.LORA_ADAPTER, LoraManager.change_message(lora_id, None)
+            ):
+                pass
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stops a request (or each of several) and frees its KV pages; unknown or finished

@@ -22,7 +22,7 @@ from vacpack.attention.backend import BatchLayout
 PROMPT_LOGPROB_ROWS_PER_PASS = 512
 
 # sequences, tokens, sampled rows, prompt passes, use_graph, shares_sampled, verify rows
-_NUM_COUNTS = 7
+_NUM_COUNTS = 8
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ def encode(inputs: StepInputs) -> list[int]:
         int(inputs.use_graph),
         int(inputs.shares_sampled_tokens),
         len(inputs.verify_rows),
+        len(inputs.lora_ids),
         *layout.query_lens,
         *layout.context_lens,
         *(len(table) for table in layout.page_tables),
@@ -78,13 +79,14 @@ def encode(inputs: StepInputs) -> list[int]:
         *inputs.future_slots,
         *itertools.chain.from_iterable(inputs.prompt_passes),
         *inputs.verify_rows,
+        *inputs.lora_ids,
     ]
 
 
 def decode(
     values: list[int], page_size: int, attention_windows: tuple[int | None, ...]
 ) -> StepInputs:
-    num_seqs, num_tokens, num_sampled, num_passes, use_graph, shares, num_verify = values[
+    num_seqs, num_tokens, num_sampled, num_passes, use_graph, shares, num_verify, num_lora = values[
         :_NUM_COUNTS
     ]
     cursor = _NUM_COUNTS
@@ -102,6 +104,7 @@ def decode(
     sample_rows, future_slots = take(num_sampled), take(num_sampled)
     flat_passes = take(2 * num_passes)
     verify_rows = take(num_verify)
+    lora_ids = take(num_lora)
     assert cursor == len(values), "an ENGINE_STEP message of unexpected length"
     positions = [
         position
@@ -124,4 +127,5 @@ def decode(
         prompt_passes=list(zip(flat_passes[::2], flat_passes[1::2], strict=True)),
         shares_sampled_tokens=bool(shares),
         verify_rows=verify_rows,
+        lora_ids=lora_ids,
     )

@@ -144,8 +144,11 @@ def _merge(
     layer in that part's columns."""
     a = torch.cat([part.a for part in parts])
     if isinstance(layer, RowParallelLinear):
+        # This rank's input columns (all of them with one rank); the partial products it adds
+        # are summed by the layer's all-reduce with the others'.
         (part,) = parts
-        return a.to(device), part.b.to(device)
+        columns = layer.columns
+        return a[:, columns.start : columns.start + columns.length].to(device), part.b.to(device)
     assert isinstance(layer, ColumnParallelLinear)
     b = torch.zeros(layer.weight.shape[0], a.shape[0])
     column = 0

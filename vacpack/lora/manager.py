@@ -31,9 +31,10 @@ class LoraManager:
         # the id, so the id never serves another adapter.
         self._removed_paths: dict[int, str] = {}
 
-    def add(self, request: LoRARequest) -> None:
-        """Loads the adapter unless its id is loaded already (then it must be the same one).
-        Raises ValueError for an adapter that does not fit the model, before any layer has it."""
+    def add(self, request: LoRARequest) -> bool:
+        """Loads the adapter unless its id is loaded already (then it must be the same one);
+        True when it was loaded now. Raises ValueError for an adapter that does not fit the
+        model, before any layer has it."""
         removed_path = self._removed_paths.get(request.lora_int_id)
         if removed_path is not None and removed_path != request.lora_path:
             raise ValueError(
@@ -47,7 +48,7 @@ class LoraManager:
                     f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} "
                     f"({known.lora_path}), not {request.lora_path!r}: give each adapter its own id"
                 )
-            return
+            return False
         try:
             weights = read_adapter(request.lora_path, self.model, self.max_lora_rank, self.device)
         except ValueError as error:  # the loader's typed errors are ValueErrors too
@@ -55,6 +56,7 @@ class LoraManager:
         for name, pair in weights.items():
             self.layers[name].weights[request.lora_int_id] = pair
         self.adapters[request.lora_int_id] = request
+        return True
 
     def remove(self, lora_id: int) -> None:
         """Forgets the adapter (the caller checked that no sequence runs it)."""
@@ -63,6 +65,27 @@ class LoraManager:
             self._removed_paths[lora_id] = removed.lora_path
         for layer in self.layers.values():
             layer.weights.pop(lora_id, None)
+
+    # ---------------------------------------------------------------- tensor parallelism
+    # Rank 0 loads or removes an adapter, then tells the other ranks (Program.LORA_ADAPTER):
+    # [lora_int_id, 1 to load (then its path's UTF-8 bytes) or 0 to remove]. Each rank reads
+    # its own slices of the same files.
+
+    @staticmethod
+    def change_message(lora_id: int, path: str | None) -> list[int]:
+        """The message for loading adapter `lora_id` from `path`, or removing it (None)."""
+        if path is None:
+            return [lora_id, 0]
+        return [lora_id, 1, *path.encode("utf-8")]
+
+    def apply_change(self, message: list[int]) -> None:
+        """Another rank: does what rank 0's change_message says."""
+        lora_id, loads, *path_bytes = message
+        if loads:
+            path = bytes(path_bytes).decode("utf-8")
+            self.add(LoRARequest(f"lora-{lora_id}", lora_id, path))
+        else:
+            self.remove(lora_id)
 
     def set_batch(self, rows_per_sequence: Sequence[int], lora_ids: Sequence[int]) -> None:
         """The next forward's rows: sequence i (in stream order) has rows_per_sequence[i] rows

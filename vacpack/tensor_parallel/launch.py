@@ -29,11 +29,6 @@ def load_tensor_parallel(config: EngineConfig) -> LoadedModel:
     each rank takes 1/N of the cores unless num_threads says otherwise.
     """
     size = config.tensor_parallel_size
-    if config.enable_lora:
-        raise ValueError(
-            "enable_lora runs with tensor_parallel_size 1: LoRA adapters are not split over "
-            "ranks yet"
-        )
     device = resolve_device(config.device)
     _check_devices(config, device, size)
     model_dir = resolve_model_path(config.model, config.revision)

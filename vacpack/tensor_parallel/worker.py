@@ -22,6 +22,7 @@ from vacpack.distributed.group import WorkerArgs, connect_to_store, join_group, 
 from vacpack.engine import step_inputs
 from vacpack.engine.device_setup import setup_engine_device
 from vacpack.engine.step_forward import StepForward
+from vacpack.lora.manager import LoraManager
 from vacpack.models.parallel import TensorParallel
 from vacpack.runtime import LoadedModel, load
 
@@ -59,6 +60,10 @@ class _Worker:
                 engine_config = self.loaded.engine_config
                 setup = setup_engine_device(engine_config, self.loaded, max_num_batched_tokens)
                 self.step_forward = setup.forward
+                if engine_config.enable_lora:
+                    setup.forward.lora = LoraManager(
+                        self.loaded.model, engine_config.max_lora_rank, self.loaded.device
+                    )
             elif kind == Program.ENGINE_STEP:
                 forward = self.step_forward
                 assert forward is not None, "ENGINE_SETUP comes first"
@@ -72,6 +77,9 @@ class _Worker:
                 self.packed_forward.run_as_worker(kind, values)
             elif kind == Program.LM_HEAD:
                 self._lm_head(num_rows=values[0])
+            elif kind == Program.LORA_ADAPTER:
+                assert self.step_forward is not None and self.step_forward.lora is not None
+                self.step_forward.lora.apply_change(values)
             else:
                 raise ValueError(f"unknown program {kind!r}")
 
