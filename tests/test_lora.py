@@ -157,3 +157,34 @@ def test_beam_search_with_an_adapter_equals_the_search_on_peft(
         compared += 1
         assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in expected]
     assert compared >= 2, "too few prompts without near ties to compare"
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"async_scheduling": True},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_min": 1}},
+    ],
+    ids=["async_scheduling", "speculative_decoding"],
+)  # fmt: skip
+def test_adapters_under_async_scheduling_and_speculation_give_the_same_tokens(
+    engine_args: dict, tiny_checkpoint, tmp_path: Path
+) -> None:
+    base_dir = tiny_checkpoint("qwen2")
+    adapter_dir = make_adapter(base_dir, tmp_path / "a", seed=7, targets=ATTENTION_AND_MLP, r=4)
+    adapter = LoRARequest("a", 1, str(adapter_dir))
+    plain = LLM(str(base_dir), **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = random_prompts([7, 12], plain.loaded.config.vocab_size, seed=8)
+    # Each prompt repeats what the adapted model wrote after its first part: the n-gram lookup
+    # then drafts from it.
+    written = plain.generate(first, params, use_tqdm=False, lora_request=adapter)
+    prompts = [p + w.outputs[0].token_ids + p for p, w in zip(first, written, strict=True)]
+    assigned = [adapter, None]
+    expected = plain.generate(prompts, params, use_tqdm=False, lora_request=assigned)
+    other = LLM(str(base_dir), **ENGINE, **engine_args)
+    got = other.generate(prompts, params, use_tqdm=False, lora_request=assigned)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    if "speculative_config" in engine_args:
+        assert other.engine.state().num_draft_tokens > 0
