@@ -15,6 +15,7 @@ from transformers_reference import load_reference, random_prompts, transformers_
 
 from vacpack import LLM, BeamSearchParams, SamplingParams
 from vacpack.lora.request import LoRARequest
+from vacpack.models import lora_layer
 
 MAX_NEW_TOKENS = 6
 LOGPROB_TOLERANCE = 1e-4
@@ -30,10 +31,19 @@ def reference_model(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module
     return model if adapter_dir is None else PeftModel.from_pretrained(model, adapter_dir).eval()
 
 
-@pytest.mark.parametrize("family", sorted(TARGETS))
+@pytest.mark.parametrize(
+    ("family", "stacked_max_rows"),
+    [
+        *((family, lora_layer.STACKED_MAX_ROWS) for family in sorted(TARGETS)),
+        # Every step's adapters each on their own rows, or all stacked, however many rows.
+        ("qwen2", 0),
+        ("qwen2", 1 << 20),
+    ],
+)
 def test_adapters_and_the_base_model_in_one_batch_match_peft(
-    family: str, tiny_checkpoint, tmp_path: Path
+    family: str, stacked_max_rows: int, tiny_checkpoint, tmp_path: Path, monkeypatch
 ) -> None:
+    monkeypatch.setattr(lora_layer, "STACKED_MAX_ROWS", stacked_max_rows)
     base_dir = tiny_checkpoint(family)
     adapters = [
         LoRARequest(f"a{index}", index + 1, str(make_adapter(base_dir, tmp_path / f"a{index}",

@@ -54,7 +54,7 @@ class LoraManager:
         except ValueError as error:  # the loader's typed errors are ValueErrors too
             raise ValueError(f"LoRA adapter {request.lora_name!r}: {error}") from None
         for name, pair in weights.items():
-            self.layers[name].weights[request.lora_int_id] = pair
+            self.layers[name].set_weights(request.lora_int_id, pair)
         self.adapters[request.lora_int_id] = request
         return True
 
@@ -64,7 +64,7 @@ class LoraManager:
         if removed is not None:
             self._removed_paths[lora_id] = removed.lora_path
         for layer in self.layers.values():
-            layer.weights.pop(lora_id, None)
+            layer.set_weights(lora_id, None)
 
     # ---------------------------------------------------------------- tensor parallelism
     # Rank 0 loads or removes an adapter, then tells the other ranks (Program.LORA_ADAPTER):
@@ -100,6 +100,14 @@ class LoraManager:
             self.state.batch = None
             return
         self.state.num_rows = start
+        row_lora_ids = [
+            lora_id
+            for num_rows, lora_id in zip(rows_per_sequence, lora_ids, strict=True)
+            for _ in range(num_rows)
+        ]
+        self.state.row_lora_ids = torch.tensor(row_lora_ids, dtype=torch.int64).to(
+            self.device, non_blocking=True
+        )
         self.state.batch = [
             LoraRows(
                 lora_id,
