@@ -90,33 +90,27 @@ class LoraManager:
     def set_batch(self, rows_per_sequence: Sequence[int], lora_ids: Sequence[int]) -> None:
         """The next forward's rows: sequence i (in stream order) has rows_per_sequence[i] rows
         and runs adapter lora_ids[i] (0: the base model alone)."""
-        rows_by_adapter: dict[int, list[int]] = {}
-        start = 0
-        for num_rows, lora_id in zip(rows_per_sequence, lora_ids, strict=True):
-            if lora_id:
-                rows_by_adapter.setdefault(lora_id, []).extend(range(start, start + num_rows))
-            start += num_rows
-        if not rows_by_adapter:
+        adapter_ids = [lora_id for lora_id in dict.fromkeys(lora_ids) if lora_id]
+        if not adapter_ids:
             self.state.batch = None
             return
-        self.state.num_rows = start
-        row_lora_ids = [
-            lora_id
-            for num_rows, lora_id in zip(rows_per_sequence, lora_ids, strict=True)
-            for _ in range(num_rows)
-        ]
-        self.state.row_lora_ids = torch.tensor(row_lora_ids, dtype=torch.int64).to(
-            self.device, non_blocking=True
+        # Each row's adapter id, from which both ways of running them read their rows.
+        row_lora_ids = torch.repeat_interleave(
+            torch.tensor(lora_ids, dtype=torch.int64), torch.tensor(rows_per_sequence)
         )
-        self.state.batch = [
-            LoraRows(
-                lora_id,
-                None
-                if len(rows) == start
-                else torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True),
+        num_rows = len(row_lora_ids)
+        batch = []
+        for lora_id in adapter_ids:
+            rows = (row_lora_ids == lora_id).nonzero().flatten()
+            batch.append(
+                LoraRows(
+                    lora_id,
+                    None if len(rows) == num_rows else rows.to(self.device, non_blocking=True),
+                )
             )
-            for lora_id, rows in rows_by_adapter.items()
-        ]
+        self.state.num_rows = num_rows
+        self.state.row_lora_ids = row_lora_ids.to(self.device, non_blocking=True)
+        self.state.batch = batch
 
     def clear_batch(self) -> None:
         self.state.batch = None
