@@ -35,7 +35,7 @@ def test_packed_layers_compute_what_f_linear_computes(dtype: torch.dtype, num_ro
     row = _filled(RowParallelLinear(64, 48, bias=True), seed=2).to(dtype)
     x = torch.randn(num_rows, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
     expected_column = F.linear(x, column.weight, column.bias)
-    expected_row = F.linear(expected_column, row.weight) + row.bias
+    expected_row = F.linear(expected_column, row.weight, row.bias)
 
     column.prepack_for_cpu()
     row.prepack_for_cpu()

@@ -456,6 +456,8 @@ def test_the_bf16_kernel_is_chosen_apart_for_prefill_steps(
     prefill steps each take the one that wins them: the engine's backend routes prefill steps
     to the cpu_kernels backend on AMX tiles, decodes to the one on AVX-512 registers."""
     monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
+    # The backend built with the AMX kernel raises where the CPU lacks AMX, so it would lose.
+    monkeypatch.setitem(REAL_CALLS_RUN, "cpu_kernels", REAL_CALLS_RUN["amx"])
     shared = {"cascade": 0.1, "no_cascade": 0.1, "cpu_kernels": 0.001, "torch_sdpa": 0.002}
     timings = inject(
         shared | {"avx512_bf16": 0.001, "amx": 0.002},
@@ -482,6 +484,8 @@ def test_the_cascade_prefixes_bf16_kernel_is_chosen_behind_a_shared_prefix(
     choice of their own, timed behind the longest prefix the cascade is timed at, with the
     cascade on; the backend runs its prefixes on the winner."""
     monkeypatch.setattr(cpu_kernels, "varlen_attention_supported", lambda *args: True)
+    # The backend built with the AMX prefix kernel raises where the CPU lacks AMX.
+    monkeypatch.setitem(REAL_CALLS_RUN, "cpu_kernels", REAL_CALLS_RUN["amx"])
     # Not timed: its candidates' real calls would need the bf16 kernels on this CPU.
     monkeypatch.setenv(force_env_var(cascade_selection.CASCADE_PHASE), "cascade")
     timings = inject(
