@@ -22,6 +22,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +105,18 @@ static inline void prefetch_rows(const bf16* first, int64_t stride, int64_t coun
     for (int64_t i = 0; i < count; ++i)
         for (int64_t line = 0; line < row_bytes; line += 64)
             _mm_prefetch((const char*)(first + i * stride) + line, _MM_HINT_T0);
+}
+
+// Prefetches a task's rows 0..n (`row_bytes` each) into L2, a page's run of rows at a time.
+// Inlined: as a call it kept about half of its gain (interleaved, same batch).
+static inline __attribute__((always_inline)) void prefetch_task_rows(const Bf16Rows* rows, int64_t n, int64_t row_bytes) {
+    for (int64_t first = 0; first < n; first += KEY_BLOCK) {
+        const bf16* row = bf16_row(rows, first);
+        const int64_t count = n - first < KEY_BLOCK ? n - first : KEY_BLOCK;
+        for (int64_t i = 0; i < count; ++i)
+            for (int64_t line = 0; line < row_bytes; line += 64)
+                _mm_prefetch((const char*)(row + i * rows->stride) + line, _MM_HINT_T1);
+    }
 }
 
 // keys[0..n) -> packed[key_block][dim_pair][16 keys][2 dims], zero past n. A block of 16 keys
@@ -335,6 +348,28 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                                       k_stride, pages, page_size};
             const Bf16Rows value_rows = {v + first_row * v_stride + task.kv_head * head_dim,
                                         v_stride, pages, page_size};
+            // A decode's keys and values lie in pages scattered over the cache, each task's
+            // a few KiB apart, and its packing alone keeps too few misses in flight (the
+            // hardware prefetchers stop at each page's end). So all of this task's keys are
+            // requested into L2 at once, and the keys and values of the task this thread
+            // probably takes next (the schedule hands tasks out in order) while it works:
+            // G1's decode batch (64 sequences, 24 layers) went from 40 to 35 ms per step on a
+            // 2-core Zen 4, interleaved; this task's values too, or only the next task's
+            // keys, gained less.
+            prefetch_task_rows(&key_rows, n_seen, head_dim * 2);
+            const int64_t next_i = i + omp_get_num_threads();
+            if (next_i < num_tasks) {
+                const Task next = tasks[next_i];
+                const TaskKeys next_seen =
+                    task_keys(next, cu_q, cu_k, page_tables, pages_stride, causal);
+                const int64_t next_row = next_seen.first_row;
+                const Bf16Rows next_keys = {k + next_row * k_stride + next.kv_head * head_dim,
+                                            k_stride, next_seen.pages, page_size};
+                const Bf16Rows next_values = {v + next_row * v_stride + next.kv_head * head_dim,
+                                              v_stride, next_seen.pages, page_size};
+                prefetch_task_rows(&next_keys, next_seen.n_seen, head_dim * 2);
+                prefetch_task_rows(&next_values, next_seen.n_seen, head_dim * 2);
+            }
             pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys);
             // Rows: (query, head of the group), query-major.
             const int64_t num_task_rows = (task.query_end - task.query_start) * group;
