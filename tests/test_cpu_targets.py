@@ -68,6 +68,37 @@ def test_committed_zen3_results_give_every_target() -> None:
     assert "6 of 6 choices within 10%" in rows["choice audit, E1's encoder"].detail
 
 
+ZEN4_CPU = "AMD EPYC, 2 cores (avx512_bf16, avx512f)"
+
+
+def test_committed_zen4_results_give_every_target() -> None:
+    """The Zen 4 session's files (tag zen4, bf16): every target read, met or not as measured."""
+    files = cpu_targets.result_files("zen4", RESULTS_DIR, {})
+    rows = {row.target: row for row in cpu_targets.read_targets(files)}
+    assert len(rows) == len(cpu_targets.TARGETS)
+    expected = {
+        "G1 vs vLLM CPU": (95.796 / 88.454, False),  # g1_qwen2.5-0.5b_cpu_zen4.json
+        "P1 vs vLLM CPU": (100.013 / 85.306, False),  # p1_cpu_zen4.json
+        "E1 vs vLLM CPU": (35.114 / 27.655, True),  # e1_cpu_zen4.json
+        "shared prompt vs vLLM CPU": (53.806 / 46.412, False),  # prefix_cpu_zen4.json
+        "G1 vs transformers generate": (289.877 / 92.402, False),
+        "E1 bf16 vs sentence-transformers bf16": (41.099 / 27.536, False),
+        # 472,215,552 KV bytes per step in 34.106 ms against a 37.673 GB/s copy.
+        "decode attention KV read / copy bandwidth": (
+            472_215_552 / 34.106e-3 / 37.673e9,
+            False,
+        ),
+        "choice audit, G1's model": (1.0, True),
+        "choice audit, E1's encoder": (1.0, True),
+    }
+    for name, (value, met) in expected.items():
+        row = rows[name]
+        assert row.measured == pytest.approx(value, rel=1e-3), name
+        assert row.met is met, name
+        assert row.cpu == ZEN4_CPU, name
+    assert "C paged kernel" in rows["decode attention KV read / copy bandwidth"].detail
+
+
 def test_missing_files_are_rows_without_a_value(tmp_path: Path) -> None:
     # The Xeon's decode attention is committed; nothing else was run there with that tag.
     files = cpu_targets.result_files("xeon_amx", RESULTS_DIR)
