@@ -46,7 +46,8 @@ LAYERS: list[set[str]] = [
         "vacpack.output_file",
         "vacpack.structured.params",
     },
-    {"vacpack.errors"},
+    # A request's adapter, named in RequestOutput (vLLM's field) as anywhere above.
+    {"vacpack.errors", "vacpack.lora.request"},
 ]
 # The package's __init__ (`from vacpack import LLM`) runs before any of its modules, whoever
 # imports what: it is outside the layers.

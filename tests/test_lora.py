@@ -72,6 +72,8 @@ def test_adapters_and_the_base_model_in_one_batch_match_peft(
         assert got == expected, f"adapter {adapter}"
     # The adapters change the model: their tokens are not the base model's.
     assert any(tokens[(tuple(p), 1)] != tokens[(tuple(p), None)] for p in prompts)
+    # Each output names the adapter it ran, as vLLM's do.
+    assert [output.lora_request for output in outputs] == [adapter for _, adapter in runs]
 
 
 def test_prompt_logprobs_with_an_adapter_match_peft(tiny_checkpoint, tmp_path: Path) -> None:

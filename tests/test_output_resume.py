@@ -308,6 +308,17 @@ def test_a_byte_order_mark_opens_a_corpus_as_it_opens_a_batch_file(
         assert [r["logprob"] for r in marked] == pytest.approx([r["logprob"] for r in unmarked])
 
 
+def test_a_first_line_of_only_a_byte_order_mark_is_skipped_as_blank(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_bytes(codecs.BOM_UTF8 + b"\n" + json.dumps({"text": "a document"}).encode())
+    output = tmp_path / "out.jsonl"
+    assert main(_corpus_argv(model_dir, corpus, output)) == 0
+    (record,) = read_records(output)
+    assert (record["index"], record["line"]) == (0, 2) and "error" not in record
+
+
 def test_a_prompt_line_asking_to_stream_gets_its_own_error_record(llm: LLM, tmp_path: Path) -> None:
     """As run-batch answers such a line: a record holds a whole response, so "stream": true is
     refused by its line's record, not silently ignored; "stream": false asks for what a prompt

@@ -17,7 +17,7 @@ import pyarrow as pa
 from vacpack import LLM, SamplingParams
 from vacpack.ray.actors import ClassifyActor, EmbedActor, GenerateActor, LoglikelihoodActor
 from vacpack.ray.figures import BatchWork, ReplicaFigures, job_figures
-from vacpack.ray.files import parse_json_lines
+from vacpack.ray.files import READ_ERROR_COLUMN, drop_blank_lines, parse_json_lines
 from vacpack.testing.tiny_models import build_tiny_classifier_checkpoint
 
 ENGINE_KWARGS = {"dtype": "float32", "max_num_batched_tokens": 256, "kv_cache_memory_bytes": 2**24}
@@ -60,6 +60,9 @@ def test_loglikelihood_of_continuations_and_of_a_named_column(decoder_dir: Path)
         assert row["is_greedy"] == expected.is_greedy and row["error"] is None
         assert row["token_logprobs"] == pytest.approx(expected.token_logprobs, abs=1e-5)
     assert out[2]["error"] == "'context' and 'continuation' must both be strings"
+    # A file's byte-order mark opens its first line; a line of only the mark is no line.
+    marked = drop_blank_lines(pa.table({"text": ['\ufeff{"context": "a"}', "\ufeff", " \t"]}))
+    assert parse_json_lines(marked).to_pylist() == [{"context": "a", READ_ERROR_COLUMN: None}]
     # A block whose lines all failed to read: its own columns say what it has, not the last's.
     unreadable = parse_json_lines(pa.table({"text": ['{"context": "a', "[1]"]}))
     out = actor(unreadable).to_pylist()

@@ -292,6 +292,56 @@ def test_a_grammar_matching_only_the_empty_string_gets_a_400(
     assert "root rule matches only the empty string" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("guided_field", "key", "value"),
+    [
+        ("guided_json", "json", PERSON | {"additionalProperties": False}),
+        ("guided_regex", "regex", "[0-9]{3}-[a-z]{2}"),
+        ("guided_choice", "choice", ["alpha", "beta", "gamma"]),
+        ("guided_grammar", "grammar", 'root ::= "yes" | "no" | "maybe"'),
+    ],
+)
+def test_guided_fields_constrain_as_structured_outputs_does(
+    client: openai.OpenAI, guided_field: str, key: str, value: Any
+) -> None:
+    """vLLM's guided_* fields: the same sampled choices as the structured_outputs key they name
+    (a backend's name is taken and ignored)."""
+
+    def texts(extra: dict[str, Any]) -> list[str]:
+        response = client.completions.create(
+            model="tiny", prompt="answer:", max_tokens=150, temperature=1.0, n=3, seed=5,
+            extra_body=extra,
+        )  # fmt: skip
+        return [choice.text for choice in response.choices]
+
+    guided = texts({guided_field: value, "guided_decoding_backend": "xgrammar"})
+    assert guided == texts({"structured_outputs": {key: value}})
+    assert guided != texts({})  # the constraint did something
+    if key == "json":
+        for text in guided:
+            jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"guided_choice": ["a"], "guided_regex": "a+"}, "guided_choice", "cannot be combined"),
+        ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice", "cannot"),
+        ({"guided_choice": []}, "guided_choice", "guided_choice must be non-empty strings"),
+        ({"guided_json": "{not json"}, "guided_json", "guided_json is not valid JSON"),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+    ],
+)
+def test_bad_guided_fields_get_a_400_naming_the_field(
+    client: openai.OpenAI, extra: dict[str, Any], param: str, message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+    error = caught.value.body
+    assert error["param"] == param
+    assert message in error["message"]
+
+
 def test_completion_choice_and_logit_bias(client: openai.OpenAI, tools_checkpoint) -> None:
     choices = ["alpha", "beta"]
     response = client.completions.create(

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vacpack.lora.request import LoRARequest
+
 
 class RequestOutputKind(enum.Enum):
     """What each engine output carries, as in vLLM."""
@@ -70,6 +72,7 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache, not computed for this request (vLLM's
     # name): those of its first sample's first admission.
     num_cached_tokens: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it ran, as vLLM reports it
 
 
 # ---------------------------------------------------------------- corpus jobs

@@ -12,10 +12,11 @@ TEXT_KEYS = ("text", "input", "prompt")
 
 
 def is_blank_line(raw: bytes) -> bool:
-    """Whether a line holds only whitespace. Every JSON Lines reader here skips such a line, as
-    most JSONL readers do (an editor's trailing empty line is no record, and no error either):
-    run-batch, `generate --input`, the corpus commands, and Ray Data's reader under --ray."""
-    return not raw.strip()
+    """Whether a line holds only whitespace (after a byte-order mark). Every JSON Lines reader
+    here skips such a line, as most JSONL readers do (an editor's trailing empty line is no
+    record, and no error either): run-batch, `generate --input`, the corpus commands, and Ray
+    Data's reader under --ray."""
+    return not without_byte_order_mark(raw).strip()
 
 
 def without_byte_order_mark(raw: bytes) -> bytes:

@@ -216,6 +216,7 @@ class LLMEngine:
             prompt_logprobs_start=prompt_logprobs_start,
             lora_id=lora_id,
         )
+        request.lora_request = lora_request
         for sequence in request.sequences:
             sequence.constraints = self.structured.constraints_for(sequence.params, grammar)
         self.scheduler.add_request(request)

@@ -18,6 +18,7 @@ from vacpack.detokenizer import RequestDetokenizer
 from vacpack.engine.sampler import SamplingRow, make_request_generator
 from vacpack.engine.speculation import DraftState
 from vacpack.kvcache.page_pool import page_hashes
+from vacpack.lora.request import LoRARequest
 from vacpack.outputs import PositionLogprobs, RequestMetrics, RequestOutputKind
 from vacpack.sampling import SamplingParams
 from vacpack.structured.constraints import SequenceConstraints
@@ -188,6 +189,7 @@ class Request:
     metrics: RequestMetrics
     sequences: list[Sequence] = field(default_factory=list, repr=False)
     num_unfinished: int = 0  # sequences not finished yet
+    lora_request: LoRARequest | None = None  # its adapter, reported in its outputs
 
     def add_sequence(self, sequence: Sequence) -> None:
         self.sequences.append(sequence)

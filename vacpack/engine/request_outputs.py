@@ -48,6 +48,7 @@ def make_output(request: Request) -> RequestOutput | None:
         finished=finished,
         metrics=metrics,
         num_cached_tokens=first.num_cached_prompt_tokens,
+        lora_request=request.lora_request,
     )
 
 

@@ -89,16 +89,26 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolParser | None) -> Too
     return ToolPlan(list(tools), None if choice == "none" else parser, parallel)
 
 
+# vLLM's guided decoding fields, each the structured_outputs key of the same constraint.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
 def structured_outputs(
     request: CompletionRequest | ChatCompletionRequest, tool_plan: ToolPlan = NO_TOOLS
 ) -> StructuredOutputsParams | None:
-    """The constraint on the output, from structured_outputs, response_format or tool_choice;
-    checked (400 naming the field and the problem)."""
+    """The constraint on the output, from structured_outputs, a guided_* field,
+    response_format or tool_choice; checked (400 naming the field and the problem)."""
     sources: list[tuple[str, StructuredOutputsParams]] = []
     given = request.structured_outputs
     if given is not None:
         params = _checked("structured_outputs", lambda: StructuredOutputsParams.from_dict(given))
         sources.append(("structured_outputs", params))
+    sources.extend(_guided(request))
     from_format = _checked("response_format", lambda: _response_format(request.response_format))
     if from_format is not None:
         sources.append(("response_format", from_format))
@@ -115,6 +125,34 @@ def structured_outputs(
     field_name, params = sources[0]
     _checked(field_name, lambda: grammar_spec(params))
     return params
+
+
+def _guided(
+    request: CompletionRequest | ChatCompletionRequest,
+) -> list[tuple[str, StructuredOutputsParams]]:
+    """The constraints the request's guided_* fields give (more than one is refused by the
+    caller, as any two sources are)."""
+    if request.guided_whitespace_pattern is not None:
+        raise bad_request(
+            "guided_whitespace_pattern is not supported: JSON output follows the schema with "
+            "the grammar's own whitespace",
+            "guided_whitespace_pattern",
+        )
+    sources = []
+    for field_name, key in GUIDED_FIELDS.items():
+        value = getattr(request, field_name)
+        if value is None:
+            continue
+        try:
+            params = StructuredOutputsParams(**{key: value})
+        except RecursionError:
+            raise bad_request(f"{field_name} nests too deeply", field_name) from None
+        except ValueError as error:
+            # The constraint's own messages name it as structured_outputs' key.
+            message = str(error).replace(f"structured_outputs.{key}", field_name)
+            raise bad_request(message, field_name) from None
+        sources.append((field_name, params))
+    return sources
 
 
 def _checked(field_name: str, build: Callable[[], T]) -> T:

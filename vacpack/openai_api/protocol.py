@@ -77,6 +77,15 @@ class _GenerationRequest(_Body):
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's older names for structured_outputs' constraints, which many clients still send
+    # (output_constraints.GUIDED_FIELDS); the backend's name is taken and ignored: one engine
+    # serves every constraint.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
     # vLLM's beam search: n beams, scored as LLM.beam_search scores them.
     use_beam_search: bool | None = False
     length_penalty: float | None = None

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from vacpack.corpus.input_fields import parse_json_object
+from vacpack.corpus.input_fields import is_blank_line, parse_json_object
 
 # Why a row of the input could not be read (a malformed JSON line): set here, taken by the
 # actor into the row's error, and not written out.
@@ -29,6 +29,7 @@ JSON_LINES_SUFFIX = ".jsonl"
 JSON_SUFFIX = ".json"  # a JSON document (or JSON Lines), read by Ray Data's JSON reader
 # Characters of a malformed line quoted in its error.
 LINE_EXCERPT_CHARS = 80
+BYTE_ORDER_MARK = "\ufeff"  # UTF-8's, decoded
 PARQUET_SUFFIX = ".parquet"
 OUTPUT_FORMATS = ("jsonl", "parquet")
 # Reading and writing take no CPU slot, so that they are not queued behind the one CPU the
@@ -56,6 +57,8 @@ def read_dataset(path: str, min_num_blocks: int) -> ray.data.Dataset:
             override_num_blocks=min_num_blocks,
         )
         return lines.map_batches(
+            drop_blank_lines, batch_format="pyarrow", num_cpus=IO_TASK_CPUS
+        ).map_batches(
             parse_json_lines,
             batch_format="pyarrow",
             num_cpus=IO_TASK_CPUS,
@@ -80,6 +83,14 @@ def read_dataset(path: str, min_num_blocks: int) -> ray.data.Dataset:
     )
 
 
+def drop_blank_lines(lines: pa.Table) -> pa.Table:
+    """The rows of Ray Data's text lines that are not blank as every reader here counts blank
+    (input_fields.is_blank_line): read_text drops only empty lines, and keeps one that holds
+    only a byte-order mark."""
+    keep = [not is_blank_line(line.encode("utf-8")) for line in lines.column("text").to_pylist()]
+    return lines.filter(pa.array(keep, type=pa.bool_()))
+
+
 def parse_json_lines(lines: pa.Table) -> pa.Table:
     """Ray Data's text rows (column `text`, one line each) parsed as JSON objects: one row per
     line, the objects' keys as columns, and READ_ERROR_COLUMN saying why a line is not a JSON
@@ -87,7 +98,8 @@ def parse_json_lines(lines: pa.Table) -> pa.Table:
     records: list[dict] = []
     errors: list[str | None] = []
     for line in lines.column("text").to_pylist():
-        record = parse_json_object(line)
+        # A file's byte-order mark, which the text reader keeps on its first line.
+        record = parse_json_object(line.removeprefix(BYTE_ORDER_MARK))
         if isinstance(record, dict):
             records.append(record)
             errors.append(None)
