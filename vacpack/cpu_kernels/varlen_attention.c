@@ -109,7 +109,9 @@ static inline void prefetch_rows(const bf16* first, int64_t stride, int64_t coun
 
 // Prefetches a task's rows 0..n (`row_bytes` each) into L2, a page's run of rows at a time.
 // Inlined: as a call it kept about half of its gain (interleaved, same batch).
-static inline __attribute__((always_inline)) void prefetch_task_rows(const Bf16Rows* rows, int64_t n, int64_t row_bytes) {
+static inline __attribute__((always_inline)) void prefetch_task_rows(const Bf16Rows* rows,
+                                                                     int64_t n,
+                                                                     int64_t row_bytes) {
     for (int64_t first = 0; first < n; first += KEY_BLOCK) {
         const bf16* row = bf16_row(rows, first);
         const int64_t count = n - first < KEY_BLOCK ? n - first : KEY_BLOCK;
@@ -353,9 +355,9 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
             // hardware prefetchers stop at each page's end). So all of this task's keys are
             // requested into L2 at once, and the keys and values of the task this thread
             // probably takes next (the schedule hands tasks out in order) while it works:
-            // G1's decode batch (64 sequences, 24 layers) went from 40 to 35 ms per step on a
-            // 2-core Zen 4, interleaved; this task's values too, or only the next task's
-            // keys, gained less.
+            // G1's decode batch (64 sequences, 24 layers) went from 40 to 34-35 ms per step on
+            // a 2-core Zen 4 (one thread: 75 to 59 ms of CPU time); this task's values too, or
+            // only the next task's keys, gained less.
             prefetch_task_rows(&key_rows, n_seen, head_dim * 2);
             const int64_t next_i = i + omp_get_num_threads();
             if (next_i < num_tasks) {

@@ -85,7 +85,7 @@ def read_dataset(path: str, min_num_blocks: int) -> ray.data.Dataset:
 
 def drop_blank_lines(lines: pa.Table) -> pa.Table:
     """The rows of Ray Data's text lines that are not blank as every reader here counts blank
-    (input_fields.is_blank_line): read_text drops only empty lines, and keeps one that holds
+    (input_fields.is_blank_line): read_text drops lines of only whitespace, and keeps one of
     only a byte-order mark."""
     keep = [not is_blank_line(line.encode("utf-8")) for line in lines.column("text").to_pylist()]
     return lines.filter(pa.array(keep, type=pa.bool_()))
