@@ -14,8 +14,9 @@ from peft import PeftModel
 from transformers_reference import load_reference, random_prompts, transformers_greedy
 
 from vacpack import LLM, BeamSearchParams, SamplingParams
+from vacpack.lora import stacking as stacking_choice
 from vacpack.lora.request import LoRARequest
-from vacpack.models import lora_layer
+from vacpack.tuning.choose import force_env_var
 
 MAX_NEW_TOKENS = 6
 LOGPROB_TOLERANCE = 1e-4
@@ -32,18 +33,20 @@ def reference_model(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module
 
 
 @pytest.mark.parametrize(
-    ("family", "stacked_max_rows"),
+    ("family", "stacking"),
     [
-        *((family, lora_layer.STACKED_MAX_ROWS) for family in sorted(TARGETS)),
-        # Every step's adapters each on their own rows, or all stacked, however many rows.
-        ("qwen2", 0),
-        ("qwen2", 1 << 20),
+        *((family, None) for family in sorted(TARGETS)),  # as measured
+        # Every step's adapters each on their own rows, or all stacked (a step's 48 rows at
+        # most, under the largest count timed).
+        ("qwen2", "gathered"),
+        ("qwen2", "stacked"),
     ],
 )
 def test_adapters_and_the_base_model_in_one_batch_match_peft(
-    family: str, stacked_max_rows: int, tiny_checkpoint, tmp_path: Path, monkeypatch
+    family: str, stacking: str | None, tiny_checkpoint, tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(lora_layer, "STACKED_MAX_ROWS", stacked_max_rows)
+    if stacking is not None:
+        monkeypatch.setenv(force_env_var(stacking_choice.PHASE), stacking)
     base_dir = tiny_checkpoint(family)
     adapters = [
         LoRARequest(f"a{index}", index + 1, str(make_adapter(base_dir, tmp_path / f"a{index}",
@@ -51,6 +54,13 @@ def test_adapters_and_the_base_model_in_one_batch_match_peft(
         for index in range(2)
     ]  # fmt: skip
     llm = LLM(str(base_dir), **ENGINE)
+    assert llm.engine.lora is not None
+    if stacking is None:  # timed at the engine's start, and reported with its other choices
+        phases = [c.phase for c in llm.engine.setup.measured_choices]
+        assert stacking_choice.PHASE in phases
+    else:
+        forced_rows = 0 if stacking == "gathered" else stacking_choice.ROW_COUNTS[-1]
+        assert llm.engine.lora.state.stacked_max_rows == forced_rows
     vocab_size = llm.loaded.config.vocab_size
     # Prompts longer than a step's budget are prefilled in chunks; each prompt runs with each
     # adapter and with none, in one call: the same tokens meet three different models.

@@ -128,7 +128,15 @@ class LLMEngine:
         )
         # LoRA: adapters on the linear layers, for the steps whose sequences run one.
         self.lora = (
-            LoraManager(loaded.model, config.max_lora_rank, device) if config.enable_lora else None
+            LoraManager(
+                loaded.model,
+                device,
+                max_lora_rank=config.max_lora_rank,
+                max_loras=config.max_loras,
+                dtype=loaded.dtype,
+            )
+            if config.enable_lora
+            else None
         )
         engine_device.forward.lora = self.lora
         self.runner = ModelRunner(
@@ -155,7 +163,7 @@ class LLMEngine:
             kv_cache_source=self.kv_sizing.source,
             cuda_graph_batch_sizes=tuple(graph_runner.buckets) if graph_runner else (),
             cuda_graph_memory_bytes=engine_device.graph_memory_bytes,
-            measured_choices=selected.choices,
+            measured_choices=selected.choices + (self.lora.measured_choices if self.lora else ()),
         )
         self._in_flight: _LaunchedStep | None = None
         self._num_launched_steps = 0

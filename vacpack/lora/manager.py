@@ -8,6 +8,7 @@ import torch
 
 from vacpack.lora.adapter import read_adapter
 from vacpack.lora.request import LoRARequest
+from vacpack.lora.stacking import StackingShape, choose_stacked_max_rows
 from vacpack.models.base import PackedModel
 from vacpack.models.lora_layer import LinearLora, LoraRows, LoraState
 from vacpack.models.parallel import ColumnParallelLinear, RowParallelLinear
@@ -17,11 +18,29 @@ class LoraManager:
     """Gives each of the model's linear layers (the LM head aside) a LinearLora, reads adapters
     into them on first use, and for each step tells them which rows run which adapter."""
 
-    def __init__(self, model: PackedModel, max_lora_rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: PackedModel,
+        device: torch.device,
+        *,
+        max_lora_rank: int,
+        max_loras: int,
+        dtype: torch.dtype,
+    ) -> None:
         self.model = model
         self.max_lora_rank = max_lora_rank
         self.device = device
         self.state = LoraState()
+        # Where a step's adapters stop running stacked, timed on the model's widest product.
+        hidden_size = model.config.hidden_size
+        shape = StackingShape(
+            hidden_size,
+            getattr(model.config, "intermediate_size", None) or hidden_size,
+            max_loras,
+            max_lora_rank,
+            dtype,
+        )
+        self.state.stacked_max_rows, self.measured_choices = choose_stacked_max_rows(shape, device)
         self.layers: dict[str, LinearLora] = {}
         for name, module in model.named_modules():
             if isinstance(module, ColumnParallelLinear | RowParallelLinear):

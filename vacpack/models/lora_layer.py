@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Up to this many rows, a step's adapters run stacked (see above). A judgement, not a timing:
-# stacked, each row pays for every adapter's rank (four rank-16 adapters on Qwen2.5-0.5B's
-# q/k/v add about a third of the layer's own product), worth it only while the per-operation
-# cost dominates. At 16 decode rows with four adapters stacking took the cost of LoRA from 28%
-# to 17% on a 2-core Zen 3 (bench/lora_serving.py); the crossing point is not measured.
+# Up to this many rows, a step's adapters run stacked (see above), until the engine has timed
+# the crossing point on the model's shapes (vacpack/lora/stacking.py). Stacked, each row pays
+# for every adapter's rank (four rank-16 adapters on Qwen2.5-0.5B's q/k/v add about a third of
+# the layer's own product), worth it only while the per-operation cost dominates: at 16
+# decode rows with four adapters stacking took the cost of LoRA from 28% to 17% on a 2-core
+# Zen 3 (bench/lora_serving.py).
 STACKED_MAX_ROWS = 64
 
 
@@ -47,6 +48,7 @@ class LoraState:
     num_rows: int = 0  # the step's rows, which every adapted layer sees in full
     # [num_rows] int64 on the device: each row's adapter id (0: none), for stacked adapters.
     row_lora_ids: torch.Tensor | None = None
+    stacked_max_rows: int = STACKED_MAX_ROWS  # up to this many rows, several adapters stack
 
 
 @dataclass
@@ -84,7 +86,7 @@ class LinearLora:
             )
         # The adapters that change this layer (an adapter may leave it as it is).
         groups = [group for group in state.batch if group.lora_id in self.weights]
-        if len(groups) > 1 and x.shape[0] <= STACKED_MAX_ROWS:
+        if len(groups) > 1 and x.shape[0] <= state.stacked_max_rows:
             assert state.row_lora_ids is not None
             a, b, column_ids = self._stacked_weights(tuple(g.lora_id for g in groups), x.dtype)
             hidden = torch.mm(x, a.t())

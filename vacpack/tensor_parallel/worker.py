@@ -62,7 +62,11 @@ class _Worker:
                 self.step_forward = setup.forward
                 if engine_config.enable_lora:
                     setup.forward.lora = LoraManager(
-                        self.loaded.model, engine_config.max_lora_rank, self.loaded.device
+                        self.loaded.model,
+                        self.loaded.device,
+                        max_lora_rank=engine_config.max_lora_rank,
+                        max_loras=engine_config.max_loras,
+                        dtype=self.loaded.dtype,
                     )
             elif kind == Program.ENGINE_STEP:
                 forward = self.step_forward
