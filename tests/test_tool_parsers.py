@@ -23,6 +23,11 @@ HERMES_TEXT = (
     '{"name": "g", "arguments": {"b": [2, 3]}}\n</tool_call>'
 )
 LLAMA3_TEXT = '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'
+MISTRAL_TEXT = (
+    'Checking. [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]'
+)
+# Mistral's newer tokenizers (v11 on): each call after its own marker, its arguments after [ARGS].
+MISTRAL_NAMED_TEXT = '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}'
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +63,32 @@ def test_llama3_json_calls(llama3: ToolParser) -> None:
     assert llama3.parse("Hello there").content == "Hello there"
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_mistral_calls_in_both_forms(bpe) -> None:
+    mistral = tool_parser("mistral", bpe)
+    parsed = mistral.parse(MISTRAL_TEXT)
+    assert parsed.content == "Checking. "
+    assert _calls(parsed) == [("f", {"a": 1}), ("g", {})]
+    named = mistral.parse(MISTRAL_NAMED_TEXT)
+    assert (named.content, _calls(named)) == (None, [("f", {"a": 1}), ("g", {})])
+    # Mistral's templates take back only ids of nine letters and digits.
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in parsed.tool_calls + named.tool_calls)
+    # Anything that is not a whole call list is content, all of it.
+    for text in (
+        "no calls here",
+        '[TOOL_CALLS] [{"name": "f", "arguments": {}}] and more',
+        '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"oops": 1}]',
+        "[TOOL_CALLS]f[ARGS]{not json}",
+        '[TOOL_CALLS][ARGS]{"a": 1}',
+    ):
+        assert (mistral.parse(text).content, mistral.parse(text).tool_calls) == (text, [])
+    assert mistral.settled("Hi [TOOL") == (3, [])
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
 def test_json_nested_past_the_stack_is_content(bpe, parser_name: str) -> None:
     # A model looping on '[' until max_tokens: json raises RecursionError, not a decode error.
-    text = {"hermes": "<tool_call>\n", "llama3_json": "<|python_tag|>"}[parser_name] + "[" * 100_000
+    marker = {"hermes": "<tool_call>\n", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+    text = marker[parser_name] + "[" * 100_000
     parser = tool_parser(parser_name, bpe)
     parsed = parser.parse(text)
     assert (parsed.content, parsed.tool_calls) == (text, [])
@@ -71,7 +98,13 @@ def test_json_nested_past_the_stack_is_content(bpe, parser_name: str) -> None:
 
 @pytest.mark.parametrize(
     ("parser_name", "text"),
-    [("hermes", HERMES_TEXT), ("llama3_json", LLAMA3_TEXT), ("hermes", "plain <tool_ text")],
+    [
+        ("hermes", HERMES_TEXT),
+        ("llama3_json", LLAMA3_TEXT),
+        ("hermes", "plain <tool_ text"),
+        ("mistral", MISTRAL_TEXT),
+        ("mistral", MISTRAL_NAMED_TEXT),
+    ],
 )
 def test_streamed_pieces_add_up_to_the_parse(bpe, parser_name: str, text: str) -> None:
     parser = tool_parser(parser_name, bpe)
@@ -103,7 +136,7 @@ def test_hermes_holds_back_a_possible_marker(hermes: ToolParser) -> None:
     assert hermes.settled("Hi <b>") == (len("Hi <b>"), [])
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_call_grammars_compile(bpe, parser_name: str, parallel: bool) -> None:
     parser = tool_parser(parser_name, bpe)
@@ -111,8 +144,15 @@ def test_forced_call_grammars_compile(bpe, parser_name: str, parallel: bool) -> 
     check_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), "the tool grammar")
 
 
-def test_auto_parser_follows_the_chat_template(bpe) -> None:
+def test_auto_parser_follows_the_chat_template(bpe, monkeypatch: pytest.MonkeyPatch) -> None:
     assert tool_parser("auto", bpe).name == "hermes"
+    for template, name in (
+        ("{{ '[TOOL_CALLS] ' + calls }}", "mistral"),
+        ("{{ '<|python_tag|>' }}", "llama3_json"),
+        ("{{ '<tool_call>' }}{{ '[TOOL_CALLS]' }}", "hermes"),
+    ):
+        monkeypatch.setattr(bpe, "chat_template", template, raising=False)
+        assert tool_parser("auto", bpe).name == name
     with pytest.raises(ValueError, match="unknown tool call parser"):
         tool_parser("nope", bpe)
 

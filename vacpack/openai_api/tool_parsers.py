@@ -9,13 +9,18 @@ same content and calls a non-streamed answer would have.
   \\n</tool_call>``, one block per call; content is the text before the first block.
 - ``llama3_json`` (Llama 3.1 / 3.2): the whole output is ``{"name": ..., "parameters": {...}}``,
   several separated by ``; ``, optionally after ``<|python_tag|>``.
+- ``mistral`` (Mistral 7B v0.3, Nemo, Small): content, then ``[TOOL_CALLS]`` and a JSON list of
+  ``{"name": ..., "arguments": {...}}``; newer tokenizers write each call as
+  ``[TOOL_CALLS]name[ARGS]{...}``. Call ids are nine letters and digits, the only ids
+  Mistral's chat templates take back.
 
-The parser is picked from the chat template (it names ``<tool_call>`` or ``<|python_tag|>``)
-or by ``--tool-call-parser``, as vLLM does.
+The parser is picked from the chat template (it names ``<tool_call>``, ``<|python_tag|>`` or
+``[TOOL_CALLS]``) or by ``--tool-call-parser``, as vLLM does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -26,7 +31,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -180,19 +185,85 @@ class Llama3JsonToolParser(ToolParser):
         return body if body.startswith("{") else None
 
 
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    START = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find(self.START)
+        if start < 0:
+            return ParsedOutput(text, [])
+        body = text[start + len(self.START) :]
+        calls = self._named_calls(body) if self.ARGS in body else self._listed_calls(body)
+        if not calls:
+            return ParsedOutput(text, [])
+        return ParsedOutput(text[:start] or None, calls)
+
+    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
+        start = text.find(self.START)
+        if start < 0:
+            return _without_partial_marker(text, self.START), []
+        return start, []  # the calls are read once the output is finished
+
+    def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
+        repeat = ' (", " call)*' if parallel else ""
+        return (
+            f'start: {self._marker(self.START)} " [" call{repeat} "]"\n'
+            f"call: %json {json.dumps(call_schema)}\n"
+        )
+
+    def _listed_calls(self, body: str) -> list[ToolCall]:
+        """[{"name": ..., "arguments": ...}, ...] (or one such object), and nothing after."""
+        body = body.strip()
+        try:
+            value, end = json.JSONDecoder().raw_decode(body)
+        except (json.JSONDecodeError, RecursionError):
+            return []
+        if end != len(body):
+            return []
+        values = value if isinstance(value, list) else [value]
+        calls = [call_from_json(v) for v in values]
+        return [_mistral_id(c) for c in calls if c] if all(calls) else []
+
+    def _named_calls(self, body: str) -> list[ToolCall]:
+        """name[ARGS]{...}, each call after its own [TOOL_CALLS] (the first one's is cut)."""
+        calls = []
+        for part in body.split(self.START):
+            name, marker, arguments = part.partition(self.ARGS)
+            try:
+                value = json.loads(arguments)
+            except (json.JSONDecodeError, RecursionError):
+                return []
+            if not marker or not name.strip() or not isinstance(value, dict):
+                return []
+            calls.append(_mistral_id(new_tool_call(name.strip(), value)))
+        return calls
+
+
+def _mistral_id(call: ToolCall) -> ToolCall:
+    """The call with a nine-character id: Mistral's chat templates refuse any other."""
+    return dataclasses.replace(call, id=uuid.uuid4().hex[:9])
+
+
 _PARSERS: dict[str, type[ToolParser]] = {
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
+    MistralToolParser.name: MistralToolParser,
 }
 
 
 def tool_parser(name: str, tokenizer: PreTrainedTokenizerBase) -> ToolParser:
     """The named parser, or with "auto" the one the chat template's format says (Hermes when
-    the template names neither marker)."""
+    the template names no other's marker)."""
     if name == "auto":
         template = str(getattr(tokenizer, "chat_template", "") or "")
-        uses_llama3 = "<|python_tag|>" in template and "<tool_call>" not in template
-        name = Llama3JsonToolParser.name if uses_llama3 else HermesToolParser.name
+        name = HermesToolParser.name
+        if "<tool_call>" not in template:
+            if "<|python_tag|>" in template:
+                name = Llama3JsonToolParser.name
+            elif MistralToolParser.START in template:
+                name = MistralToolParser.name
     if name not in _PARSERS:
         raise ValueError(
             f"unknown tool call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}"

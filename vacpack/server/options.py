@@ -94,8 +94,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         default="auto",
-        help="the tool-call format: hermes (<tool_call>, Qwen), llama3_json, or auto (from the "
-        "chat template)",
+        help="the tool-call format: hermes (<tool_call>, Qwen), llama3_json, mistral "
+        "([TOOL_CALLS]), or auto (from the chat template)",
     )
     group.add_argument(
         "--max-n",
