@@ -99,17 +99,22 @@ class ToolParser(ABC):
         return json.dumps(text)
 
 
-class HermesToolParser(ToolParser):
-    name = "hermes"
-    START = "<tool_call>"
-    END = "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+class _MarkedCallsParser(ToolParser):
+    """Content, then calls from the first START marker on (Hermes, Mistral)."""
+
+    START: str
+
+    @abstractmethod
+    def _calls(self, text: str, start: int) -> list[ToolCall]:
+        """The calls from START on (at `start`): all of them, or none where any is malformed."""
+
+    @abstractmethod
+    def _settled_calls(self, text: str) -> list[ToolCall]:
+        """The calls of a growing output that are complete already."""
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find(self.START)
-        if start < 0:
-            return ParsedOutput(text, [])
-        calls = [c for c in (self._call(m.group(1)) for m in self._BLOCK.finditer(text)) if c]
+        calls = self._calls(text, start) if start >= 0 else []
         if not calls:
             return ParsedOutput(text, [])
         return ParsedOutput(text[:start] or None, calls)
@@ -118,9 +123,21 @@ class HermesToolParser(ToolParser):
         start = text.find(self.START)
         if start < 0:
             return _without_partial_marker(text, self.START), []
+        return start, self._settled_calls(text)
+
+
+class HermesToolParser(_MarkedCallsParser):
+    name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def _calls(self, text: str, start: int) -> list[ToolCall]:
+        return [c for c in (self._call(m.group(1)) for m in self._BLOCK.finditer(text)) if c]
+
+    def _settled_calls(self, text: str) -> list[ToolCall]:
         closed = text[: text.rfind(self.END) + len(self.END)] if self.END in text else ""
-        calls = [c for c in (self._call(m.group(1)) for m in self._BLOCK.finditer(closed)) if c]
-        return start, calls
+        return self._calls(closed, 0)
 
     def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
         call = f'{self._marker(self.START)} "\\n" %json {json.dumps(call_schema)} "\\n" ' + (
@@ -185,26 +202,17 @@ class Llama3JsonToolParser(ToolParser):
         return body if body.startswith("{") else None
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(_MarkedCallsParser):
     name = "mistral"
     START = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
 
-    def parse(self, text: str) -> ParsedOutput:
-        start = text.find(self.START)
-        if start < 0:
-            return ParsedOutput(text, [])
+    def _calls(self, text: str, start: int) -> list[ToolCall]:
         body = text[start + len(self.START) :]
-        calls = self._named_calls(body) if self.ARGS in body else self._listed_calls(body)
-        if not calls:
-            return ParsedOutput(text, [])
-        return ParsedOutput(text[:start] or None, calls)
+        return self._named_calls(body) if self.ARGS in body else self._listed_calls(body)
 
-    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
-        start = text.find(self.START)
-        if start < 0:
-            return _without_partial_marker(text, self.START), []
-        return start, []  # the calls are read once the output is finished
+    def _settled_calls(self, text: str) -> list[ToolCall]:
+        return []  # the calls are read once the output is finished
 
     def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
         repeat = ' (", " call)*' if parallel else ""
