@@ -138,6 +138,30 @@ def test_cli_embed_streams_results_in_order_with_errors(
     assert "padding" in report and "device busy" in report
 
 
+def test_cli_embed_keeps_the_first_k_tokens_as_llm_embed_does(
+    minilm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts = ["a short query", " ".join(["long passage"] * 40)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "embeddings.jsonl"
+    argv = ["embed", "--model", str(MINILM_DIR), "--input", str(corpus), "--output", str(out)]
+    exit_code, report = _run_cli(capsys, *argv, "--truncate-prompt-tokens", "6")
+    assert exit_code == 0, report
+    got = [json.loads(line)["embedding"] for line in out.read_text().splitlines()]
+    expected = minilm.embed(texts, truncate_prompt_tokens=6, use_tqdm=False)
+    whole = minilm.embed(texts, use_tqdm=False)
+    for row, cut in zip(got, expected, strict=True):
+        assert torch.allclose(torch.tensor(row), torch.tensor(cut.outputs.embedding), atol=1e-5)
+    # The short text (5 tokens) is whole either way; the long one was cut.
+    assert not torch.allclose(torch.tensor(got[1]), torch.tensor(whole[1].outputs.embedding))
+    # A k the model cannot take is refused before any work, naming the flag's value.
+    out.unlink()
+    exit_code, report = _run_cli(capsys, *argv, "--truncate-prompt-tokens", "0")
+    assert exit_code != 0 and "truncate_prompt_tokens" in report
+    assert not out.read_text()  # no record written
+
+
 def test_cli_loglikelihood_of_texts_and_continuations(
     tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

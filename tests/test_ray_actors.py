@@ -89,6 +89,11 @@ def test_classify_gives_label_and_probs_by_label_name(tmp_path: Path) -> None:
     assert rows[0]["probs"][rows[0]["label"]] == max(rows[0]["probs"].values())
     assert sum(rows[0]["probs"].values()) == pytest.approx(1.0, abs=1e-6)
     assert rows[1]["probs"] is None and rows[1]["error"] == "the document is empty"
+    cut = ClassifyActor(str(model_dir), ENGINE_KWARGS, truncate_prompt_tokens=2)
+    (row,) = cut(pa.table({"text": ["hello world, and more"]})).to_pylist()
+    llm = LLM(str(model_dir), **ENGINE_KWARGS)
+    (expected,) = llm.classify(["hello world, and more"], truncate_prompt_tokens=2)
+    assert list(row["probs"].values()) == pytest.approx(expected.outputs.probs, abs=1e-6)
 
 
 def test_generate_rows_with_their_own_sampling_params(decoder_dir: Path) -> None:
@@ -144,12 +149,16 @@ def test_replica_figures_sum_over_replicas() -> None:
 
 
 def test_embed_options_are_llm_embeds(decoder_dir: Path) -> None:
-    options = {"prompt": "query: ", "dimensions": 16}
+    text = "hello world, and a few more words"
+    options = {"prompt": "query: ", "dimensions": 16, "truncate_prompt_tokens": 4}
     actor = EmbedActor(str(decoder_dir), ENGINE_KWARGS, **options)
-    vectors = actor(pa.table({"text": ["hello world"]})).column("embedding").to_pylist()
-    expected = LLM(str(decoder_dir), **ENGINE_KWARGS).embed(["hello world"], **options)
+    vectors = actor(pa.table({"text": [text]})).column("embedding").to_pylist()
+    llm = LLM(str(decoder_dir), **ENGINE_KWARGS)
+    expected = llm.embed([text], **options)
     assert len(vectors[0]) == 16
     assert vectors[0] == pytest.approx(expected[0].outputs.embedding, abs=1e-6)
+    whole = llm.embed([text], prompt="query: ", dimensions=16)  # the cut changed something
+    assert vectors[0] != pytest.approx(whole[0].outputs.embedding, abs=1e-6)
 
 
 def test_json_lines_mixing_types_fail_only_the_odd_lines(decoder_dir: Path) -> None:

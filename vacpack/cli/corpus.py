@@ -141,13 +141,17 @@ def run_corpus_command(args: argparse.Namespace) -> int:
 
 def _task(llm: LLM, args: argparse.Namespace) -> CorpusTask:
     loaded = llm.loaded
+    task: CorpusTask
     if args.command == "embed":
         pooling = resolve_pooling(loaded, args.pooling, args.normalize, args.dimensions)
         prompt = resolve_prompt(loaded, args.prompt, args.prompt_name)
-        return EmbedTask(loaded, pooling, truncate=args.truncate, prompt=prompt)
-    if args.command == "classify":
-        return ClassifyTask(loaded, truncate=args.truncate)
-    return LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+        task = EmbedTask(loaded, pooling, truncate=args.truncate, prompt=prompt)
+    elif args.command == "classify":
+        task = ClassifyTask(loaded, truncate=args.truncate)
+    else:
+        return LoglikelihoodTask(loaded, args.token_logprobs, truncate=args.truncate)
+    task.keep_input_tokens(args.truncate_prompt_tokens)
+    return task
 
 
 def open_corpus_output(path: Path, input_path: Path, overwrite: bool) -> tuple[RecordSink, int]:
@@ -209,6 +213,13 @@ def add_corpus_commands(commands: argparse._SubParsersAction) -> None:
         )
         parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
         parser.add_argument("--truncate", action="store_true", help="cut over-long documents")
+        if name in ("embed", "classify"):
+            parser.add_argument(
+                "--truncate-prompt-tokens",
+                type=int,
+                help="keep each document's first K tokens, special tokens kept (vLLM's "
+                "truncate_prompt_tokens; -1: the context)",
+            )
         if name == "embed":
             parser.add_argument("--pooling", choices=["cls", "mean", "last", "max"])
             parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)

@@ -138,13 +138,14 @@ def _corpus_task_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "pooling": args.pooling,
             "normalize": args.normalize,
             "truncate": args.truncate,
+            "truncate_prompt_tokens": args.truncate_prompt_tokens,
             "dimensions": args.dimensions,
             "prompt": args.prompt,
             "prompt_name": args.prompt_name,
         }
     if args.command == "loglikelihood":
         return {"return_token_logprobs": args.token_logprobs, "truncate": args.truncate}
-    return {"truncate": args.truncate}
+    return {"truncate": args.truncate, "truncate_prompt_tokens": args.truncate_prompt_tokens}
 
 
 def _gpus_per_replica(args: argparse.Namespace, cluster: dict[str, float]) -> float:

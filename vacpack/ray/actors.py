@@ -186,9 +186,11 @@ class EmbedActor(_ModelActor):
         dimensions: int | None = None,
         prompt: str | None = None,
         prompt_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> None:
         super().__init__(model, engine_kwargs, input_column, figures_collector)
         self.pooling, self.normalize, self.truncate = pooling, normalize, truncate
+        self.truncate_prompt_tokens = truncate_prompt_tokens
         self.dimensions, self.prompt, self.prompt_name = dimensions, prompt, prompt_name
 
     def _run(self, inputs: list[Any]) -> tuple[list[Any], BatchWork]:
@@ -201,6 +203,7 @@ class EmbedActor(_ModelActor):
                 dimensions=self.dimensions,
                 prompt=self.prompt,
                 prompt_name=self.prompt_name,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
                 use_tqdm=False,
                 return_failures=True,
             )
@@ -223,6 +226,7 @@ class ClassifyActor(_ModelActor):
         input_column: str | None = None,
         figures_collector: Any | None = None,
         truncate: bool = False,
+        truncate_prompt_tokens: int | None = None,
     ) -> None:
         super().__init__(model, engine_kwargs, input_column, figures_collector)
         from vacpack.corpus.tasks import ClassifyTask
@@ -230,12 +234,16 @@ class ClassifyActor(_ModelActor):
         # Also fails here, at start-up, for a model without a classification head.
         labels = ClassifyTask(self.llm.loaded).labels
         self._probs_type = pa.struct([(label, pa.float64()) for label in labels])
-        self.truncate = truncate
+        self.truncate, self.truncate_prompt_tokens = truncate, truncate_prompt_tokens
 
     def _run(self, inputs: list[Any]) -> tuple[list[Any], BatchWork]:
         return self._run_corpus_job(
             lambda: self.llm.classify(
-                inputs, truncate=self.truncate, use_tqdm=False, return_failures=True
+                inputs,
+                truncate=self.truncate,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                use_tqdm=False,
+                return_failures=True,
             )
         )
 
