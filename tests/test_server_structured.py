@@ -406,44 +406,6 @@ def test_batch_file_with_schema_and_forced_tool_calls(tools_llm: LLM, tmp_path) 
         )
 
 
-# As Mistral's templates do: tools listed up front, calls after [TOOL_CALLS] as a JSON list.
-MISTRAL_TEMPLATE = """{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' %}[INST] {{ message.content }}[/INST]
-{%- elif message.tool_calls %}[TOOL_CALLS] {{ message.tool_calls | tojson }}</s>
-{%- else %}{{ message.content }}</s>{% endif %}
-{%- endfor %}"""
-
-
-def test_a_mistral_template_gets_mistral_tool_calls(tiny_checkpoint, tmp_path) -> None:
-    """The template names [TOOL_CALLS]: forced calls come in Mistral's format and parse back,
-    with the nine-character ids its templates require."""
-    model_dir = tmp_path / "mistral-tools"
-    shutil.copytree(tiny_checkpoint("qwen2"), model_dir)
-    (model_dir / "chat_template.jinja").write_text(MISTRAL_TEMPLATE, encoding="utf-8")
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
-    # One call: a random model would go on adding calls to the list until max_tokens.
-    body = {
-        "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-        "parallel_tool_calls": False, "max_tokens": 150,
-    }  # fmt: skip
-    line = {"custom_id": "call", "method": "POST", "url": "/v1/chat/completions", "body": body}
-    input_path = tmp_path / "in.jsonl"
-    input_path.write_text(json.dumps(line) + "\n", encoding="utf-8")
-    output_path = tmp_path / "out.jsonl"
-    run_batch(llm, BatchOptions(input_path, output_path, show_progress=False))
-    (record,) = map(json.loads, output_path.read_text().splitlines())
-    assert record["response"]["status_code"] == 200, record
-    message = record["response"]["body"]["choices"][0]["message"]
-    assert len(message.get("tool_calls", [])) == 1 and message["content"] is None, message
-    for call in message["tool_calls"]:
-        assert len(call["id"]) == 9 and call["id"].isalnum()
-        jsonschema.validate(
-            json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]]
-        )
-
-
 def test_command_line_jsonl_lines_carry_their_constraints(tiny_checkpoint, tmp_path) -> None:
     """In-process: the command's start-up is tested elsewhere."""
     prompts = tmp_path / "prompts.jsonl"

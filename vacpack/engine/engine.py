@@ -128,13 +128,7 @@ class LLMEngine:
         )
         # LoRA: adapters on the linear layers, for the steps whose sequences run one.
         self.lora = (
-            LoraManager(
-                loaded.model,
-                device,
-                max_lora_rank=config.max_lora_rank,
-                max_loras=config.max_loras,
-                dtype=loaded.dtype,
-            )
+            LoraManager.for_engine(config, loaded.model, device, loaded.dtype)
             if config.enable_lora
             else None
         )

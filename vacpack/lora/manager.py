@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from vacpack.config import EngineConfig
 from vacpack.lora.adapter import read_adapter
 from vacpack.lora.request import LoRARequest
 from vacpack.lora.stacking import StackingShape, choose_stacked_max_rows
@@ -49,6 +50,19 @@ class LoraManager:
         # Paths of removed adapters by id: their KV pages may still be in the prefix cache under
         # the id, so the id never serves another adapter.
         self._removed_paths: dict[int, str] = {}
+
+    @classmethod
+    def for_engine(
+        cls, config: EngineConfig, model: PackedModel, device: torch.device, dtype: torch.dtype
+    ) -> LoraManager:
+        """The manager of an engine's model (on every tensor-parallel rank alike)."""
+        return cls(
+            model,
+            device,
+            max_lora_rank=config.max_lora_rank,
+            max_loras=config.max_loras,
+            dtype=dtype,
+        )
 
     def add(self, request: LoRARequest) -> bool:
         """Loads the adapter unless its id is loaded already (then it must be the same one);

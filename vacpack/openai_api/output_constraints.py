@@ -11,6 +11,7 @@ to calls in that format (so they always parse); with "none" nothing is parsed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -141,22 +142,20 @@ def _guided(
     sources = []
     for field_name, key in GUIDED_FIELDS.items():
         value = getattr(request, field_name)
-        if value is None:
-            continue
-        try:
-            params = StructuredOutputsParams(**{key: value})
-        except RecursionError:
-            raise bad_request(f"{field_name} nests too deeply", field_name) from None
-        except ValueError as error:
-            # The constraint's own messages name it as structured_outputs' key.
-            message = str(error).replace(f"structured_outputs.{key}", field_name)
-            raise bad_request(message, field_name) from None
-        sources.append((field_name, params))
+        if value is not None:
+            params = _checked(
+                field_name,
+                functools.partial(StructuredOutputsParams, **{key: value}),
+                # The constraint's own messages name it as structured_outputs' key.
+                named_in_messages=f"structured_outputs.{key}",
+            )
+            sources.append((field_name, params))
     return sources
 
 
-def _checked(field_name: str, build: Callable[[], T]) -> T:
-    """build()'s result, with the errors of a malformed constraint as a 400 naming its field.
+def _checked(field_name: str, build: Callable[[], T], named_in_messages: str = "") -> T:
+    """build()'s result, with the errors of a malformed constraint as a 400 naming its field
+    (also where the messages call it `named_in_messages`).
 
     ValueError (GrammarError among them) says what is wrong with the value. RecursionError: a
     schema the request's JSON decoder took, but nested deeper than strict mode or writing the
@@ -166,7 +165,10 @@ def _checked(field_name: str, build: Callable[[], T]) -> T:
     except RecursionError:
         raise bad_request(f"{field_name} nests too deeply", field_name) from None
     except ValueError as error:
-        raise bad_request(str(error), field_name) from None
+        message = str(error)
+        if named_in_messages:
+            message = message.replace(named_in_messages, field_name)
+        raise bad_request(message, field_name) from None
 
 
 def _response_format(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:

@@ -61,12 +61,8 @@ class _Worker:
                 setup = setup_engine_device(engine_config, self.loaded, max_num_batched_tokens)
                 self.step_forward = setup.forward
                 if engine_config.enable_lora:
-                    setup.forward.lora = LoraManager(
-                        self.loaded.model,
-                        self.loaded.device,
-                        max_lora_rank=engine_config.max_lora_rank,
-                        max_loras=engine_config.max_loras,
-                        dtype=self.loaded.dtype,
+                    setup.forward.lora = LoraManager.for_engine(
+                        engine_config, self.loaded.model, self.loaded.device, self.loaded.dtype
                     )
             elif kind == Program.ENGINE_STEP:
                 forward = self.step_forward
