@@ -22,7 +22,6 @@
 
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,13 +31,8 @@
 #define KEY_BLOCK 16
 #define ROW_BLOCK 8
 #define QUERY_CHUNK 64
-// How many keys ahead of use their rows are prefetched, when a task first reads them from
-// memory. A decode's keys and values sit in pages scattered over the cache, where the
-// hardware prefetchers stop at each page's end. Prefetching took the G1 decode batch's
-// attention (64 sequences, 24 layers) from 40-44 to 35-37 ms per step on a 2-core Zen 4, and
-// from 61-62 to 52-57 ms on one core, the two builds interleaved in one process; 16 to 128
-// keys ahead measured within noise of each other, and prefill attention did not change.
-#define PREFETCH_KEYS 32
+// Value pairs between two shares of the next task's prefetch (4 to 16 measured alike).
+#define VALUE_RUN 8
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
@@ -98,44 +92,41 @@ static inline void transpose_16x16(const __m512i r[16], __m512i out[16]) {
     }
 }
 
-// Prefetches `count` rows of `row_bytes` each, `stride` elements apart, into L1. A prefetch
-// never faults, so rows past a page's end (in another page, or past the cache) are harmless.
-static inline void prefetch_rows(const bf16* first, int64_t stride, int64_t count,
-                                 int64_t row_bytes) {
-    for (int64_t i = 0; i < count; ++i)
-        for (int64_t line = 0; line < row_bytes; line += 64)
-            _mm_prefetch((const char*)(first + i * stride) + line, _MM_HINT_T0);
-}
+// A task's keys or values (rows 0..n of `row_bytes` each) requested into L2 a share at a time
+// while another task computes: `done` rows requested so far.
+typedef struct {
+    Bf16Rows rows;
+    int64_t n, row_bytes, done;
+} Prefetch;
 
-// Prefetches a task's rows 0..n (`row_bytes` each) into L2, a page's run of rows at a time.
-// Inlined: as a call it kept about half of its gain (interleaved, same batch).
-static inline __attribute__((always_inline)) void prefetch_task_rows(const Bf16Rows* rows,
-                                                                     int64_t n,
-                                                                     int64_t row_bytes) {
-    for (int64_t first = 0; first < n; first += KEY_BLOCK) {
-        const bf16* row = bf16_row(rows, first);
-        const int64_t count = n - first < KEY_BLOCK ? n - first : KEY_BLOCK;
-        for (int64_t i = 0; i < count; ++i)
-            for (int64_t line = 0; line < row_bytes; line += 64)
-                _mm_prefetch((const char*)(row + i * rows->stride) + line, _MM_HINT_T1);
+static const Prefetch NO_PREFETCH = {{0, 0, 0, 1}, 0, 0, 0};
+
+// Requests the rows up to `upto` (clamped to n) that are not requested yet. A prefetch never
+// faults, so the bytes past a row's head in its slot are harmless.
+static inline void prefetch_to(Prefetch* run, int64_t upto) {
+    if (upto > run->n) upto = run->n;
+    for (; run->done < upto; ++run->done) {
+        const char* row = (const char*)bf16_row(&run->rows, run->done);
+        for (int64_t line = 0; line < run->row_bytes; line += 64)
+            _mm_prefetch(row + line, _MM_HINT_T1);
     }
 }
 
 // keys[0..n) -> packed[key_block][dim_pair][16 keys][2 dims], zero past n. A block of 16 keys
 // in one run of rows (stream rows, or one page) is transposed in registers, 16 pairs of dims
 // at a time; the others (the last, partial block; blocks across pages) go a pair at a time.
+// Each block also requests its share of `ahead` (the next task's keys).
 static void pack_keys(const Bf16Rows* keys, int64_t n, int64_t num_pairs, int64_t n_padded,
-                      bf16* packed) {
-    for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
+                      bf16* packed, Prefetch* ahead) {
+    const int64_t num_blocks = n_padded / KEY_BLOCK;
+    for (int64_t block = 0; block < num_blocks; ++block) {
+        prefetch_to(ahead, (block + 1) * ahead->n / num_blocks);
         uint32_t* dst = (uint32_t*)(packed + block * num_pairs * 2 * KEY_BLOCK);
         const int64_t first = block * KEY_BLOCK;
         const int one_run =
             !keys->pages || first % keys->page_size + KEY_BLOCK <= keys->page_size;
         if (first + KEY_BLOCK <= n && one_run) {
             const bf16* src = bf16_row(keys, first);
-            if (first + PREFETCH_KEYS + KEY_BLOCK <= n)
-                prefetch_rows(bf16_row(keys, first + PREFETCH_KEYS), keys->stride, KEY_BLOCK,
-                              num_pairs * 4);
             for (int64_t tile = 0; tile < num_pairs / 16; ++tile) {
                 __m512i rows[16], columns[16];
                 for (int i = 0; i < 16; ++i)
@@ -246,17 +237,13 @@ static inline __m512i natural_dim_order(void) {
 
 // Adds probs_r[key] * values[key][d0 .. d0 + 32) to acc_lo/hi[r] for the keys of pairs
 // [begin, end): two value rows at a time, read in place and interleaved into the pairs
-// VDPBF16PS multiplies. Always inlined with a constant `prefetch`, so that the loop without
-// prefetches carries no test for them (a branch in this loop slowed prefill attention 1.5x).
+// VDPBF16PS multiplies. Always inlined, so that callers can split the loop into runs with
+// prefetches between them without a test in the loop (a branch in this loop slowed prefill
+// attention 1.5x).
 static inline __attribute__((always_inline)) void accumulate_values(
     const bf16* probs, int64_t probs_stride, const Bf16Rows* values, int64_t n_seen, int64_t d0,
-    int64_t head_dim, int64_t begin, int64_t end, __m512 acc_lo[ROW_BLOCK],
-    __m512 acc_hi[ROW_BLOCK], const int prefetch) {
+    int64_t begin, int64_t end, __m512 acc_lo[ROW_BLOCK], __m512 acc_hi[ROW_BLOCK]) {
     for (int64_t pair = begin; pair < end; ++pair) {
-        if (prefetch) {
-            prefetch_rows(bf16_row(values, 2 * pair + PREFETCH_KEYS), 0, 1, head_dim * 2);
-            prefetch_rows(bf16_row(values, 2 * pair + PREFETCH_KEYS + 1), 0, 1, head_dim * 2);
-        }
         const __m512i first = _mm512_loadu_si512(bf16_row(values, 2 * pair) + d0);
         // An odd last key pairs with zeros (its probability is zero anyway).
         const __m512i second = 2 * pair + 1 < n_seen
@@ -273,28 +260,29 @@ static inline __attribute__((always_inline)) void accumulate_values(
     }
 }
 
-// out_r = (probs_r . values) / sums_r for ROW_BLOCK rows, num_rows of them written. With
-// `prefetch` (a task's first block, which reads the values from memory), the first pass over
-// the keys prefetches the rows PREFETCH_KEYS ahead; later passes and blocks find them cached.
+// out_r = (probs_r . values) / sums_r for ROW_BLOCK rows, num_rows of them written. The first
+// pass over the keys requests `ahead` (the next task's values) in shares between runs of
+// VALUE_RUN pairs; when a call finds it all requested, the passes run without a break.
 static void block_values(const bf16* probs, int64_t probs_stride, const float* sums,
                          const Bf16Rows* values, int64_t n_seen, int64_t head_dim,
-                         bf16* const out_rows[ROW_BLOCK], int num_rows, int prefetch) {
+                         bf16* const out_rows[ROW_BLOCK], int num_rows, Prefetch* ahead) {
     const __m512i order = natural_dim_order();
     const int64_t num_key_pairs = (n_seen + 1) / 2;  // past that the probabilities are zero
-    // Pairs whose keys PREFETCH_KEYS ahead are still the sequence's.
-    int64_t prefetched_pairs = (n_seen - PREFETCH_KEYS) / 2;
-    prefetched_pairs = prefetched_pairs < 0 ? 0 : prefetched_pairs;
     for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
         __m512 acc_lo[ROW_BLOCK], acc_hi[ROW_BLOCK];
         for (int r = 0; r < ROW_BLOCK; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
-        int64_t pair = 0;
-        if (prefetch && d0 == 0) {
-            accumulate_values(probs, probs_stride, values, n_seen, d0, head_dim, 0,
-                              prefetched_pairs, acc_lo, acc_hi, 1);
-            pair = prefetched_pairs;
+        if (d0 == 0 && ahead->done < ahead->n) {
+            for (int64_t pair = 0; pair < num_key_pairs; pair += VALUE_RUN) {
+                const int64_t end =
+                    pair + VALUE_RUN < num_key_pairs ? pair + VALUE_RUN : num_key_pairs;
+                prefetch_to(ahead, end * ahead->n / num_key_pairs);
+                accumulate_values(probs, probs_stride, values, n_seen, d0, pair, end, acc_lo,
+                                  acc_hi);
+            }
+        } else {
+            accumulate_values(probs, probs_stride, values, n_seen, d0, 0, num_key_pairs, acc_lo,
+                              acc_hi);
         }
-        accumulate_values(probs, probs_stride, values, n_seen, d0, head_dim, pair,
-                          num_key_pairs, acc_lo, acc_hi, 0);
         for (int r = 0; r < num_rows; ++r) {
             const __m512 inverse = _mm512_set1_ps(1.0f / sums[r]);
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(acc_hi[r], inverse),
@@ -302,6 +290,24 @@ static void block_values(const bf16* probs, int64_t probs_stride, const float* s
             _mm512_storeu_si512(out_rows[r] + d0, _mm512_permutexvar_epi16(order, both));
         }
     }
+}
+
+// What task_rows needs of a call's arguments besides the keys or values.
+typedef struct {
+    const int64_t *cu_q, *cu_k, *page_tables;
+    int64_t pages_stride;
+    int causal;
+    int64_t head_dim, page_size;
+} TaskRowsArgs;
+
+// The keys (or values: `kv` and its row stride) a task reads, as a prefetch not yet requested.
+static Prefetch task_rows(Task task, const bf16* kv, int64_t stride, const TaskRowsArgs* args) {
+    const TaskKeys seen = task_keys(task, args->cu_q, args->cu_k, args->page_tables,
+                                    args->pages_stride, args->causal);
+    const Bf16Rows rows = {kv + seen.first_row * stride + task.kv_head * args->head_dim, stride,
+                           seen.pages, args->page_size};
+    const Prefetch run = {rows, seen.n_seen, args->head_dim * 2, 0};
+    return run;
 }
 
 // Returns 0, or -1 when a buffer could not be allocated. With page_tables NULL, keys and values
@@ -326,6 +332,9 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
     const int64_t max_padded = round_up(max_keys, 2 * KEY_BLOCK);
     const float log2_scale = scale * LOG2E;
     int failed = 0;
+    int64_t next_task = 0;  // the next task no thread has claimed
+    const TaskRowsArgs prefetch_args = {cu_q,   cu_k,     page_tables, pages_stride,
+                                        causal, head_dim, page_size};
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -337,9 +346,25 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_tasks; ++i) {
-            if (!allocated) continue;  // reported through `failed`
+        // Each thread claims its next task before it starts the current one, so that it knows
+        // whose keys and values to request while it computes: a decode's lie in pages scattered
+        // over the cache, where the hardware prefetchers stop at each page's end and its own
+        // reads keep too few misses in flight. The requests go out in shares spread over the
+        // current task's packing (the next keys) and value product (the next values): issued
+        // all at once they stalled the core on its full miss queue. G1's decode batch (64
+        // sequences, 24 layers, 2-core Zen 4, interleaved builds): 34-41 -> 29-33 ms per step
+        // with two threads, 59-67 -> 47-54 ms with one, against requesting the task's own rows
+        // up front and guessing the next task as i + threads; prefill attention unchanged.
+        int64_t next = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+        if (allocated && next < num_tasks) {  // the thread's first task: nothing to overlap
+            Prefetch first_keys = task_rows(tasks[next], k, k_stride, &prefetch_args);
+            Prefetch first_values = task_rows(tasks[next], v, v_stride, &prefetch_args);
+            prefetch_to(&first_keys, first_keys.n);
+            prefetch_to(&first_values, first_values.n);
+        }
+        while (allocated && next < num_tasks) {
+            const int64_t i = next;
+            next = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
             const Task task = tasks[i];
             const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
             const int64_t n_k = seen.n_k, n_seen = seen.n_seen;
@@ -350,33 +375,13 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                                       k_stride, pages, page_size};
             const Bf16Rows value_rows = {v + first_row * v_stride + task.kv_head * head_dim,
                                         v_stride, pages, page_size};
-            // A decode's keys and values lie in pages scattered over the cache, each task's
-            // a few KiB apart, and its packing alone keeps too few misses in flight (the
-            // hardware prefetchers stop at each page's end). So all of this task's keys are
-            // requested into L2 at once, its values before its value product, and while it
-            // works the keys and values of the task this thread probably takes next (the
-            // schedule hands tasks out in order) and the keys of the one after. G1's decode
-            // batch (64 sequences, 24 layers, 2-core Zen 4, interleaved): 40 -> 31 ms per step
-            // with two threads, 75 -> 56 ms of CPU time with one; the next task's keys and
-            // values alone took it to 34-35 ms.
-            prefetch_task_rows(&key_rows, n_seen, head_dim * 2);
-            const int64_t threads = omp_get_num_threads();
-            for (int64_t ahead = 1; ahead <= 2 && i + ahead * threads < num_tasks; ++ahead) {
-                const Task later = tasks[i + ahead * threads];
-                const TaskKeys later_seen =
-                    task_keys(later, cu_q, cu_k, page_tables, pages_stride, causal);
-                const int64_t later_row = later_seen.first_row;
-                const Bf16Rows later_keys = {k + later_row * k_stride + later.kv_head * head_dim,
-                                             k_stride, later_seen.pages, page_size};
-                prefetch_task_rows(&later_keys, later_seen.n_seen, head_dim * 2);
-                if (ahead == 1) {
-                    const Bf16Rows later_values = {
-                        v + later_row * v_stride + later.kv_head * head_dim, v_stride,
-                        later_seen.pages, page_size};
-                    prefetch_task_rows(&later_values, later_seen.n_seen, head_dim * 2);
-                }
+            Prefetch next_keys = NO_PREFETCH, next_values = NO_PREFETCH;
+            if (next < num_tasks) {
+                next_keys = task_rows(tasks[next], k, k_stride, &prefetch_args);
+                next_values = task_rows(tasks[next], v, v_stride, &prefetch_args);
             }
-            pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys);
+            pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys,
+                      &next_keys);
             // Rows: (query, head of the group), query-major.
             const int64_t num_task_rows = (task.query_end - task.query_start) * group;
             for (int64_t r0 = 0; r0 < num_task_rows; r0 += ROW_BLOCK) {
@@ -408,9 +413,8 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                 if (lse)
                     for (int r = 0; r < num_rows; ++r)
                         lse[lse_index[r]] = (maxima[r] + log2f(sums[r])) * LN2;
-                if (r0 == 0) prefetch_task_rows(&value_rows, n_seen, head_dim * 2);
                 block_values(probs, max_padded, sums, &value_rows, block_seen, head_dim,
-                             out_rows, num_rows, r0 == 0);
+                             out_rows, num_rows, &next_values);
             }
         }
         free(keys);
