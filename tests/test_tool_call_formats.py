@@ -1,6 +1,6 @@
-"""Mistral's tool-call format end to end: a chat template that names [TOOL_CALLS] picks the
-Mistral parser, and run-batch's forced calls come back parsed (tool_parsers.py's own tests need
-no model)."""
+"""Tool-call formats end to end: a chat template that names [TOOL_CALLS] picks the Mistral
+parser, one that names <|python_start|> the pythonic one, and run-batch's forced calls come back
+parsed in either (tool_parsers.py's own tests need no model)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import shutil
 
 import jsonschema
+import pytest
 from test_server_structured import MAX_MODEL_LEN, MESSAGES, PARAMETERS, TOOLS
 
 from vacpack import LLM
@@ -22,14 +23,26 @@ MISTRAL_TEMPLATE = """{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVA
 {%- elif message.tool_calls %}[TOOL_CALLS] {{ message.tool_calls | tojson }}</s>
 {%- else %}{{ message.content }}</s>{% endif %}
 {%- endfor %}"""
+# As Llama 4's pythonic template does: calls as a Python list between its python tags.
+PYTHONIC_TEMPLATE = """{%- if tools %}Tools: {{ tools | tojson }}
+Call them as [name(argument=value, ...)], between <|python_start|> and <|python_end|>.
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}<user>{{ message.content }}</user>
+{%- else %}<|python_start|>{{ message.content }}<|python_end|>{% endif %}
+{%- endfor %}"""
 
 
-def test_a_mistral_template_gets_mistral_tool_calls(tiny_checkpoint, tmp_path) -> None:
-    """The template names [TOOL_CALLS]: forced calls come in Mistral's format and parse back,
-    with the nine-character ids its templates require."""
-    model_dir = tmp_path / "mistral-tools"
+@pytest.mark.parametrize("template_format", ["mistral", "pythonic"])
+def test_the_template_picks_the_format_of_forced_calls(
+    tiny_checkpoint, tmp_path, template_format: str
+) -> None:
+    """Forced calls come in the template's format and parse back; Mistral's with the
+    nine-character ids its templates require."""
+    model_dir = tmp_path / f"{template_format}-tools"
     shutil.copytree(tiny_checkpoint("qwen2"), model_dir)
-    (model_dir / "chat_template.jinja").write_text(MISTRAL_TEMPLATE, encoding="utf-8")
+    template = MISTRAL_TEMPLATE if template_format == "mistral" else PYTHONIC_TEMPLATE
+    (model_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
     llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
     # One call: a random model would go on adding calls to the list until max_tokens.
     body = {
@@ -46,7 +59,8 @@ def test_a_mistral_template_gets_mistral_tool_calls(tiny_checkpoint, tmp_path) -
     message = record["response"]["body"]["choices"][0]["message"]
     assert len(message.get("tool_calls", [])) == 1 and message["content"] is None, message
     for call in message["tool_calls"]:
-        assert len(call["id"]) == 9 and call["id"].isalnum()
+        if template_format == "mistral":
+            assert len(call["id"]) == 9 and call["id"].isalnum()
         jsonschema.validate(
             json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]]
         )

@@ -1,5 +1,5 @@
-"""Tool-call parsing (Hermes, Llama 3 JSON), streaming that adds up to the parse, and the
-grammars that force calls; no model needed."""
+"""Tool-call parsing (Hermes, Llama 3 JSON, Mistral, pythonic), streaming that adds up to the
+parse, and the grammars that force calls; no model needed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from vacpack.openai_api.output_constraints import strict_schema
 from vacpack.openai_api.tool_parsers import ToolParser, tool_call_schema, tool_parser
 from vacpack.openai_api.tool_streaming import ToolCallStream
-from vacpack.structured.grammars import check_grammar, with_json_layout
+from vacpack.structured.grammars import _byte_tokenizer, check_grammar, with_json_layout
 
 TOOLS = [
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
@@ -28,6 +28,23 @@ MISTRAL_TEXT = (
 )
 # Mistral's newer tokenizers (v11 on): each call after its own marker, its arguments after [ARGS].
 MISTRAL_NAMED_TEXT = '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}'
+PYTHONIC_TEXT = "[f(a=1, b='x', c=[True, None]), g()]"
+# A tool with typed parameters, one of them required, for the pythonic grammar.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["days"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +101,80 @@ def test_mistral_calls_in_both_forms(bpe) -> None:
     assert mistral.settled("Hi [TOOL") == (3, [])
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+def test_pythonic_calls(bpe) -> None:
+    pythonic = tool_parser("pythonic", bpe)
+    parsed = pythonic.parse(PYTHONIC_TEXT)
+    assert parsed.content is None
+    assert _calls(parsed) == [("f", {"a": 1, "b": "x", "c": [True, None]}), ("g", {})]
+    # Llama 4 wraps the list in its python tags; JSON's constants read as Python's.
+    wrapped = pythonic.parse('<|python_start|>[f(a=true, b=null, c={"k": false})]<|python_end|>')
+    assert _calls(wrapped) == [("f", {"a": True, "b": None, "c": {"k": False}})]
+    # Anything that is not a list of calls of literals is content, all of it: it is parsed,
+    # never run.
+    for text in (
+        "Hello",
+        "[1, 2]",
+        "[]",
+        "[f(1)]",
+        "[f(a=g())]",
+        "[f(a=__import__('os').getcwd())]",
+        "[f(**x)]",
+        "[x.y(a=1)]",
+        "[f(a={1, 2})]",
+        "[f(a=1e999)]",
+        "[f(a=1)] and more",
+    ):
+        assert (pythonic.parse(text).content, pythonic.parse(text).tool_calls) == (text, [])
+    assert pythonic.settled("Sure, ") == (len("Sure, "), [])
+    assert pythonic.settled("<|python_st") == (0, [])
+
+
+def _grammar_accepts(grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(
+        _byte_tokenizer(), llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0
+    )
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_pythonic_grammar_forces_calls_that_parse(bpe, parallel: bool) -> None:
+    pythonic = tool_parser("pythonic", bpe)
+    schema = with_json_layout(tool_call_schema([*TOOLS, WEATHER_TOOL]))
+    grammar = pythonic.call_grammar(schema, parallel)
+    accepted = [
+        "[weather(days=2)]",
+        '[weather(city="Paris", days=2, unit="c")]',
+        '[weather(days=3, unit="f")]',
+        '[f(anything=[1, {"x": null}], more="y")]',
+        "[g()]",
+    ]
+    for text in accepted:
+        assert _grammar_accepts(grammar, text), text
+        assert pythonic.parse(text).tool_calls, text
+    rejected = [
+        '[weather(city="Paris")]',  # days is required
+        '[weather(days="two")]',  # not an integer
+        '[weather(unit="c", days=2)]',  # out of the schema's order
+        '[weather(days=2, unit="k")]',
+        "[h()]",  # no such tool
+        "weather(days=2)",
+    ]
+    for text in rejected:
+        assert not _grammar_accepts(grammar, text), text
+    both = "[g(), weather(days=1)]"
+    assert _grammar_accepts(grammar, both) == parallel
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "pythonic"])
 def test_json_nested_past_the_stack_is_content(bpe, parser_name: str) -> None:
-    # A model looping on '[' until max_tokens: json raises RecursionError, not a decode error.
-    marker = {"hermes": "<tool_call>\n", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+    # A model looping on '[' until max_tokens: json raises RecursionError, not a decode error
+    # (and Python's parser a SyntaxError or RecursionError).
+    marker = {
+        "hermes": "<tool_call>\n",
+        "llama3_json": "<|python_tag|>",
+        "mistral": "[TOOL_CALLS]",
+        "pythonic": "",
+    }
     text = marker[parser_name] + "[" * 100_000
     parser = tool_parser(parser_name, bpe)
     parsed = parser.parse(text)
@@ -104,6 +191,8 @@ def test_json_nested_past_the_stack_is_content(bpe, parser_name: str) -> None:
         ("hermes", "plain <tool_ text"),
         ("mistral", MISTRAL_TEXT),
         ("mistral", MISTRAL_NAMED_TEXT),
+        ("pythonic", PYTHONIC_TEXT),
+        ("pythonic", "[a link](x) is content"),
     ],
 )
 def test_streamed_pieces_add_up_to_the_parse(bpe, parser_name: str, text: str) -> None:
@@ -136,7 +225,7 @@ def test_hermes_holds_back_a_possible_marker(hermes: ToolParser) -> None:
     assert hermes.settled("Hi <b>") == (len("Hi <b>"), [])
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "pythonic"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_call_grammars_compile(bpe, parser_name: str, parallel: bool) -> None:
     parser = tool_parser(parser_name, bpe)
@@ -149,6 +238,7 @@ def test_auto_parser_follows_the_chat_template(bpe, monkeypatch: pytest.MonkeyPa
     for template, name in (
         ("{{ '[TOOL_CALLS] ' + calls }}", "mistral"),
         ("{{ '<|python_tag|>' }}", "llama3_json"),
+        ("{{ '<|python_start|>' }}", "pythonic"),
         ("{{ '<tool_call>' }}{{ '[TOOL_CALLS]' }}", "hermes"),
     ):
         monkeypatch.setattr(bpe, "chat_template", template, raising=False)

@@ -95,7 +95,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default="auto",
         help="the tool-call format: hermes (<tool_call>, Qwen), llama3_json, mistral "
-        "([TOOL_CALLS]), or auto (from the chat template)",
+        "([TOOL_CALLS]), pythonic ([f(a=1)], Llama 3.2 / 4), or auto (from the chat template)",
     )
     group.add_argument(
         "--max-n",
