@@ -28,7 +28,13 @@ LAYERS: list[set[str]] = [
     {"vacpack.structured"},  # grammars and token masks; their parameters are a leaf
     # The model's recommended sampling reads generation_config.json as the tokenizer module
     # names it.
-    {"vacpack.detokenizer", "vacpack.sampling", "vacpack.device", "vacpack.generation_defaults"},
+    {
+        "vacpack.detokenizer",
+        "vacpack.sampling",
+        "vacpack.device",
+        "vacpack.generation_defaults",
+        "vacpack.pooling_params",
+    },
     {"vacpack.tuning"},
     {
         "vacpack.cpu_kernels",

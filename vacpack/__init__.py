@@ -21,6 +21,8 @@ _EXPORTS = {
     "BeamSearchParams": "vacpack.beam_search",
     "EngineConfig": "vacpack.config",
     "SamplingParams": "vacpack.sampling",
+    "PoolingParams": "vacpack.pooling_params",
+    "PoolingRequestOutput": "vacpack.outputs",
     "StructuredOutputsParams": "vacpack.structured.params",
     "RequestOutput": "vacpack.outputs",
     "CompletionOutput": "vacpack.outputs",
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
     from vacpack.inputs import TextPrompt, TokensPrompt
     from vacpack.llm import LLM, LLMEngine
     from vacpack.lora.request import LoRARequest
-    from vacpack.outputs import CompletionOutput, Logprob, RequestOutput
+    from vacpack.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
+    from vacpack.pooling_params import PoolingParams
     from vacpack.sampling import SamplingParams
     from vacpack.structured.params import StructuredOutputsParams
 
@@ -55,6 +58,8 @@ __all__ = [
     "LLMEngine",
     "LoRARequest",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -24,10 +24,12 @@ from vacpack.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     LoglikelihoodOutput,
+    PoolingRequestOutput,
     RequestOutput,
     RequestOutputKind,
     ScoringRequestOutput,
 )
+from vacpack.pooling_params import PoolingParams
 from vacpack.runtime import LoadedModel, load
 from vacpack.sampling import SamplingParams
 from vacpack.tokenizer import apply_chat_template
@@ -338,6 +340,42 @@ class LLM:
         task = ClassifyTask(self.loaded, truncate=truncate)
         task.keep_input_tokens(truncate_prompt_tokens)
         return self._run_corpus(task, inputs, use_tqdm, return_failures)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        pooling_task: str | None = None,
+        truncate: bool = False,
+        use_tqdm: bool = True,
+        return_failures: bool = False,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's encode: each input's hidden states pooled for `pooling_task`, one float32 tensor
+        per input (`out.outputs.data`), in input order. "token_embed": a vector per token
+        [tokens, dims], normalized per token unless `pooling_params.use_activation` is False;
+        "embed": the vector `embed` gives; "classify": `classify`'s label probabilities (the
+        logits with use_activation False). `pooling_params.dimensions` cuts embeddings
+        (Matryoshka). The other arguments as in `embed`."""
+        from vacpack.corpus.encode import TokenEmbedTask, as_pooling_output, check_pooling_task
+        from vacpack.corpus.tasks import ClassifyTask, EmbedTask, resolve_pooling
+
+        task_name = check_pooling_task(pooling_task)
+        params = pooling_params or PoolingParams()
+        task: CorpusTask
+        if task_name == "classify":
+            if params.dimensions is not None:
+                raise ValueError("dimensions applies to embeddings, not to classify")
+            task = ClassifyTask(self.loaded, truncate, params.use_activation is not False)
+        else:
+            config = resolve_pooling(self.loaded, None, params.use_activation, params.dimensions)
+            kind = TokenEmbedTask if task_name == "token_embed" else EmbedTask
+            task = kind(self.loaded, config, truncate=truncate)
+        task.keep_input_tokens(truncate_prompt_tokens)
+        results = self._run_corpus(task, as_prompt_list(prompts), use_tqdm, return_failures)
+        pooled: list[Any] = [as_pooling_output(result) for result in results]
+        return pooled
 
     def _run_corpus(
         self,

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vacpack.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    import torch  # imported by what makes a PoolingOutput, not by readers of outputs
 
 
 class RequestOutputKind(enum.Enum):
@@ -90,6 +94,24 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass(frozen=True)
+class PoolingOutput:
+    """What LLM.encode gives an input: [tokens, dims] for token_embed, [dims] for embed,
+    [labels] for classify; float32 on the CPU."""
+
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PoolingRequestOutput:
+    """One input's pooled hidden states: `out.outputs.data`, as in vLLM."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     finished: bool = True
 
 

@@ -214,11 +214,10 @@ class WholeTextTask(CorpusTask):
         return results
 
 
-class EmbedTask(WholeTextTask):
-    """One vector per text; an instruction `prompt` (Qwen3-Embedding's "Instruct: ...\nQuery:")
-    is put before each text, as sentence-transformers does, before tokenizing."""
-
-    name = "embed"
+class EmbeddingInputsTask(WholeTextTask):
+    """Texts to embed (pooled, or per token): an instruction `prompt` (Qwen3-Embedding's
+    "Instruct: ...\nQuery:") is put before each text, as sentence-transformers does, before
+    tokenizing, and a sentence-transformers checkpoint's max_seq_length cuts them."""
 
     def __init__(
         self,
@@ -262,6 +261,12 @@ class EmbedTask(WholeTextTask):
         encoded = iter(super().encode_batch(prompted))
         return [refused[index] if index in refused else next(encoded) for index, _ in items]
 
+
+class EmbedTask(EmbeddingInputsTask):
+    """One vector per text."""
+
+    name = "embed"
+
     def process(
         self, documents: Sequence[Document], seq_lens: Sequence[int], hidden: torch.Tensor
     ) -> list[EmbeddingRequestOutput]:
@@ -275,8 +280,11 @@ class EmbedTask(WholeTextTask):
 class ClassifyTask(WholeTextTask):
     name = "classify"
 
-    def __init__(self, loaded: LoadedModel, truncate: bool = False) -> None:
+    def __init__(
+        self, loaded: LoadedModel, truncate: bool = False, use_activation: bool = True
+    ) -> None:
         super().__init__(loaded, truncate)
+        self.use_activation = use_activation  # False: the logits, as vLLM's PoolingParams
         if not isinstance(loaded.model, SequenceClassifier):
             raise ValueError(
                 f"model {loaded.engine_config.model!r} ({loaded.config.architecture}) has no "
@@ -296,7 +304,12 @@ class ClassifyTask(WholeTextTask):
         model = self.loaded.model
         assert isinstance(model, SequenceClassifier), "checked when the task was made"
         logits = model.classify(hidden, seq_lens).float()
-        probs = torch.sigmoid(logits) if self.independent_labels else torch.softmax(logits, -1)
+        if not self.use_activation:
+            probs = logits
+        elif self.independent_labels:
+            probs = torch.sigmoid(logits)
+        else:
+            probs = torch.softmax(logits, -1)
         results = []
         for doc, row in zip(documents, probs.cpu().tolist(), strict=True):
             best = max(range(len(row)), key=row.__getitem__)
