@@ -87,7 +87,7 @@ def test_token_embed_of_a_decoder_equals_its_last_hidden_states(tiny_checkpoint)
 
 
 def test_encode_refuses_what_it_cannot_do(minilm: LLM) -> None:
-    with pytest.raises(ValueError, match="encode needs pooling_task, one of token_embed"):
+    with pytest.raises(ValueError, match="pooling_task must be one of token_embed, embed"):
         minilm.encode(TEXTS)
     with pytest.raises(ValueError, match="got 'reward'"):
         minilm.encode(TEXTS, pooling_task="reward")

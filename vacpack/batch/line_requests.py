@@ -19,6 +19,7 @@ from vacpack.openai_api.pooling import (
     PreparedPooling,
     prepare_classify,
     prepare_embeddings,
+    prepare_encode,
     prepare_rerank,
     prepare_score,
 )
@@ -27,6 +28,7 @@ from vacpack.openai_api.protocol import (
     ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
+    EncodeRequest,
     RerankRequest,
     ScoreRequest,
     parse_body,
@@ -57,8 +59,12 @@ RESPONSE_ID_PREFIXES_BY_URL = {
     "/rerank": "rerank",
     "/v1/classify": "classify",
     "/classify": "classify",
+    "/v1/pooling": "pool",
+    "/pooling": "pool",
 }
-PoolingRequest = EmbeddingRequest | ScoreRequest | RerankRequest | ClassificationRequest
+PoolingRequest = (
+    EmbeddingRequest | ScoreRequest | RerankRequest | ClassificationRequest | EncodeRequest
+)
 POOLING_REQUESTS: dict[str, type[PoolingRequest]] = {
     "/v1/embeddings": EmbeddingRequest,
     "/v1/score": ScoreRequest,
@@ -67,6 +73,8 @@ POOLING_REQUESTS: dict[str, type[PoolingRequest]] = {
     "/rerank": RerankRequest,
     "/v1/classify": ClassificationRequest,
     "/classify": ClassificationRequest,
+    "/v1/pooling": EncodeRequest,
+    "/pooling": EncodeRequest,
 }
 BatchRequest = CompletionRequest | ChatCompletionRequest | PoolingRequest
 
@@ -133,6 +141,8 @@ class LineTranslator:
             return prepare_embeddings(request, functions, name)
         if isinstance(request, ClassificationRequest):
             return prepare_classify(request, functions, name, response_id)
+        if isinstance(request, EncodeRequest):
+            return prepare_encode(request, functions, name, response_id)
         if isinstance(request, ScoreRequest):
             return prepare_score(request, functions, name, response_id)
         return prepare_rerank(request, functions, name, response_id)

@@ -27,6 +27,8 @@ ENDPOINTS = (
     "/rerank",
     "/v1/classify",
     "/classify",
+    "/v1/pooling",
+    "/pooling",
 )
 
 _COUNT_CHUNK_BYTES = 1 << 20

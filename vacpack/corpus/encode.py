@@ -21,12 +21,11 @@ from vacpack.outputs import (
 POOLING_TASKS = ("token_embed", "embed", "classify", "token_classify")
 
 
-def check_pooling_task(pooling_task: str | None) -> str:
-    """The task, or ValueError saying which ones there are (or why this one cannot run)."""
+def check_pooling_task(pooling_task: str | None, field: str = "pooling_task") -> str:
+    """The task, or ValueError saying which ones there are (or why this one cannot run);
+    `field` names where the task was given."""
     if pooling_task is None or pooling_task not in POOLING_TASKS:
-        raise ValueError(
-            f"encode needs pooling_task, one of {', '.join(POOLING_TASKS)}; got {pooling_task!r}"
-        )
+        raise ValueError(f"{field} must be one of {', '.join(POOLING_TASKS)}; got {pooling_task!r}")
     if pooling_task == "token_classify":
         raise ValueError(
             "token_classify needs a per-token classification head (*ForTokenClassification), "

@@ -1,5 +1,5 @@
-"""Embedding, score, rerank and classify requests: checked, run in packed jobs, answered in
-vLLM's shapes.
+"""Embedding, score, rerank, classify and pooling requests: checked, run in packed jobs,
+answered in vLLM's shapes.
 
 The server and batch files both prepare a request here (every 400 a request can earn before it
 runs), then run many prepared requests at once with `run_pooling`: requests that can share a
@@ -9,12 +9,16 @@ or its own 400 when one of its inputs is bad.
 
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
+
+from vacpack.corpus.encode import check_pooling_task
 from vacpack.corpus.scoring import TextPair, pair_inputs
 from vacpack.corpus.tasks import TRUNCATE_HINT
 from vacpack.openai_api.errors import APIError, bad_request
@@ -22,13 +26,19 @@ from vacpack.openai_api.protocol import (
     SCORE_FIELD_PAIRS,
     ClassificationRequest,
     EmbeddingRequest,
+    EncodeRequest,
     RerankRequest,
     ScoreRequest,
 )
 from vacpack.openai_api.requests import prepare_embedding
 from vacpack.openai_api.responses import embedding_body, now_s
 from vacpack.openai_api.serving import PoolingFunctions, run_grouped
-from vacpack.outputs import ClassificationRequestOutput, ScoringRequestOutput
+from vacpack.outputs import (
+    ClassificationRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
+from vacpack.pooling_params import PoolingParams
 
 # How a request asks for over-long inputs to be cut. The jobs' errors name the Python and
 # command-line knob (tasks.TRUNCATE_HINT: truncate=True, --truncate), which an HTTP or batch-file
@@ -42,8 +52,9 @@ REQUEST_TRUNCATE_HINT = (
 class PreparedPooling:
     """A request ready to run: its inputs, which job it may share, how to answer it."""
 
-    # ("embed", dimensions, k), ("score", use_activation, k) or ("classify", None, k), k the
-    # request's truncate_prompt_tokens: requests with equal keys share a job.
+    # ("embed", dimensions, k), ("score", use_activation, k), ("classify", None, k) or
+    # ("pool", (task, PoolingParams), k), k the request's truncate_prompt_tokens: requests
+    # with equal keys share a job.
     job_key: tuple[str, Any, int | None]
     inputs: list[Any]  # texts or token ids to embed, or (text_1, text_2) pairs
     finish: Callable[[list[Any]], dict[str, Any]]  # the job's outputs -> the response body
@@ -80,6 +91,38 @@ def prepare_classify(
         job_key=("classify", None, truncation),
         inputs=prepare_embedding(request),
         finish=partial(classification_body, response_id, model_name, now_s()),
+        error_param="input",
+    )
+
+
+def prepare_encode(
+    request: EncodeRequest, functions: PoolingFunctions, model_name: str, response_id: str
+) -> PreparedPooling:
+    task = request.task or functions.default_pooling_task
+    try:
+        check_pooling_task(task, "task")
+    except ValueError as error:
+        raise bad_request(str(error), "task") from None
+    if task == "classify" and functions.classify is None:
+        raise bad_request(functions.no_classify_reason, "task")
+    if task != "classify" and functions.embed is None:
+        raise bad_request(functions.no_embed_reason, "task")
+    if request.dimensions is not None:
+        if task == "classify":
+            raise bad_request("dimensions applies to embeddings, not to classify", "dimensions")
+        try:
+            functions.check_dimensions(request.dimensions)
+        except ValueError as error:
+            raise bad_request(str(error), "dimensions") from None
+    kind = "classify" if task == "classify" else "embed"
+    truncation = _checked_truncation(request.truncate_prompt_tokens, functions, kind)
+    params = PoolingParams(request.use_activation, request.dimensions)
+    return PreparedPooling(
+        job_key=("pool", (task, params), truncation),
+        inputs=prepare_embedding(request),
+        finish=partial(
+            pooling_body, response_id, model_name, now_s(), request.encoding_format or "float"
+        ),
         error_param="input",
     )
 
@@ -198,12 +241,39 @@ def classification_body(
     return _list_body(response_id, model_name, created, data, outputs)
 
 
+def pooling_body(
+    response_id: str,
+    model_name: str,
+    created: int,
+    encoding_format: str,
+    outputs: Sequence[PoolingRequestOutput],
+) -> dict[str, Any]:
+    """vLLM's /pooling answer: each input's tensor as nested lists, or with "base64" its
+    float32 values, flattened, little-endian."""
+    data = [
+        {
+            "index": index,
+            "object": "pooling",
+            "data": _base64_float32(output.outputs.data)
+            if encoding_format == "base64"
+            else output.outputs.data.tolist(),
+        }
+        for index, output in enumerate(outputs)
+    ]
+    return _list_body(response_id, model_name, created, data, outputs)
+
+
+def _base64_float32(tensor: torch.Tensor) -> str:
+    values = tensor.to(torch.float32).contiguous().numpy().astype("<f4")
+    return base64.b64encode(values.tobytes()).decode("ascii")
+
+
 def _list_body(
     response_id: str,
     model_name: str,
     created: int,
     data: list[dict[str, Any]],
-    outputs: Sequence[ScoringRequestOutput | ClassificationRequestOutput],
+    outputs: Sequence[ScoringRequestOutput | ClassificationRequestOutput | PoolingRequestOutput],
 ) -> dict[str, Any]:
     """vLLM's list response of one entry per input, with the prompt tokens the inputs took."""
     num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
@@ -251,6 +321,9 @@ def _job_function(
 ) -> Callable[[list[Any]], list[Any]]:
     kind, option, truncate_prompt_tokens = key
     classify, embed, score = functions.classify, functions.embed, functions.score
+    if kind == "pool":
+        task, params = option
+        return lambda inputs: functions.encode(inputs, task, params, truncate_prompt_tokens)
     if kind == "classify":
         assert classify is not None, "prepare_classify refuses it"
         return lambda inputs: classify(inputs, truncate_prompt_tokens)

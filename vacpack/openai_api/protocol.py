@@ -173,6 +173,20 @@ class ClassificationRequest(_Body):
     user: str | None = None
 
 
+class EncodeRequest(_Body):
+    """vLLM's /pooling: LLM.encode over HTTP. `task` is a pooling task (token_embed, embed,
+    classify); by default token_embed where the model embeds, classify for a classifier."""
+
+    model: str | None = None
+    input: PromptInput
+    task: str | None = None
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: int | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's first k tokens
+    user: str | None = None
+
+
 # vLLM's /score takes its two sides under any of these pairs of names.
 SCORE_FIELD_PAIRS = (
     ("text_1", "text_2"),

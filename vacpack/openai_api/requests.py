@@ -33,6 +33,7 @@ from vacpack.openai_api.protocol import (
     ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
+    EncodeRequest,
     PromptInput,
     parse_body,
     split_prompt_input,
@@ -286,7 +287,7 @@ def _template_turn(index: int, message: ChatMessage) -> dict[str, Any]:
 
 
 def prepare_embedding(
-    request: EmbeddingRequest | ClassificationRequest,
+    request: EmbeddingRequest | ClassificationRequest | EncodeRequest,
 ) -> list[str | list[int]]:
     """The inputs to embed or classify, as texts or token-id lists (the job tokenizes text)."""
     inputs = split_prompt_input(request.input)

@@ -8,6 +8,7 @@
   whole; any embedding-capable model scores the cosine similarity of the two embeddings.
 - Classification (/classify): a sequence classifier's label probabilities, for any number of
   labels.
+- Pooling (/pooling): LLM.encode's tasks, per-token embeddings (token_embed) included.
 Requests of a kind a model does not serve get a 400 naming the reason.
 """
 
@@ -27,8 +28,10 @@ from vacpack.models.pooling import check_dimensions
 from vacpack.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    PoolingRequestOutput,
     ScoringRequestOutput,
 )
+from vacpack.pooling_params import PoolingParams
 
 EmbedInput = str | list[int]
 # Every function also takes truncate_prompt_tokens (the tokens each input keeps; None: all).
@@ -39,6 +42,10 @@ EmbedFunction = Callable[[list[EmbedInput], int | None, int | None], list[Embedd
 ScoreFunction = Callable[[list[TextPair], bool, int | None], list[ScoringRequestOutput]]
 # Texts or token-id lists in, their label probabilities out, in order.
 ClassifyFunction = Callable[[list[EmbedInput], int | None], list[ClassificationRequestOutput]]
+# Texts or token-id lists in (and LLM.encode's pooling task and parameters), one tensor each out.
+EncodeFunction = Callable[
+    [list[EmbedInput], str, PoolingParams, int | None], list[PoolingRequestOutput]
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class PoolingFunctions:
     embed: EmbedFunction | None
     score: ScoreFunction | None
     classify: ClassifyFunction | None
+    encode: EncodeFunction
+    default_pooling_task: str  # /pooling's task when a request names none
     check_dimensions: Callable[[int], None]  # ValueError if embeddings may not be cut to it
     # (kind: "embed", "score" or "classify", truncate_prompt_tokens) -> ValueError naming the
     # field and its limits if this model's inputs of that kind may not be cut to it.
@@ -109,6 +118,20 @@ def pooling_functions(llm: LLM) -> PoolingFunctions:
     ) -> list[ClassificationRequestOutput]:
         return llm.classify(inputs, use_tqdm=False, truncate_prompt_tokens=truncate_prompt_tokens)
 
+    def encode(
+        inputs: list[EmbedInput],
+        task: str,
+        params: PoolingParams,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingRequestOutput]:
+        return llm.encode(
+            inputs,
+            params,
+            pooling_task=task,
+            use_tqdm=False,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+
     def check(dimensions: int) -> None:
         check_dimensions(dimensions, config.hidden_size, loaded.hf_config)
 
@@ -125,6 +148,8 @@ def pooling_functions(llm: LLM) -> PoolingFunctions:
         embed=None if is_classifier else embed,
         score=score if serves_score else None,
         classify=classify if is_classifier else None,
+        encode=encode,
+        default_pooling_task="classify" if is_classifier else "token_embed",
         check_dimensions=check,
         check_truncation=check_truncation,
         no_embed_reason=(

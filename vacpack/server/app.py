@@ -88,7 +88,7 @@ class BodySizeLimit:
 
 
 # Paths outside /v1 that answer model requests, and so need the key as /v1 does.
-_KEYED_PATHS = frozenset({"/score", "/rerank", "/tokenize", "/detokenize"})
+_KEYED_PATHS = frozenset({"/score", "/rerank", "/pooling", "/tokenize", "/detokenize"})
 
 
 def _needs_key(path: str) -> bool:
@@ -193,6 +193,12 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     @app.post("/classify")
     async def classify(request: Request) -> Response:
         return await handlers.classify(request)
+
+    # vLLM's path (LLM.encode's tasks), and with /v1 as the other pooling endpoints have it.
+    @app.post("/v1/pooling")
+    @app.post("/pooling")
+    async def pooling(request: Request) -> Response:
+        return await handlers.encode(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -27,6 +27,7 @@ from vacpack.openai_api.pooling import (
     PreparedPooling,
     prepare_classify,
     prepare_embeddings,
+    prepare_encode,
     prepare_rerank,
     prepare_score,
 )
@@ -34,6 +35,7 @@ from vacpack.openai_api.protocol import (
     ClassificationRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    EncodeRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -306,6 +308,9 @@ class OpenAIHandlers:
     async def classify(self, raw: Request) -> Response:
         return await self._pool(raw, self._prepare_classify)
 
+    async def encode(self, raw: Request) -> Response:
+        return await self._pool(raw, self._prepare_encode)
+
     async def _pool(self, raw: Request, prepare: Callable[[bytes], PreparedPooling]) -> Response:
         prepared = await asyncio.to_thread(prepare, await raw.body())
         return json_response(await _unless_disconnected(self.engine.pool(prepared), raw))
@@ -332,6 +337,12 @@ class OpenAIHandlers:
         self._check_pooling_model(request.model)
         name = self.config.served_model_name
         return prepare_classify(request, self.pooling, name, new_response_id("classify"))
+
+    def _prepare_encode(self, body: bytes) -> PreparedPooling:
+        request = parse_body(EncodeRequest, body)
+        self._check_pooling_model(request.model)
+        name = self.config.served_model_name
+        return prepare_encode(request, self.pooling, name, new_response_id("pool"))
 
     # ------------------------------------------------------------ tokenizer
     async def tokenize(self, raw: Request) -> Response:
