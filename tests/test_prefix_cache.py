@@ -79,6 +79,28 @@ def test_a_shared_system_prompt_is_computed_once(model_dir) -> None:
     ]
 
 
+def test_reset_prefix_cache_starts_cold_and_waits_for_unfinished_requests(model_dir) -> None:
+    llm = _llm(model_dir, True)
+    prompts = _shared_prefix_prompts(llm.loaded.config.vocab_size, 64, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.reset_prefix_cache() is True
+    llm.engine.page_pool.check_consistency()
+    assert llm.engine.page_pool.num_free_pages == llm.engine.page_pool.num_pages
+    again = llm.generate(prompts[:1], params, use_tqdm=False)
+    assert again[0].num_cached_tokens == 0  # the prefix is computed again
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    # While a request is unfinished nothing is forgotten, as in vLLM.
+    engine = llm.engine
+    engine.add_request("pending", {"prompt_token_ids": prompts[1]}, params)
+    engine.step()
+    assert llm.reset_prefix_cache() is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+    llm.engine.page_pool.check_consistency()
+
+
 def test_n_samples_compute_their_prompt_once(model_dir) -> None:
     llm = _llm(model_dir, True)
     prompt = list(range(100, 180))  # 80 tokens: 10 whole pages; the last token is recomputed

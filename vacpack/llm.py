@@ -96,6 +96,11 @@ class LLM:
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.loaded.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (a benchmark's runs then start cold); False while the
+        engine has unfinished requests, as in vLLM."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's
         recommended sampling (generation_config), else SamplingParams' defaults."""

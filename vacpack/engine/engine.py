@@ -267,6 +267,14 @@ class LLMEngine:
         for one_id in [request_id] if isinstance(request_id, str) else request_id:
             self.scheduler.abort_request(one_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix, as vLLM's does: False, with nothing changed, while a
+        request is unfinished (its pages may be cached and matched mid-flight)."""
+        if self.has_unfinished_requests():
+            return False
+        self.page_pool.forget_prefixes()
+        return True
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.loaded.tokenizer
 

@@ -144,6 +144,14 @@ class PagePool:
         self._page_by_hash[page_hash] = page
         self._hash_by_page[page] = page_hash
 
+    def forget_prefixes(self) -> None:
+        """Drops every cached prefix: unreferenced cached pages become free pages, and pages
+        still held are freed, not cached, when their holders let go."""
+        self._free.extend(reversed(self._evictable))  # the least recently used reused last
+        self._evictable.clear()
+        self._page_by_hash.clear()
+        self._hash_by_page.clear()
+
     def check_consistency(self) -> None:
         """Raises AssertionError when the bookkeeping contradicts itself (tests call this)."""
         free, evictable = set(self._free), set(self._evictable)
