@@ -369,12 +369,8 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
             const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
             const int64_t n_k = seen.n_k, n_seen = seen.n_seen;
             const int64_t first_position = seen.first_position;  // of query 0, when causal
-            const int64_t* pages = seen.pages;
-            const int64_t first_row = seen.first_row;
-            const Bf16Rows key_rows = {k + first_row * k_stride + task.kv_head * head_dim,
-                                      k_stride, pages, page_size};
-            const Bf16Rows value_rows = {v + first_row * v_stride + task.kv_head * head_dim,
-                                        v_stride, pages, page_size};
+            const Bf16Rows key_rows = task_rows(task, k, k_stride, &prefetch_args).rows;
+            const Bf16Rows value_rows = task_rows(task, v, v_stride, &prefetch_args).rows;
             Prefetch next_keys = NO_PREFETCH, next_values = NO_PREFETCH;
             if (next < num_tasks) {
                 next_keys = task_rows(tasks[next], k, k_stride, &prefetch_args);
