@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
@@ -12,6 +12,8 @@ from vacpack.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import torch  # imported by what makes a PoolingOutput, not by readers of outputs
+
+PooledOutput = TypeVar("PooledOutput")
 
 
 class RequestOutputKind(enum.Enum):
@@ -83,21 +85,6 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
-class EmbeddingOutput:
-    embedding: list[float]
-
-
-@dataclass(frozen=True)
-class EmbeddingRequestOutput:
-    """One input's embedding: `out.outputs.embedding`, as in vLLM."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
-    finished: bool = True
-
-
-@dataclass(frozen=True)
 class PoolingOutput:
     """What LLM.encode gives an input: [tokens, dims] for token_embed, [dims] for embed,
     [labels] for classify; float32 on the CPU."""
@@ -106,13 +93,25 @@ class PoolingOutput:
 
 
 @dataclass(frozen=True)
-class PoolingRequestOutput:
-    """One input's pooled hidden states: `out.outputs.data`, as in vLLM."""
+class PoolingRequestOutput(Generic[PooledOutput]):
+    """One input's result of a pooling job, as vLLM shapes them all: `out.outputs` is a
+    PoolingOutput (LLM.encode) or the embed, classify or score job's own output."""
 
     request_id: str
+    # The input's tokens as the model read them (a scored pair's: both texts').
     prompt_token_ids: list[int]
-    outputs: PoolingOutput
+    outputs: PooledOutput
     finished: bool = True
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """One input's embedding: `out.outputs.embedding`, as in vLLM."""
 
 
 @dataclass(frozen=True)
@@ -125,11 +124,8 @@ class ClassificationOutput:
 
 
 @dataclass(frozen=True)
-class ClassificationRequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: ClassificationOutput
-    finished: bool = True
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """One input's label probabilities: `out.outputs.probs`, as in vLLM."""
 
 
 @dataclass(frozen=True)
@@ -138,13 +134,8 @@ class ScoringOutput:
 
 
 @dataclass(frozen=True)
-class ScoringRequestOutput:
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
     """One (text_1, text_2) pair's score: `out.outputs.score`, as in vLLM."""
-
-    request_id: str
-    prompt_token_ids: list[int]  # the pair's tokens as the model read them (both texts')
-    outputs: ScoringOutput
-    finished: bool = True
 
 
 @dataclass(frozen=True)
