@@ -14,9 +14,10 @@ def add_sequence(
     token_ids: list[int],
     max_tokens: int = 100,
     max_total_tokens: int = 10_000,
+    priority: int = 0,
 ) -> Sequence:
     """Adds a request of one sequence named `name`; returns the sequence."""
-    request = Request(name, None, RequestMetrics(0.0))
+    request = Request(name, None, RequestMetrics(0.0), priority=priority)
     sequence = Sequence(
         request=request,
         index=0,

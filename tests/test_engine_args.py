@@ -33,6 +33,7 @@ FLAG_VALUES = {
     "cpu_kv_cache_fraction": ("--cpu-kv-cache-fraction", "0.25", 0.25),
     "attention_backend": ("--attention-backend", "torch_sdpa", "torch_sdpa"),
     "async_scheduling": ("--async-scheduling", None, True),
+    "scheduling_policy": ("--scheduling-policy", "priority", "priority"),
     "enable_cuda_graphs": ("--no-enable-cuda-graphs", None, False),
     "num_threads": ("--num-threads", "1", 1),
     "tensor_parallel_size": ("--tensor-parallel-size", "2", 2),

@@ -1,4 +1,5 @@
-"""The scheduler on its own: token budget, running cap, FIFO admission, preemption."""
+"""The scheduler on its own: token budget, running cap, FIFO admission, preemption, and the
+priority policy's order."""
 
 from __future__ import annotations
 
@@ -62,6 +63,36 @@ def test_preemption_takes_the_latest_admitted_and_requeues_it_first() -> None:
     assert second.status is SequenceStatus.WAITING and second.num_computed_tokens == 0
     assert scheduler.waiting[0] is second
     assert allocator.num_free_pages == 4 - len(first.page_table)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_policy_picks_whom_to_admit_and_whom_to_preempt(policy: str) -> None:
+    allocator = PagePool(4, PAGE_SIZE, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(8, 100, PAGE_SIZE, policy=policy), allocator)
+    low = add_sequence(scheduler, "low", list(range(7)), priority=5)  # 2 pages, room for 1
+    assert run_step(scheduler) == {"low": 7}
+    urgent = add_sequence(scheduler, "urgent", list(range(7)), priority=0)
+    later = add_sequence(scheduler, "later", list(range(3)), priority=5)
+    assert run_step(scheduler) == {"low": 1, "urgent": 7}  # all 4 pages used; later waits
+    output = scheduler.schedule()  # low's next token needs a 5th page
+    # fcfs: the latest admitted yields; priority: the least urgent, the earlier one here.
+    assert output.preempted == ([urgent] if policy == "fcfs" else [low])
+    waiting = [s.request.request_id for s in scheduler.waiting]
+    # A preempted sequence goes first (fcfs), or ahead of later arrivals of its priority.
+    assert waiting == (["urgent", "later"] if policy == "fcfs" else ["low", "later"])
+
+
+def test_priority_orders_the_waiting_queue_and_the_running_share() -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(8, 10, PAGE_SIZE, policy="priority"),
+        PagePool(100, PAGE_SIZE, enable_prefix_caching=False),
+    )
+    for name, priority in (("a", 2), ("b", -1), ("c", 2), ("d", 0)):
+        add_sequence(scheduler, name, list(range(6)), priority=priority)
+    assert [s.request.request_id for s in scheduler.waiting] == ["b", "d", "a", "c"]
+    assert run_step(scheduler) == {"b": 6, "d": 4}  # the budget of 10 goes by urgency
+    assert [s.request.request_id for s in scheduler.running] == ["b", "d"]
+    assert run_step(scheduler) == {"b": 1, "d": 2, "a": 6, "c": 1}
 
 
 @pytest.mark.parametrize("num_pages", [3, 5, 8])

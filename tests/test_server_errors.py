@@ -95,6 +95,7 @@ BAD_REQUESTS = [
     ("top_p > 1", "POST", C, _completion(top_p=1.5), 400, "top_p", "(0, 1]"),
     ("n = 0", "POST", C, _completion(n=0), 400, "n", ">= 1"),
     ("n a bool", "POST", C, _completion(n=True), 400, "n", "integer"),
+    ("priority under fcfs", "POST", C, _completion(priority=3), 400, "priority", "not enabled"),
     ("too many logprobs", "POST", C, _completion(logprobs=50), 400, "logprobs", "20"),
     # Found only when the engine takes the request (it knows the vocabulary): the field named.
     (

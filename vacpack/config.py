@@ -65,6 +65,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto (the fastest backend available for the device, dtype and head size), or a
     backend's name: torch_sdpa, cpu_kernels, triton."""
+    scheduling_policy: str = "fcfs"
+    """fcfs (first come, first served), or priority: requests with a lower `priority` are
+    admitted first and preempted last, arrival order breaking ties (vLLM's)."""
     async_scheduling: bool | None = None
     """Prepare step N+1 while the device runs step N (default: on for CUDA, off on a CPU);
     outputs are identical either way."""
@@ -141,6 +144,10 @@ class EngineConfig:
             raise ValueError(
                 "kv_cache_dtype must be auto, bfloat16, float16 or float32, got "
                 f"{self.kv_cache_dtype!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
         if self.cpu_bf16_arithmetic not in ("auto", "bfloat16", "float32"):
             raise ValueError(

@@ -18,6 +18,7 @@ from vacpack.config import EngineArgs, EngineConfig
 from vacpack.corpus_jobs import CorpusJobs
 from vacpack.distributed.driver import Driver
 from vacpack.engine import engine as step_engine
+from vacpack.engine.request import check_priority
 from vacpack.generation_defaults import sampling_defaults
 from vacpack.inputs import PromptType, as_prompt_list, encode_prompt
 from vacpack.lora.request import LoRARequest
@@ -110,9 +111,11 @@ class LLM(CorpusJobs):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in input order. `lora_request`: the
         LoRA adapter every prompt runs, or one (or None) per prompt (needs enable_lora).
+        `priority`: one per prompt, lower first (needs scheduling_policy="priority").
 
         Every prompt is checked before any work starts, so a bad one raises without running the
         others and leaves the engine ready for the next call.
@@ -135,8 +138,13 @@ class LLM(CorpusJobs):
                 self.engine.structured.check(params)
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
+        priorities = [0] * len(batch) if priority is None else list(priority)
+        if len(priorities) != len(batch):
+            raise ValueError(f"got {len(priorities)} priorities for {len(batch)} prompts")
+        for value in priorities:
+            check_priority(value, self.config.scheduling_policy)
         adapters = self._add_adapters(lora_request, len(batch))
-        return self._run(encoded, params_list, use_tqdm, adapters)
+        return self._run(encoded, params_list, use_tqdm, adapters, priorities)
 
     def beam_search(
         self,
@@ -223,6 +231,7 @@ class LLM(CorpusJobs):
         params_list: list[SamplingParams],
         use_tqdm: bool,
         adapters: list[LoRARequest | None],
+        priorities: list[int],
     ) -> list[RequestOutput]:
         engine = self.engine
         order = {str(next(self._request_counter)): index for index in range(len(encoded))}
@@ -237,7 +246,12 @@ class LLM(CorpusJobs):
                     params_list[index], output_kind=RequestOutputKind.FINAL_ONLY
                 )
                 engine.add_request(
-                    request_id, token_ids, params, prompt_text=text, lora_request=adapters[index]
+                    request_id,
+                    token_ids,
+                    params,
+                    prompt_text=text,
+                    lora_request=adapters[index],
+                    priority=priorities[index],
                 )
             while engine.has_unfinished_requests():
                 for output in engine.step():

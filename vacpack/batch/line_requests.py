@@ -107,6 +107,7 @@ class LineTranslator:
     max_model_len: int
     sampling_defaults: Mapping[str, Any]
     pooling: PoolingFunctions
+    scheduling_policy: str = "fcfs"  # the engine's (EngineConfig.scheduling_policy)
 
     @staticmethod
     def response_id(line: BatchLine) -> str:
@@ -131,6 +132,7 @@ class LineTranslator:
             self.max_model_len,
             kind,
             sampling_defaults=self.sampling_defaults,
+            scheduling_policy=self.scheduling_policy,
         )
         prepared = dataclasses.replace(prepared, lora_request=adapter)
         return ReadyLine(line, response_id, prepared=prepared)

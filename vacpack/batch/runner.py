@@ -96,6 +96,7 @@ class BatchRunner:
             max_model_len=max_model_len,
             sampling_defaults=llm.sampling_defaults,
             pooling=self._pooling,
+            scheduling_policy=llm.config.scheduling_policy,
         )
         self._options = options
         self._max_in_flight = options.max_in_flight or 2 * llm.config.max_num_seqs
@@ -226,6 +227,7 @@ class BatchRunner:
                     ready.prepared.params,
                     prompt.text,
                     lora_request=ready.prepared.lora_request,
+                    priority=ready.prepared.priority,
                 )
             except Exception as error:
                 for added_id in added:

@@ -24,7 +24,7 @@ from vacpack.distributed.control import Program
 from vacpack.engine.attention_choice import select_engine_attention
 from vacpack.engine.device_setup import setup_engine_device
 from vacpack.engine.model_runner import ModelRunner, PreparedStep
-from vacpack.engine.request import build_request, check_prompt
+from vacpack.engine.request import build_request, check_priority, check_prompt
 from vacpack.engine.request_outputs import make_output
 from vacpack.engine.sampler import Sampler
 from vacpack.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -115,6 +115,7 @@ class LLMEngine:
                 model_config.kv_window,
                 _speculation(config),
                 config.max_loras if config.enable_lora else None,
+                config.scheduling_policy,
             ),
             self.page_pool,
         )
@@ -185,6 +186,7 @@ class LLMEngine:
         prompt_text: str | None = None,
         prompt_logprobs_start: int = 1,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queues a request. The prompt is text (tokenized here), token ids, or a vLLM prompt
         dict; `prompt_text` is the text of prompt token ids for the outputs. With
@@ -193,9 +195,11 @@ class LLMEngine:
         a continuation after a shared context computes the context once).
         params.truncate_prompt_tokens keeps the prompt's last tokens (ValueError where it is
         above max_model_len, as vLLM refuses it); `lora_request` names the LoRA adapter it
-        runs (loaded on first use; the engine needs enable_lora)."""
+        runs (loaded on first use; the engine needs enable_lora). `priority` (lower first)
+        orders requests under scheduling_policy="priority"; fcfs takes only 0, as vLLM."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_priority(priority, self.config.scheduling_policy)
         if not isinstance(params, SamplingParams):
             raise TypeError(
                 f"params must be SamplingParams, got {type(params).__name__}: the engine "
@@ -219,6 +223,7 @@ class LLMEngine:
             lora_id=lora_id,
         )
         request.lora_request = lora_request
+        request.priority = priority
         for sequence in request.sequences:
             sequence.constraints = self.structured.constraints_for(sequence.params, grammar)
         self.scheduler.add_request(request)

@@ -190,6 +190,9 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list, repr=False)
     num_unfinished: int = 0  # sequences not finished yet
     lora_request: LoRARequest | None = None  # its adapter, reported in its outputs
+    # Priority scheduling: lower goes first; ties go by arrival (the scheduler's count).
+    priority: int = 0
+    arrival_index: int = 0
 
     def add_sequence(self, sequence: Sequence) -> None:
         self.sequences.append(sequence)
@@ -203,6 +206,17 @@ class Request:
     def params(self) -> SamplingParams:
         """The first sample's parameters (samples differ only in their seeds)."""
         return self.sequences[0].params
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """Raises ValueError for a priority the engine's scheduling policy cannot honour."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(
+            f"got priority {priority}, but priority scheduling is not enabled: start the "
+            'engine with scheduling_policy="priority" (--scheduling-policy priority)'
+        )
 
 
 def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

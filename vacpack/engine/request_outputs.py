@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from vacpack.engine.request import Request, Sequence
 from vacpack.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -31,11 +32,9 @@ def make_output(request: Request) -> RequestOutput | None:
             for index, sequence in enumerate(request.sequences)
         ]
         prompt_logprobs = _copy(first.prompt_logprobs)
-    metrics = request.metrics
-    metrics.first_token_time = min(
-        (s.metrics.first_token_time for s in request.sequences if s.metrics.first_token_time),
-        default=None,
-    )
+    metrics, sequences = request.metrics, request.sequences
+    metrics.first_scheduled_time = _earliest(s.metrics.first_scheduled_time for s in sequences)
+    metrics.first_token_time = _earliest(s.metrics.first_token_time for s in sequences)
     metrics.num_preemptions = sum(s.metrics.num_preemptions for s in request.sequences)
     if finished:
         metrics.finished_time = time.perf_counter()
@@ -50,6 +49,11 @@ def make_output(request: Request) -> RequestOutput | None:
         num_cached_tokens=first.num_cached_prompt_tokens,
         lora_request=request.lora_request,
     )
+
+
+def _earliest(times: Iterable[float | None]) -> float | None:
+    """The earliest of a request's samples' milestones (None while none reached it)."""
+    return min((t for t in times if t is not None), default=None)
 
 
 def _cumulative_completion(index: int, sequence: Sequence) -> CompletionOutput:

@@ -8,6 +8,10 @@ free, the most recently admitted sequence is preempted: its pages are freed, and
 the front of the queue to be recomputed later. Earlier sequences are never preempted for later
 ones, so none starves, and as the cache holds at least one whole sequence there is no deadlock.
 
+With the priority policy both queues are kept in priority order (a request's `priority`, lower
+first, then arrival): the waiting queue's head is the most urgent request, running sequences
+take their share of a step in that order, and the one preempted is the least urgent.
+
 A waiting sequence whose next uncached page is being computed right now by a running one waits
 for it (an exception to first come, first served; see PageManager), so sequences that share
 a prefix and arrive together (n > 1 samples, a common system prompt, few-shot contexts) compute
@@ -24,6 +28,8 @@ logprobs, runs the stop checks and finishes what has stopped.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,6 +54,7 @@ class SchedulerConfig:
     kv_window: int | None = None
     speculation: SpeculationConfig | None = None  # n-gram drafts for decodes (speculation.py)
     max_loras: int | None = None  # LoRA: the most distinct adapters running at once
+    policy: str = "fcfs"  # or "priority" (EngineConfig.scheduling_policy)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._arrivals = itertools.count()  # the order requests came in
         # Speculative decoding's totals: draft tokens verified, and of those accepted.
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
@@ -120,7 +128,12 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.extend(request.sequences)
+        request.arrival_index = next(self._arrivals)
+        if self.config.policy == "priority":
+            for sequence in request.sequences:
+                _insert_in_order(self.waiting, sequence)
+        else:
+            self.waiting.extend(request.sequences)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request's unfinished sequences and frees their pages; unknown ids are ignored."""
@@ -188,7 +201,10 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             del self.waiting[position]
             sequence.status = SequenceStatus.RUNNING
-            self.running.append(sequence)
+            if self.config.policy == "priority":
+                _insert_in_order(self.running, sequence)
+            else:
+                self.running.append(sequence)
             self.pages.announce_in_flight(sequence)
             chunks.append(self._chunk(sequence, num_new))
             budget -= num_new
@@ -351,7 +367,20 @@ class Scheduler:
         self.pages.release(sequence)
         sequence.status = SequenceStatus.WAITING
         sequence.metrics.num_preemptions += 1
-        self.waiting.appendleft(sequence)
+        if self.config.policy == "priority":
+            _insert_in_order(self.waiting, sequence)
+        else:
+            self.waiting.appendleft(sequence)
+
+
+def _urgency(sequence: Sequence) -> tuple[int, int, int]:
+    """Priority order: the request's priority (lower first), its arrival, the sample."""
+    return (sequence.request.priority, sequence.request.arrival_index, sequence.index)
+
+
+def _insert_in_order(queue: deque[Sequence] | list[Sequence], sequence: Sequence) -> None:
+    """Puts the sequence after every sequence at least as urgent (the queue is in order)."""
+    queue.insert(bisect.bisect_right(queue, _urgency(sequence), key=_urgency), sequence)
 
 
 def _record_logprobs(sequence: Sequence, token_id: int, row: int, result: StepResult) -> None:

@@ -53,6 +53,7 @@ class _GenerationRequest(_Body):
 
     model: str | None = None
     n: int | None = None
+    priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

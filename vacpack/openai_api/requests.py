@@ -7,7 +7,7 @@ files refuse the same requests with the same messages.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from vacpack.beam_search import BeamSearchParams
 from vacpack.chat_turns import called_function
+from vacpack.engine.request import check_priority
 from vacpack.errors import RequestFieldError
 from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.beam_search_request import beam_search_params
@@ -82,6 +83,7 @@ class PreparedGeneration:
     # use_beam_search: each prompt's n best beams are its choices (params then only checked).
     beam_search: BeamSearchParams | None = None
     lora_request: LoRARequest | None = None  # the adapter the request's `model` names
+    priority: int = 0  # its place under priority scheduling (lower first)
 
     @property
     def num_choices_per_prompt(self) -> int:
@@ -104,12 +106,18 @@ def prepare_generation(
     output_kind: RequestOutputKind,
     tool_call_parser: str = "auto",
     sampling_defaults: Mapping[str, Any] = NO_DEFAULTS,
+    scheduling_policy: str = "fcfs",
 ) -> PreparedGeneration:
     """What the engine runs for a parsed completions or chat request (tool_call_parser: see
     prepare_chat; sampling_defaults: SamplingParams fields for those the request leaves out,
-    the model's recommended sampling, generation_defaults.py)."""
+    the model's recommended sampling, generation_defaults.py; scheduling_policy: the engine's,
+    which says whether a `priority` other than 0 may be honoured)."""
+    try:
+        check_priority(request.priority, scheduling_policy)
+    except ValueError as error:
+        raise bad_request(str(error), "priority") from None
     if isinstance(request, ChatCompletionRequest):
-        return prepare_chat(
+        prepared = prepare_chat(
             request,
             tokenizer,
             max_model_len,
@@ -117,9 +125,11 @@ def prepare_generation(
             tool_call_parser=tool_call_parser,
             sampling_defaults=sampling_defaults,
         )
-    return prepare_completion(
-        request, tokenizer, max_model_len, output_kind, sampling_defaults=sampling_defaults
-    )
+    else:
+        prepared = prepare_completion(
+            request, tokenizer, max_model_len, output_kind, sampling_defaults=sampling_defaults
+        )
+    return replace(prepared, priority=request.priority)
 
 
 def prepare_completion(

@@ -51,6 +51,7 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None
     lora_request: LoRARequest | None = None
+    priority: int = 0
 
 
 class _Accepted:
@@ -321,6 +322,7 @@ class AsyncEngine:
                         request.params,
                         request.prompt,
                         lora_request=request.lora_request,
+                        priority=request.priority,
                     )
                 except ValueError as error:
                     where = f"prompt {index}: " if len(command.requests) > 1 else ""

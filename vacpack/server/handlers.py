@@ -110,6 +110,7 @@ class OpenAIHandlers:
     # The model's recommended sampling, for fields a request leaves out (generation_defaults).
     sampling_defaults: Mapping[str, Any]
     eos_token_ids: frozenset[int] = frozenset()  # ending a beam search's hypotheses
+    scheduling_policy: str = "fcfs"  # the engine's (EngineConfig.scheduling_policy)
 
     # ------------------------------------------------------------ small endpoints
     def models(self, created: int) -> Response:
@@ -194,6 +195,7 @@ class OpenAIHandlers:
             output_kind,
             tool_call_parser=self.config.tool_call_parser,
             sampling_defaults=self.sampling_defaults,
+            scheduling_policy=self.scheduling_policy,
         )
         return dataclasses.replace(prepared, lora_request=adapter)
 
@@ -254,6 +256,7 @@ class OpenAIHandlers:
                 prepared.params,
                 prompt.text,
                 prepared.lora_request,
+                prepared.priority,
             )
             for index, prompt in enumerate(prepared.prompts)
         ]

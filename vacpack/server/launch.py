@@ -72,6 +72,7 @@ def build_server_app(llm: LLM, config: ServerConfig) -> FastAPI:
         pooling,
         llm.sampling_defaults,
         eos_token_ids=frozenset(loaded.eos_token_ids),
+        scheduling_policy=llm.config.scheduling_policy,
     )
     app = build_app(handlers, metrics)
     # For a host's own health checks of the engine (Ray Serve's check_health).
