@@ -10,7 +10,8 @@ ones, so none starves, and as the cache holds at least one whole sequence there 
 
 With the priority policy both queues are kept in priority order (a request's `priority`, lower
 first, then arrival): the waiting queue's head is the most urgent request, running sequences
-take their share of a step in that order, and the one preempted is the least urgent.
+take their share of a step in that order, and the one preempted is the least urgent (so a
+request may wait as long as more urgent ones keep coming, as under vLLM's policy).
 
 A waiting sequence whose next uncached page is being computed right now by a running one waits
 for it (an exception to first come, first served; see PageManager), so sequences that share
