@@ -72,7 +72,7 @@ def test_the_policy_picks_whom_to_admit_and_whom_to_preempt(policy: str) -> None
     low = add_sequence(scheduler, "low", list(range(7)), priority=5)  # 2 pages, room for 1
     assert run_step(scheduler) == {"low": 7}
     urgent = add_sequence(scheduler, "urgent", list(range(7)), priority=0)
-    later = add_sequence(scheduler, "later", list(range(3)), priority=5)
+    add_sequence(scheduler, "later", list(range(3)), priority=5)
     assert run_step(scheduler) == {"low": 1, "urgent": 7}  # all 4 pages used; later waits
     output = scheduler.schedule()  # low's next token needs a 5th page
     # fcfs: the latest admitted yields; priority: the least urgent, the earlier one here.
