@@ -9,14 +9,11 @@ or its own 400 when one of its inputs is bad.
 
 from __future__ import annotations
 
-import base64
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-
-import torch
 
 from vacpack.corpus.encode import check_pooling_task
 from vacpack.corpus.scoring import TextPair, pair_inputs
@@ -31,13 +28,9 @@ from vacpack.openai_api.protocol import (
     ScoreRequest,
 )
 from vacpack.openai_api.requests import prepare_embedding
-from vacpack.openai_api.responses import embedding_body, now_s
+from vacpack.openai_api.responses import base64_float32, embedding_body, now_s
 from vacpack.openai_api.serving import PoolingFunctions, run_grouped
-from vacpack.outputs import (
-    ClassificationRequestOutput,
-    PoolingRequestOutput,
-    ScoringRequestOutput,
-)
+from vacpack.outputs import ClassificationRequestOutput, PoolingRequestOutput, ScoringRequestOutput
 from vacpack.pooling_params import PoolingParams
 
 # How a request asks for over-long inputs to be cut. The jobs' errors name the Python and
@@ -254,7 +247,7 @@ def pooling_body(
         {
             "index": index,
             "object": "pooling",
-            "data": _base64_float32(output.outputs.data)
+            "data": base64_float32(output.outputs.data.flatten().tolist())
             if encoding_format == "base64"
             else output.outputs.data.tolist(),
         }
@@ -263,17 +256,12 @@ def pooling_body(
     return _list_body(response_id, model_name, created, data, outputs)
 
 
-def _base64_float32(tensor: torch.Tensor) -> str:
-    values = tensor.to(torch.float32).contiguous().numpy().astype("<f4")
-    return base64.b64encode(values.tobytes()).decode("ascii")
-
-
 def _list_body(
     response_id: str,
     model_name: str,
     created: int,
     data: list[dict[str, Any]],
-    outputs: Sequence[ScoringRequestOutput | ClassificationRequestOutput | PoolingRequestOutput],
+    outputs: Sequence[PoolingRequestOutput],
 ) -> dict[str, Any]:
     """vLLM's list response of one entry per input, with the prompt tokens the inputs took."""
     num_tokens = sum(len(output.prompt_token_ids) for output in outputs)

@@ -237,7 +237,7 @@ def embedding_body(
             "object": "embedding",
             "index": index,
             "embedding": (
-                _as_base64_float32(output.outputs.embedding)
+                base64_float32(output.outputs.embedding)
                 if encoding_format == "base64"
                 else list(output.outputs.embedding)
             ),
@@ -253,6 +253,7 @@ def embedding_body(
     }
 
 
-def _as_base64_float32(embedding: Sequence[float]) -> str:
-    # OpenAI's base64 format: little-endian float32s, as numpy.frombuffer(..., "<f4") reads them.
-    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+def base64_float32(values: Sequence[float]) -> str:
+    """OpenAI's base64 format: little-endian float32s, as numpy.frombuffer(..., "<f4") reads
+    them."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
