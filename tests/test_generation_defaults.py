@@ -12,11 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from batch_lines import answer_lines
 from server_process import ServerProcess, running_server
 
 from vacpack import LLM, SamplingParams
-from vacpack.batch.options import BatchOptions
-from vacpack.batch.runner import run_batch
 from vacpack.generation_defaults import sampling_defaults
 from vacpack.tokenizer import GENERATION_CONFIG_FILENAME
 
@@ -98,12 +97,8 @@ def test_batch_lines_take_the_models_sampling_for_fields_they_leave_out(
     chat = {"messages": [{"role": "user", "content": "hi"}], "seed": 3}
     lines.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
                   "body": chat})  # fmt: skip
-    input_path = tmp_path / "in.jsonl"
-    input_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    options = BatchOptions(input_path, tmp_path / "out.jsonl", show_progress=False)
-    run_batch(llm, options)
-    records = [json.loads(line) for line in options.output_path.read_text().splitlines()]
-    bodies = {record["custom_id"]: record["response"]["body"] for record in records}
+    responses = answer_lines(llm, lines, tmp_path)
+    bodies = {custom_id: response["body"] for custom_id, response in responses.items()}
     texts = [bodies[f"p{index}"]["choices"][0]["text"] for index in range(len(PROMPTS))]
     assert texts == _greedy_texts(llm, 5)
     assert bodies["chat"]["usage"]["completion_tokens"] <= 5

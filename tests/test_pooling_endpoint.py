@@ -4,7 +4,6 @@ run-batch lines, each input's tensor as LLM.encode gives it, and the 400s."""
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,11 +12,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from batch_lines import answer_lines
 from server_process import ServerProcess, running_server
 
 from vacpack import LLM, PoolingParams
-from vacpack.batch.options import BatchOptions
-from vacpack.batch.runner import run_batch
 from vacpack.testing.tiny_encoders import build_tiny_bert
 from vacpack.testing.tiny_models import build_tiny_classifier_checkpoint
 
@@ -103,15 +101,9 @@ def test_run_batch_answers_pooling_lines_of_a_classifier(tmp_path: Path) -> None
         ("tokens", {"input": TEXTS, "task": "token_embed"}),
     ]
     records = [
-        json.dumps({"custom_id": key, "method": "POST", "url": "/pooling", "body": body})
-        for key, body in lines
+        {"custom_id": key, "method": "POST", "url": "/pooling", "body": body} for key, body in lines
     ]
-    input_path = tmp_path / "in.jsonl"
-    input_path.write_text("".join(record + "\n" for record in records))
-    options = BatchOptions(input_path, tmp_path / "out.jsonl", show_progress=False)
-    run_batch(classifier, options)
-    answered = [json.loads(line) for line in options.output_path.read_text().splitlines()]
-    responses = {record["custom_id"]: record["response"] for record in answered}
+    responses = answer_lines(classifier, records, tmp_path)
     assert {key: r["status_code"] for key, r in responses.items()} == {
         "default": 200, "logits": 200, "tokens": 400,
     }  # fmt: skip

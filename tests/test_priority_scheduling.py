@@ -3,13 +3,10 @@ requests run by priority, lower first, with the same outputs; fcfs refuses a pri
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from batch_lines import answer_lines
 
 from vacpack import LLM, SamplingParams
-from vacpack.batch.options import BatchOptions
-from vacpack.batch.runner import run_batch
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -45,10 +42,6 @@ def test_run_batch_lines_carry_their_priority(model_dir, tmp_path) -> None:
          "body": {"prompt": PROMPTS[i], "max_tokens": 4, "temperature": 0, "priority": p}}
         for i, (name, p) in enumerate((("late", 9), ("first", -2), ("bad", "high")))
     ]  # fmt: skip
-    input_path = tmp_path / "in.jsonl"
-    input_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    options = BatchOptions(input_path, tmp_path / "out.jsonl", show_progress=False)
-    run_batch(llm, options)
-    records = [json.loads(line) for line in options.output_path.read_text().splitlines()]
-    status = {r["custom_id"]: r["response"]["status_code"] for r in records}
+    responses = answer_lines(llm, lines, tmp_path)
+    status = {custom_id: response["status_code"] for custom_id, response in responses.items()}
     assert status == {"late": 200, "first": 200, "bad": 400}
