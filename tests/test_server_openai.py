@@ -352,3 +352,22 @@ def test_echo_scores_a_prompt_prefilled_in_chunks(client: openai.OpenAI) -> None
     [chunk] = [c for c in streamed if c.choices]
     assert chunk.choices[0].logprobs.token_logprobs == logprobs.token_logprobs
     assert chunk.choices[0].text == response.choices[0].text
+
+
+def test_sagemaker_routes_answer_as_the_endpoint_the_body_names(server: ServerProcess) -> None:
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{server.base_url}/ping", timeout=30).status_code == 200
+    url = f"{server.base_url}/invocations"
+    completion = {"prompt": "Once upon", "max_tokens": 3, "temperature": 0}
+    answered = httpx.post(url, json=completion, timeout=60)
+    assert answered.status_code == 200 and answered.json()["object"] == "text_completion"
+    direct = httpx.post(f"{server.api_url}/completions", json=completion, timeout=60).json()
+    assert answered.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answered = httpx.post(url, json=chat, timeout=60)
+    assert answered.status_code == 200 and answered.json()["object"] == "chat.completion"
+    embedded = httpx.post(url, json={"input": "hello"}, timeout=60).json()
+    assert embedded["data"][0]["object"] == "embedding"
+    for body, words in (({"neither": 1}, "names messages (chat)"), ([1, 2], "a JSON object")):
+        refused = httpx.post(url, json=body, timeout=30)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]

@@ -258,21 +258,24 @@ class DetokenizeRequest(_Body):
 Request = TypeVar("Request", bound=_Body)
 
 
-def parse_body(model: type[Request], body: bytes | str | dict[str, Any]) -> Request:
-    """A request model from raw JSON (or an already-decoded object); APIError 400 if invalid."""
-    if isinstance(body, dict):
-        data: Any = body
-    else:
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise bad_request(f"the request body is not valid JSON: {error}") from None
-        except RecursionError:
-            # The decoder's depth limit (the interpreter's recursion limit, about 1,000 levels),
-            # far beyond any real request's.
-            raise bad_request("the request body nests JSON arrays or objects too deeply") from None
+def json_object(body: bytes | str) -> dict[str, Any]:
+    """A request body decoded; APIError 400 unless it is a JSON object."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        # The decoder's depth limit (the interpreter's recursion limit, about 1,000 levels),
+        # far beyond any real request's.
+        raise bad_request("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_body(model: type[Request], body: bytes | str | dict[str, Any]) -> Request:
+    """A request model from raw JSON (or an already-decoded object); APIError 400 if invalid."""
+    data = body if isinstance(body, dict) else json_object(body)
     if isinstance(body, dict | str) or _SURROGATE_ESCAPE.search(body):
         _check_unicode(data)
     try:

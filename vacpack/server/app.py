@@ -88,7 +88,9 @@ class BodySizeLimit:
 
 
 # Paths outside /v1 that answer model requests, and so need the key as /v1 does.
-_KEYED_PATHS = frozenset({"/score", "/rerank", "/pooling", "/tokenize", "/detokenize"})
+_KEYED_PATHS = frozenset(
+    {"/score", "/rerank", "/pooling", "/tokenize", "/detokenize", "/invocations"}
+)
 
 
 def _needs_key(path: str) -> bool:
@@ -141,7 +143,10 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
         logger.exception("unexpected error answering %s", request.url.path)
         return error_response(internal_error(error))
 
+    # /ping and /invocations: the routes Amazon SageMaker calls, as vLLM serves them.
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         problem = engine.health_problem
         if problem is not None:
@@ -199,6 +204,10 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     @app.post("/pooling")
     async def pooling(request: Request) -> Response:
         return await handlers.encode(request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        return await handlers.invocations(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -39,6 +39,7 @@ from vacpack.openai_api.protocol import (
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
+    json_object,
     parse_body,
 )
 from vacpack.openai_api.requests import (
@@ -176,6 +177,23 @@ class OpenAIHandlers:
 
     async def chat_completions(self, raw: Request) -> Response:
         return await self._generation(raw, "chat")
+
+    async def invocations(self, raw: Request) -> Response:
+        """SageMaker's one route: chat for `messages`, completions for `prompt`, embeddings
+        (classify, for a classifier) for `input`."""
+        fields = json_object(await raw.body())
+        if "messages" in fields:
+            return await self.chat_completions(raw)
+        if "prompt" in fields:
+            return await self.completions(raw)
+        if "input" in fields:
+            if self.pooling.embed is None and self.pooling.classify is not None:
+                return await self.classify(raw)
+            return await self.embeddings(raw)
+        raise bad_request(
+            "an /invocations body names messages (chat), prompt (completions) or input "
+            "(embeddings, or classify for a classifier)"
+        )
 
     async def _generation(self, raw: Request, kind: GenerationKind) -> Response:
         prepared = await asyncio.to_thread(self._prepare, kind, await raw.body())
