@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -170,52 +170,23 @@ def build_app(handlers: OpenAIHandlers, metrics: ServerMetrics) -> FastAPI:
     async def model(model_id: str) -> Response:
         return handlers.model(model_id, created)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handlers.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handlers.chat_completions(request)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await handlers.embeddings(request)
-
-    # vLLM's paths: /score and /rerank with and without /v1, /tokenize and /detokenize without.
-    @app.post("/v1/score")
-    @app.post("/score")
-    async def score(request: Request) -> Response:
-        return await handlers.score(request)
-
-    @app.post("/v1/rerank")
-    @app.post("/rerank")
-    async def rerank(request: Request) -> Response:
-        return await handlers.rerank(request)
-
-    # vLLM's path, and with /v1 as the other pooling endpoints have it.
-    @app.post("/v1/classify")
-    @app.post("/classify")
-    async def classify(request: Request) -> Response:
-        return await handlers.classify(request)
-
-    # vLLM's path (LLM.encode's tasks), and with /v1 as the other pooling endpoints have it.
-    @app.post("/v1/pooling")
-    @app.post("/pooling")
-    async def pooling(request: Request) -> Response:
-        return await handlers.encode(request)
-
-    @app.post("/invocations")
-    async def invocations(request: Request) -> Response:
-        return await handlers.invocations(request)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await handlers.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await handlers.detokenize(request)
+    # vLLM's paths: /score, /rerank, /classify and /pooling with and without /v1, /tokenize
+    # and /detokenize without; SageMaker's /invocations.
+    post_routes: dict[tuple[str, ...], Callable[[Request], Awaitable[Response]]] = {
+        ("/v1/completions",): handlers.completions,
+        ("/v1/chat/completions",): handlers.chat_completions,
+        ("/v1/embeddings",): handlers.embeddings,
+        ("/v1/score", "/score"): handlers.score,
+        ("/v1/rerank", "/rerank"): handlers.rerank,
+        ("/v1/classify", "/classify"): handlers.classify,
+        ("/v1/pooling", "/pooling"): handlers.encode,  # LLM.encode's tasks
+        ("/invocations",): handlers.invocations,
+        ("/tokenize",): handlers.tokenize,
+        ("/detokenize",): handlers.detokenize,
+    }
+    for paths, handler in post_routes.items():
+        for path in paths:
+            app.add_api_route(path, handler, methods=["POST"])
 
     if handlers.config.allow_runtime_lora_updating:  # vLLM's paths
 
