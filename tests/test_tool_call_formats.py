@@ -1,6 +1,6 @@
 """Tool-call formats end to end: a chat template that names [TOOL_CALLS] picks the Mistral
 parser, one that names <|python_start|> the pythonic one, and run-batch's forced calls come back
-parsed in either (tool_parsers.py's own tests need no model)."""
+parsed in either (tool_parsers/'s own tests need no model)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Each is turned into SamplingParams fields here and checked at once (a bad schema
 naming the field and the problem, before any work), for the server and batch files alike.
 
 Tools: with tool_choice "auto" the model writes freely and its output is parsed for calls in
-its format (tool_parsers.py); with "required" or a named function the output is constrained
+its format (tool_parsers/); with "required" or a named function the output is constrained
 to calls in that format (so they always parse); with "none" nothing is parsed.
 """
 
