@@ -4,6 +4,8 @@ and transformers, the embed and classify tasks as their own methods give them, a
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,20 @@ def test_encode_refuses_what_it_cannot_do(minilm: LLM) -> None:
     )
     assert isinstance(results[0], PoolingRequestOutput)
     assert "empty" in results[1].message
+
+
+def test_token_vectors_are_normalized_even_where_the_pooling_is_not(
+    tmp_path, st_token_embeddings: list[torch.Tensor]
+) -> None:
+    # The same model without its Normalize module: embed gives the raw mean, token_embed
+    # still normalizes each token (vLLM's default for token vectors).
+    model_dir = tmp_path / "minilm-unnormalized"
+    shutil.copytree(MINILM_DIR, model_dir)
+    modules = json.loads((model_dir / "modules.json").read_text())
+    (model_dir / "modules.json").write_text(json.dumps(modules[:2]))
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=1024)
+    (tokens,) = llm.encode(TEXTS[:1], pooling_task="token_embed", use_tqdm=False)
+    expected = F.normalize(st_token_embeddings[0], dim=-1)
+    assert torch.allclose(tokens.outputs.data, expected, atol=1e-5)
+    (pooled,) = llm.encode(TEXTS[:1], pooling_task="embed", use_tqdm=False)
+    assert torch.allclose(pooled.outputs.data, st_token_embeddings[0].mean(0), atol=1e-4)

@@ -196,7 +196,10 @@ class CorpusJobs:
                 raise ValueError("dimensions applies to embeddings, not to classify")
             task = ClassifyTask(self.loaded, truncate, params.use_activation is not False)
         else:
-            config = resolve_pooling(self.loaded, None, params.use_activation, params.dimensions)
+            normalize = params.use_activation
+            if task_name == "token_embed" and normalize is None:
+                normalize = True  # vLLM's default for token vectors, whatever the pooling does
+            config = resolve_pooling(self.loaded, None, normalize, params.dimensions)
             kind = TokenEmbedTask if task_name == "token_embed" else EmbedTask
             task = kind(self.loaded, config, truncate=truncate)
         task.keep_input_tokens(truncate_prompt_tokens)
