@@ -185,15 +185,19 @@ class CorpusJobs:
         "embed": the vector `embed` gives; "classify": `classify`'s label probabilities (the
         logits with use_activation False). `pooling_params.dimensions` cuts embeddings
         (Matryoshka). The other arguments as in `embed`."""
-        from vacpack.corpus.encode import TokenEmbedTask, as_pooling_output, check_pooling_task
+        from vacpack.corpus.encode import (
+            TokenEmbedTask,
+            as_pooling_output,
+            check_dimensions_apply,
+            check_pooling_task,
+        )
         from vacpack.corpus.tasks import ClassifyTask, EmbedTask, resolve_pooling
 
         task_name = check_pooling_task(pooling_task)
         params = pooling_params or PoolingParams()
+        check_dimensions_apply(task_name, params.dimensions)
         task: CorpusTask
         if task_name == "classify":
-            if params.dimensions is not None:
-                raise ValueError("dimensions applies to embeddings, not to classify")
             task = ClassifyTask(self.loaded, truncate, params.use_activation is not False)
         else:
             normalize = params.use_activation

@@ -34,6 +34,12 @@ def check_pooling_task(pooling_task: str | None, field: str = "pooling_task") ->
     return pooling_task
 
 
+def check_dimensions_apply(pooling_task: str, dimensions: int | None) -> None:
+    """ValueError where `dimensions` is given for a task whose results are not embeddings."""
+    if dimensions is not None and pooling_task == "classify":
+        raise ValueError("dimensions applies to embeddings, not to classify")
+
+
 class TokenEmbedTask(EmbeddingInputsTask):
     """One vector per token: the model's last hidden states (an encoder's token embeddings,
     as sentence-transformers' output_value="token_embeddings"), cut to the pooling's

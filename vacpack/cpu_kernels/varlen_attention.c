@@ -292,21 +292,17 @@ static void block_values(const bf16* probs, int64_t probs_stride, const float* s
     }
 }
 
-// What task_rows needs of a call's arguments besides the keys or values.
-typedef struct {
-    const int64_t *cu_q, *cu_k, *page_tables;
-    int64_t pages_stride;
-    int causal;
-    int64_t head_dim, page_size;
-} TaskRowsArgs;
+// Where the keys (or values: `kv` and its row stride) of a task's KV head lie.
+static inline Bf16Rows kv_rows(const TaskKeys* seen, int64_t kv_head, const bf16* kv,
+                               int64_t stride, int64_t head_dim, int64_t page_size) {
+    const Bf16Rows rows = {kv + seen->first_row * stride + kv_head * head_dim, stride,
+                           seen->pages, page_size};
+    return rows;
+}
 
-// The keys (or values: `kv` and its row stride) a task reads, as a prefetch not yet requested.
-static Prefetch task_rows(Task task, const bf16* kv, int64_t stride, const TaskRowsArgs* args) {
-    const TaskKeys seen = task_keys(task, args->cu_q, args->cu_k, args->page_tables,
-                                    args->pages_stride, args->causal);
-    const Bf16Rows rows = {kv + seen.first_row * stride + task.kv_head * args->head_dim, stride,
-                           seen.pages, args->page_size};
-    const Prefetch run = {rows, seen.n_seen, args->head_dim * 2, 0};
+// A task's `n` rows of keys or values as a prefetch not yet requested.
+static inline Prefetch prefetch_of(Bf16Rows rows, int64_t n, int64_t head_dim) {
+    const Prefetch run = {rows, n, head_dim * 2, 0};
     return run;
 }
 
@@ -333,8 +329,6 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
     const float log2_scale = scale * LOG2E;
     int failed = 0;
     int64_t next_task = 0;  // the next task no thread has claimed
-    const TaskRowsArgs prefetch_args = {cu_q,   cu_k,     page_tables, pages_stride,
-                                        causal, head_dim, page_size};
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -357,8 +351,14 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
         // up front and guessing the next task as i + threads; prefill attention unchanged.
         int64_t next = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
         if (allocated && next < num_tasks) {  // the thread's first task: nothing to overlap
-            Prefetch first_keys = task_rows(tasks[next], k, k_stride, &prefetch_args);
-            Prefetch first_values = task_rows(tasks[next], v, v_stride, &prefetch_args);
+            const Task first = tasks[next];
+            const TaskKeys seen = task_keys(first, cu_q, cu_k, page_tables, pages_stride, causal);
+            Prefetch first_keys = prefetch_of(
+                kv_rows(&seen, first.kv_head, k, k_stride, head_dim, page_size), seen.n_seen,
+                head_dim);
+            Prefetch first_values = prefetch_of(
+                kv_rows(&seen, first.kv_head, v, v_stride, head_dim, page_size), seen.n_seen,
+                head_dim);
             prefetch_to(&first_keys, first_keys.n);
             prefetch_to(&first_values, first_values.n);
         }
@@ -369,12 +369,21 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
             const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
             const int64_t n_k = seen.n_k, n_seen = seen.n_seen;
             const int64_t first_position = seen.first_position;  // of query 0, when causal
-            const Bf16Rows key_rows = task_rows(task, k, k_stride, &prefetch_args).rows;
-            const Bf16Rows value_rows = task_rows(task, v, v_stride, &prefetch_args).rows;
+            const Bf16Rows key_rows =
+                kv_rows(&seen, task.kv_head, k, k_stride, head_dim, page_size);
+            const Bf16Rows value_rows =
+                kv_rows(&seen, task.kv_head, v, v_stride, head_dim, page_size);
             Prefetch next_keys = NO_PREFETCH, next_values = NO_PREFETCH;
             if (next < num_tasks) {
-                next_keys = task_rows(tasks[next], k, k_stride, &prefetch_args);
-                next_values = task_rows(tasks[next], v, v_stride, &prefetch_args);
+                const Task later = tasks[next];
+                const TaskKeys later_seen =
+                    task_keys(later, cu_q, cu_k, page_tables, pages_stride, causal);
+                next_keys = prefetch_of(
+                    kv_rows(&later_seen, later.kv_head, k, k_stride, head_dim, page_size),
+                    later_seen.n_seen, head_dim);
+                next_values = prefetch_of(
+                    kv_rows(&later_seen, later.kv_head, v, v_stride, head_dim, page_size),
+                    later_seen.n_seen, head_dim);
             }
             pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys,
                       &next_keys);

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from vacpack.corpus.encode import check_pooling_task
+from vacpack.corpus.encode import check_dimensions_apply, check_pooling_task
 from vacpack.corpus.scoring import TextPair, pair_inputs
 from vacpack.corpus.tasks import TRUNCATE_HINT
 from vacpack.openai_api.errors import APIError, bad_request
@@ -101,9 +101,8 @@ def prepare_encode(
     if task != "classify" and functions.embed is None:
         raise bad_request(functions.no_embed_reason, "task")
     if request.dimensions is not None:
-        if task == "classify":
-            raise bad_request("dimensions applies to embeddings, not to classify", "dimensions")
         try:
+            check_dimensions_apply(task, request.dimensions)
             functions.check_dimensions(request.dimensions)
         except ValueError as error:
             raise bad_request(str(error), "dimensions") from None

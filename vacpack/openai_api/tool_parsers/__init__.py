@@ -58,7 +58,7 @@ def tool_parser(name: str, tokenizer: PreTrainedTokenizerBase) -> ToolParser:
                 name = Llama3JsonToolParser.name
             elif MistralToolParser.START in template:
                 name = MistralToolParser.name
-            elif PythonicToolParser.START in template:
+            elif PythonicToolParser.TAG in template:
                 name = PythonicToolParser.name
     if name not in _PARSERS:
         raise ValueError(

@@ -105,6 +105,24 @@ class MarkedCallsParser(ToolParser):
         return start, self._settled_calls(text)
 
 
+class WholeOutputCallsParser(ToolParser):
+    """Formats whose calls are the whole output, opening with OPENER after an optional TAG
+    (Llama 3's JSON, pythonic lists): nothing is content while the output may still become
+    calls, and their text is read once it is finished."""
+
+    TAG: str
+    OPENER: str
+
+    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
+        stripped = text.lstrip()
+        may_be_calls = (
+            not stripped
+            or self.TAG.startswith(stripped[: len(self.TAG)])
+            or stripped.startswith(self.OPENER)  # or content that opens the same way
+        )
+        return (0, []) if may_be_calls else (len(text), [])
+
+
 def without_partial_marker(text: str, marker: str) -> int:
     """len(text), less a tail that could be the start of `marker`."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):

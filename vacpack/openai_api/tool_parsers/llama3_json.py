@@ -7,12 +7,17 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from vacpack.openai_api.tool_parsers.base import ParsedOutput, ToolCall, ToolParser, call_from_json
+from vacpack.openai_api.tool_parsers.base import (
+    ParsedOutput,
+    WholeOutputCallsParser,
+    call_from_json,
+)
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(WholeOutputCallsParser):
     name = "llama3_json"
-    PYTHON_TAG = "<|python_tag|>"
+    TAG = "<|python_tag|>"
+    OPENER = "{"
     SEPARATOR = "; "
 
     def parse(self, text: str) -> ParsedOutput:
@@ -38,14 +43,6 @@ class Llama3JsonToolParser(ToolParser):
                 return ParsedOutput(text, [])
             position = len(body) - len(rest[1:].lstrip())
 
-    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
-        stripped = text.lstrip()
-        if not stripped or self.PYTHON_TAG.startswith(stripped[: len(self.PYTHON_TAG)]):
-            return 0, []  # may still become a call
-        if stripped.startswith("{"):
-            return 0, []  # a call: its JSON is parsed once the output is finished
-        return len(text), []
-
     def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
         call_schema = _renamed_arguments(call_schema, "parameters")
         repeat = f" ({json.dumps(self.SEPARATOR)} call)*" if parallel else ""
@@ -53,9 +50,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def _call_text(self, text: str) -> str | None:
         body = text.strip()
-        if body.startswith(self.PYTHON_TAG):
-            body = body[len(self.PYTHON_TAG) :].lstrip()
-        return body if body.startswith("{") else None
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG) :].lstrip()
+        return body if body.startswith(self.OPENER) else None
 
 
 def _renamed_arguments(schema: Mapping[str, Any], key: str) -> dict[str, Any]:

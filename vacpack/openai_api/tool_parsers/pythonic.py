@@ -11,26 +11,24 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from vacpack.openai_api.tool_parsers.base import ParsedOutput, ToolCall, ToolParser, new_tool_call
+from vacpack.openai_api.tool_parsers.base import (
+    ParsedOutput,
+    ToolCall,
+    WholeOutputCallsParser,
+    new_tool_call,
+)
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(WholeOutputCallsParser):
     name = "pythonic"
-    START = "<|python_start|>"  # Llama 4's wrapping of a call list
+    TAG = "<|python_start|>"  # Llama 4's wrapping of a call list
     END = "<|python_end|>"
+    OPENER = "["
 
     def parse(self, text: str) -> ParsedOutput:
         body = self._call_text(text)
         calls = _pythonic_calls(body) if body is not None else []
         return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
-
-    def settled(self, text: str) -> tuple[int, list[ToolCall]]:
-        stripped = text.lstrip()
-        if not stripped or self.START.startswith(stripped[: len(self.START)]):
-            return 0, []  # may still become a call list
-        if stripped.startswith("["):
-            return 0, []  # a call list (or content that opens with "["): read once finished
-        return len(text), []
 
     def call_grammar(self, call_schema: Mapping[str, Any], parallel: bool) -> str:
         layout = call_schema.get("x-guidance")
@@ -44,9 +42,9 @@ class PythonicToolParser(ToolParser):
 
     def _call_text(self, text: str) -> str | None:
         body = text.strip()
-        if body.startswith(self.START):
-            body = body[len(self.START) :].removesuffix(self.END).strip()
-        return body if body.startswith("[") and body.endswith("]") else None
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG) :].removesuffix(self.END).strip()
+        return body if body.startswith(self.OPENER) and body.endswith("]") else None
 
 
 # An argument name of a tool whose parameters list none.
