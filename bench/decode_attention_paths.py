@@ -30,11 +30,14 @@ from vacpack.attention.paged_decode import kernel_form_supported
 from vacpack.attention.torch_sdpa import TorchSdpaBackend
 from vacpack.cpu_kernels import varlen_attention_supported
 from vacpack.cpu_kernels.attention import tile_kernel_ready
+from vacpack.cpu_kernels.packed_keys import pack_keys
 from vacpack.cpu_kernels.paged_decode import paged_decode_supported
 from vacpack.kvcache.paged_cache import KVLayer
 
 # vacpack/cpu_kernels' varlen kernel: bf16 where this CPU has AVX512-BF16, float32 on any CPU.
+# It reads the cache in the layout the engine gives it: keys packed in bf16.
 C_KERNEL = "C paged kernel"
+TOKEN_ROWS = "keys in token rows"  # the C kernel over a cache of token rows (its transposes)
 PORTABLE_KERNEL = "portable C decode kernel"  # cpu_kernels/paged_decode.c, any CPU
 LANES = "heads in lanes"  # the kernel's other form (decode_form="kernel_lanes")
 DPBF16_KERNEL = "VDPBF16PS decode kernel"  # cpu_kernels/paged_decode_bf16.c, AVX512-BF16
@@ -143,8 +146,11 @@ def step_runners(
     for name, form in ((DPBF16_KERNEL, "kernel_bf16"), (AMX_KERNEL, "kernel_amx")):
         if kernel_form_supported(form, CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
             backends.append((name, TorchSdpaBackend(cascade=None, decode_form=form)))
+    token_rows = {f"{C_KERNEL}, {TOKEN_ROWS}"}
     if varlen_attention_supported(CPU, dtype, HEAD_DIM):
         backends.append((C_KERNEL, CpuKernelBackend()))
+        if CpuKernelBackend().packs_keys(dtype, step.kv_layers[0].keys.dtype, PAGE_SIZE):
+            backends.append((f"{C_KERNEL}, {TOKEN_ROWS}", CpuKernelBackend()))
     if dtype == torch.bfloat16 and tile_kernel_ready("amx"):
         backends.append((f"{C_KERNEL}, AMX", CpuKernelBackend(bf16_kernel="amx")))
         if paged_decode_supported(CPU, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
@@ -155,16 +161,26 @@ def step_runners(
                 cascade_policy, decode_form="kernel_lanes", prefix_form="kernel"
             )
             backends.append((f"{PORTABLE_KERNEL}, {LANES} + kernel cascade", in_lanes))
+    packed_layers: list[KVLayer] = []
     for name, backend in backends:
         metadata = backend.build_metadata(batch.layout, CPU)
+        layers = step.kv_layers
+        if name not in token_rows and backend.packs_keys(dtype, layers[0].keys.dtype, PAGE_SIZE):
+            packed_layers = packed_layers or [
+                KVLayer(pack_keys(layer.keys, PAGE_SIZE), layer.values, PAGE_SIZE, True)
+                for layer in layers
+            ]
+            layers = packed_layers
 
         def new(
-            backend: AttentionBackend = backend, metadata: Any = metadata
+            backend: AttentionBackend = backend,
+            metadata: Any = metadata,
+            layers: list[KVLayer] = layers,
         ) -> list[torch.Tensor]:
             return [
                 backend.forward(q, k, v, layer, metadata)
                 for layer, q, k, v in zip(
-                    step.kv_layers, step.queries, step.new_keys, step.new_values, strict=True
+                    layers, step.queries, step.new_keys, step.new_values, strict=True
                 )
             ]
 

@@ -108,6 +108,11 @@ class AttentionBackend(ABC):
         (its metadata has shapes that change from step to step)."""
         return None
 
+    def packs_keys(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, page_size: int) -> bool:
+        """Whether the paged KV cache this backend reads keeps its keys packed
+        (vacpack/kvcache/paged_cache.py); a backend that overrides nothing reads token rows."""
+        return False
+
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
         """Everything the layers need for this step, built once on the host and moved once."""

@@ -109,14 +109,14 @@ def prefix_attention(
     shared prefix alone, shaped like q, and its float32 log-sum-exp, [seqs, heads]."""
     if group.kernel_prefix is not None and spec.logit_softcap is None:
         return attend_with_lse(
-            q, kv_layer.keys, kv_layer.values, group.kernel_prefix, scale=spec.scale
+            q, kv_layer.key_rows(), kv_layer.values, group.kernel_prefix, scale=spec.scale
         )
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_layer.keys.shape[1]
+    num_kv_heads = kv_layer.num_kv_heads
     group_size = num_heads // num_kv_heads
     num_rows = num_seqs * group_size
     page_size, num_keys = kv_layer.page_size, group.num_prefix_tokens
-    keys = gather_pages(kv_layer.keys, group.prefix_pages, page_size, 1, num_keys, q.dtype)[0]
+    keys = gather_pages(kv_layer.key_rows(), group.prefix_pages, page_size, 1, num_keys, q.dtype)[0]
     values = gather_pages(kv_layer.values, group.prefix_pages, page_size, 1, num_keys, q.dtype)[0]
     # Every sequence's query heads of one KV head become rows of that head's one matmul.
     rows = q.view(num_seqs, num_kv_heads, group_size, head_dim).transpose(0, 1)

@@ -43,6 +43,7 @@ from vacpack.cpu_kernels import (
     packed_sequences,
     paged_sequences,
 )
+from vacpack.cpu_kernels.packed_keys import KEYS_PER_BLOCK
 from vacpack.kvcache.paged_cache import KVLayer
 
 
@@ -102,6 +103,13 @@ class CpuKernelBackend(AttentionBackend):
         self.bf16_kernel = bf16_kernel  # which implementation runs bf16 (BF16_KERNELS)
         # The one that runs a cascade's prefixes (None: bf16_kernel).
         self.prefix_bf16_kernel = prefix_bf16_kernel or bf16_kernel
+
+    def packs_keys(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, page_size: int) -> bool:
+        # Both bf16 implementations read keys packed in place (the float32 kernel does not):
+        # a decode's keys then need no transposes (G1's decode batch, 2-core Zen 4: 27.7 ->
+        # 24.2 ms of kernel time for its 24 layers).
+        bf16 = dtype == kv_cache_dtype == torch.bfloat16
+        return bf16 and page_size % KEYS_PER_BLOCK == 0
 
     def build_metadata(
         self, layout: BatchLayout, device: torch.device
@@ -166,12 +174,21 @@ class CpuKernelBackend(AttentionBackend):
             raise ValueError("an engine step needs its layer's KV cache")
         kv_layer.write(metadata.slot_mapping, k, v)
         cache = (kv_layer.keys, kv_layer.values)
+        packed = kv_layer.packed_keys
         if metadata.cascade is None:
-            return attend(q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel)
-        out, lse = attend_with_lse(q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel)
+            return attend(
+                q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel, keys_packed=packed
+            )
+        out, lse = attend_with_lse(
+            q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel, keys_packed=packed
+        )
         rows, prefixes = metadata.cascade.rows, metadata.cascade.prefixes
         prefix_out, prefix_lse = attend_with_lse(
-            q.index_select(0, rows), *cache, prefixes, bf16_kernel=self.prefix_bf16_kernel
+            q.index_select(0, rows),
+            *cache,
+            prefixes,
+            bf16_kernel=self.prefix_bf16_kernel,
+            keys_packed=packed,
         )
         merged = merge_by_lse(
             prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)

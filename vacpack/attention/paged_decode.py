@@ -316,13 +316,13 @@ def chunk_attention(
     `form` (one of DECODE_FORMS) runs the C kernel instead of the matmuls where it can (no
     softcap), SDPA where it can (no softcap, no log-sum-exp asked for)."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_layer.keys.shape[1]
+    num_kv_heads = kv_layer.num_kv_heads
     page_size = kv_layer.page_size
     if form in KERNEL_FORMS and spec.logit_softcap is None:
         assert chunk.key_ranges is not None, "built by build_chunk"
         return paged_decode_attention(
             q,
-            kv_layer.keys,
+            kv_layer.key_rows(),
             kv_layer.values,
             chunk.pages.view(num_seqs, -1),
             chunk.key_ranges,
@@ -333,7 +333,9 @@ def chunk_attention(
             bf16_kernel=KERNEL_FORMS[form].bf16_kernel,
         )
     chunk = chunk.with_masks()
-    keys = gather_pages(kv_layer.keys, chunk.pages, page_size, num_seqs, chunk.num_keys, q.dtype)
+    keys = gather_pages(
+        kv_layer.key_rows(), chunk.pages, page_size, num_seqs, chunk.num_keys, q.dtype
+    )
     values = gather_pages(
         kv_layer.values, chunk.pages, page_size, num_seqs, chunk.num_keys, q.dtype
     )

@@ -51,6 +51,12 @@ class StepRoutedBackend(AttentionBackend):
             max_num_seqs, max_pages_per_seq, page_size, device
         )
 
+    def packs_keys(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, page_size: int) -> bool:
+        # One cache for both: packed only where both read packed keys.
+        return self.decode.packs_keys(dtype, kv_cache_dtype, page_size) and self.prefill.packs_keys(
+            dtype, kv_cache_dtype, page_size
+        )
+
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> RoutedMetadata:
         decode_only = bool(layout.page_tables) and all(n == 1 for n in layout.query_lens)
         backend = self.decode if decode_only else self.prefill

@@ -19,6 +19,7 @@ the timer's own warm-up. A candidate that failed there raises the same error at 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from vacpack.attention.backend import (
     BatchLayout,
     describe_spec,
 )
+from vacpack.cpu_kernels.packed_keys import pack_keys
 from vacpack.kvcache.paged_cache import KVLayer
 
 
@@ -146,6 +148,23 @@ class _Inputs:
     kv_layer: KVLayer | None
     layout: BatchLayout
 
+    def kv_layer_for(self, backend: AttentionBackend) -> KVLayer | None:
+        """The cache in the layout the engine would give `backend`: keys packed where it
+        packs them (made once, shared by all candidates that do)."""
+        kv_layer = self.kv_layer
+        if kv_layer is None or not backend.packs_keys(
+            self.q.dtype, kv_layer.keys.dtype, kv_layer.page_size
+        ):
+            return kv_layer
+        return self._packed_kv_layer
+
+    @functools.cached_property
+    def _packed_kv_layer(self) -> KVLayer:
+        kv_layer = self.kv_layer
+        assert kv_layer is not None
+        keys = pack_keys(kv_layer.keys, kv_layer.page_size)
+        return KVLayer(keys, kv_layer.values, kv_layer.page_size, packed_keys=True)
+
 
 def _inputs(shapes: AttentionShapes, workload: Workload, device: torch.device) -> _Inputs:
     heads, kv_heads, dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
@@ -226,6 +245,7 @@ class _LayerCall:
         try:
             self._backend = make_backend()
             self._metadata = self._backend.build_metadata(inputs.layout, inputs.q.device)
+            self._kv_layer = inputs.kv_layer_for(self._backend)
         except Exception as error:  # a candidate that cannot run here is ruled out, not fatal
             self._error = error
 
@@ -236,7 +256,7 @@ class _LayerCall:
         with torch.inference_mode():
             outs = [
                 self._backend.forward(
-                    inputs.q, inputs.k, inputs.v, inputs.kv_layer, self._metadata, spec
+                    inputs.q, inputs.k, inputs.v, self._kv_layer, self._metadata, spec
                 )
                 for spec in self._specs
             ]

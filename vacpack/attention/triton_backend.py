@@ -290,12 +290,12 @@ def _paged_forward(
 ) -> torch.Tensor:
     kv_layer.write(metadata.slot_mapping, k, v)
     out = torch.empty_like(q)
-    num_kv_heads = kv_layer.keys.shape[1]
+    num_kv_heads = kv_layer.num_kv_heads
     head_group, head_dim = q.shape[1] // num_kv_heads, q.shape[2]
     common: dict[str, Any] = {
         "out": out,
         "q": q,
-        "keys": kv_layer.keys,
+        "keys": kv_layer.key_rows(),
         "values": kv_layer.values,
         "cu_seqlens_q": metadata.cu_seqlens_q,
         "context_lens": metadata.context_lens,

@@ -139,9 +139,11 @@ class PackedForward:
         num_tokens = token_ids.numel()
         config = self.model.config
         num_pages = -(-num_tokens // CHUNK_PAGE_SIZE)
+        dtype, kv_cache_dtype = self.loaded.dtype, self.loaded.kv_cache_dtype
         cache = PagedKVCache(
             config.num_layers, num_pages, CHUNK_PAGE_SIZE, self.loaded.num_kv_heads,
-            config.head_dim, self.loaded.kv_cache_dtype, self.device,
+            config.head_dim, kv_cache_dtype, self.device,
+            packed_keys=self.attention.packs_keys(dtype, kv_cache_dtype, CHUNK_PAGE_SIZE),
         )  # fmt: skip
         page_table = list(range(num_pages))
         parts = []

@@ -31,6 +31,7 @@ from vacpack.cpu_kernels.build import (
     proven_kernel,
 )
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
+from vacpack.cpu_kernels.packed_keys import packed_key_shape
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -55,6 +56,7 @@ _ARGTYPES = [
     *[ctypes.c_int64] * 8,  # sequences, heads, KV heads, head dim, four row strides
     ctypes.c_void_p,  # page tables, or None
     *[ctypes.c_int64] * 2,  # page table row stride, page size
+    ctypes.c_int,  # keys packed (a cache that keeps them so: vacpack/kvcache/paged_cache.py)
     ctypes.c_void_p,  # log-sum-exp out, or None
     ctypes.c_float,  # scale
     ctypes.c_int,  # causal
@@ -115,7 +117,7 @@ def _self_check(kernel: KernelFunction) -> float:
         cu_seqlens.data_ptr(), cu_seqlens.data_ptr(), len(seq_lens),
         num_heads, num_kv_heads, head_dim,
         q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-        None, 0, 0, None, head_dim**-0.5, 1, 1, 1,
+        None, 0, 0, 0, None, head_dim**-0.5, 1, 1, 1,
     )  # fmt: skip
     if status != 0:
         return float("inf")
@@ -234,14 +236,16 @@ def attend(
     *,
     scale: float | None = None,
     bf16_kernel: str = DEFAULT_BF16_KERNEL,
+    keys_packed: bool = False,
 ) -> torch.Tensor:
     """Attention of the packed queries q [q_tokens, heads, dim] over k and v: [k_tokens,
     kv_heads, dim] token streams, or [slots, kv_heads, dim] caches when `sequences` has page
     tables. When causal, each sequence's queries are its last tokens: query i of n_q sees keys
     0..n_k-n_q+i. Keys and values are in q's dtype, or bf16 under float32 queries (a cache
-    kept in bf16). bf16_kernel: which implementation runs bf16 (BF16_KERNELS). Returns q's
+    kept in bf16). bf16_kernel: which implementation runs bf16 (BF16_KERNELS). keys_packed:
+    k is a bf16 cache's keys in the packed layout (vacpack/kvcache/paged_cache.py). Returns q's
     shape."""
-    out, _ = _attention(q, k, v, sequences, scale, bf16_kernel, with_lse=False)
+    out, _ = _attention(q, k, v, sequences, scale, bf16_kernel, keys_packed, with_lse=False)
     return out
 
 
@@ -253,10 +257,11 @@ def attend_with_lse(
     *,
     scale: float | None = None,
     bf16_kernel: str = DEFAULT_BF16_KERNEL,
+    keys_packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attend, and each row's float32 log-sum-exp of its scaled scores ([q_tokens, heads]),
     to merge with attention over other keys (cascade.merge_by_lse)."""
-    out, lse = _attention(q, k, v, sequences, scale, bf16_kernel, with_lse=True)
+    out, lse = _attention(q, k, v, sequences, scale, bf16_kernel, keys_packed, with_lse=True)
     assert lse is not None
     return out, lse
 
@@ -288,11 +293,20 @@ def paged_attention(
     causal: bool = True,
     scale: float | None = None,
     bf16_kernel: str = DEFAULT_BF16_KERNEL,
+    keys_packed: bool = False,
 ) -> torch.Tensor:
     """attend over a paged KV cache, in one call (see paged_sequences). One call covers
     decodes, fresh prefills and prefill chunks over cached pages alike."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
-    return attend(q, key_cache, value_cache, sequences, scale=scale, bf16_kernel=bf16_kernel)
+    return attend(
+        q,
+        key_cache,
+        value_cache,
+        sequences,
+        scale=scale,
+        bf16_kernel=bf16_kernel,
+        keys_packed=keys_packed,
+    )
 
 
 def paged_attention_with_lse(
@@ -307,11 +321,18 @@ def paged_attention_with_lse(
     causal: bool = True,
     scale: float | None = None,
     bf16_kernel: str = DEFAULT_BF16_KERNEL,
+    keys_packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention and each row's log-sum-exp (see attend_with_lse)."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
     return attend_with_lse(
-        q, key_cache, value_cache, sequences, scale=scale, bf16_kernel=bf16_kernel
+        q,
+        key_cache,
+        value_cache,
+        sequences,
+        scale=scale,
+        bf16_kernel=bf16_kernel,
+        keys_packed=keys_packed,
     )
 
 
@@ -322,6 +343,7 @@ def _attention(
     sequences: KernelSequences,
     scale: float | None,
     bf16_kernel: str,
+    keys_packed: bool,
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     kernel = _kernel(q.dtype, bf16_kernel)
@@ -332,12 +354,18 @@ def _attention(
             "and its library"
         )
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    if k.shape[2] != head_dim or v.shape[1:] != k.shape[1:] or num_heads % num_kv_heads:
+    num_kv_heads = v.shape[1]
+    if v.shape[2] != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
     check_cache_dtype(q.dtype, k.dtype, v.dtype)
     page_tables = sequences.page_tables
-    q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
+    if keys_packed:
+        _check_packed_keys(q, k, v, sequences)
+    elif k.shape[1:] != v.shape[1:]:
+        raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
+    else:
+        k = _rows_of_heads(k)
+    q, v = _rows_of_heads(q), _rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
     # Named for torch.profiler, which cannot see into a ctypes call otherwise.
@@ -360,6 +388,7 @@ def _attention(
             None if page_tables is None else page_tables.data_ptr(),
             0 if page_tables is None else page_tables.stride(0),
             sequences.page_size,
+            int(keys_packed),
             None if lse is None else lse.data_ptr(),
             head_dim**-0.5 if scale is None else scale,
             int(sequences.causal),
@@ -369,3 +398,23 @@ def _attention(
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
     return out, lse
+
+
+def _check_packed_keys(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: KernelSequences
+) -> None:
+    """Packed keys are a bf16 paged cache's, contiguous, in the shape of its pages and heads."""
+    bf16 = q.dtype == k.dtype == torch.bfloat16
+    if not bf16 or sequences.page_tables is None:
+        raise ValueError(
+            "packed keys are read by the bf16 kernels from a bf16 paged cache, "
+            f"not under {q.dtype} queries over {k.dtype} keys"
+            + ("" if sequences.page_tables is not None else " without page tables")
+        )
+    num_pages, num_kv_heads, head_dim = k.shape[0], v.shape[1], v.shape[2]
+    expected = packed_key_shape(num_pages, sequences.page_size, num_kv_heads, head_dim)
+    if k.shape != expected or not k.is_contiguous():
+        raise ValueError(
+            f"packed keys of shape {tuple(k.shape)} are not those of pages of "
+            f"{sequences.page_size} slots, {num_kv_heads} KV heads of {head_dim}"
+        )

@@ -10,15 +10,17 @@
 // of a paged KV cache: with page tables, key j of sequence b sits in slot
 // pages[b][j / page_size] * page_size + j % page_size. One call then serves a whole engine
 // step: decodes (one query each), fresh prefills and prefill chunks over their cached pages.
+// A cache may keep its keys packed (varlen_tasks.h): then the products read them in place.
 //
 // One task is (sequence, KV head, chunk of queries). Its rows are the chunk's queries times the
 // query heads that share the KV head, query-major, so that a decode's grouped heads fill a row
 // block together and a block's rows see almost the same keys. The task packs the keys it can
-// see into the layout VDPBF16PS wants (pairs of dims of 16 keys side by side), then for each
-// block of ROW_BLOCK rows: scores in float32 registers, a float32 softmax with a polynomial
-// exp2, probabilities rounded to bf16 as in flash-attention kernels, and the value product with
-// the same instruction, interleaving pairs of value rows on the fly. A block's scores live in a
-// per-thread buffer, so no [queries, keys] matrix is ever written to memory.
+// see into the layout VDPBF16PS wants (pairs of dims of 16 keys side by side; from a cache that
+// keeps its keys packed, it reads them in place), then for each block of ROW_BLOCK rows: scores
+// in float32 registers, a float32 softmax with a polynomial exp2, probabilities rounded to
+// bf16 as in flash-attention kernels, and the value product with the same instruction,
+// interleaving pairs of value rows on the fly. A block's scores live in a per-thread buffer, so
+// no [queries, keys] matrix is ever written to memory.
 
 #include <immintrin.h>
 #include <math.h>
@@ -99,7 +101,7 @@ typedef struct {
     int64_t n, row_bytes, done;
 } Prefetch;
 
-static const Prefetch NO_PREFETCH = {{0, 0, 0, 1}, 0, 0, 0};
+static const Prefetch NO_PREFETCH = {{0, 0, 0, 1, 0}, 0, 0, 0};
 
 // Requests the rows up to `upto` (clamped to n) that are not requested yet. A prefetch never
 // faults, so the bytes past a row's head in its slot are harmless.
@@ -153,17 +155,19 @@ static void pack_keys(const Bf16Rows* keys, int64_t n, int64_t num_pairs, int64_
     }
 }
 
-// scores[r][0..n_padded) = q_r . key for ROW_BLOCK rows (rows past the block repeat a real row
-// and are never read back).
-static void block_scores(const bf16* const rows[ROW_BLOCK], const bf16* packed_keys,
-                         int64_t num_pairs, int64_t n_padded, float* scores, int64_t stride) {
-    const int64_t num_blocks = n_padded / KEY_BLOCK;
+// scores[r][0..16 num_blocks) = q_r . key for ROW_BLOCK rows (rows past the block repeat a real
+// row and are never read back), from the packed key blocks `blocks` (rows of 16 keys). Each pair
+// of blocks requests its share of `ahead` (the next task's keys, when not requested yet).
+static void block_scores(const bf16* const rows[ROW_BLOCK], const Bf16Rows* blocks,
+                         int64_t num_pairs, int64_t num_blocks, float* scores, int64_t stride,
+                         Prefetch* ahead) {
     int64_t block = 0;
     for (; block + 1 < num_blocks; block += 2) {
+        prefetch_to(ahead, (block + 2) * ahead->n / num_blocks);
         __m512 acc0[ROW_BLOCK], acc1[ROW_BLOCK];
         for (int r = 0; r < ROW_BLOCK; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        const bf16* k0 = packed_keys + block * num_pairs * 2 * KEY_BLOCK;
-        const bf16* k1 = k0 + num_pairs * 2 * KEY_BLOCK;
+        const bf16* k0 = bf16_row(blocks, block);
+        const bf16* k1 = bf16_row(blocks, block + 1);
         for (int64_t pair = 0; pair < num_pairs; ++pair) {
             const __m512bh keys0 = load_bh(k0 + pair * 2 * KEY_BLOCK);
             const __m512bh keys1 = load_bh(k1 + pair * 2 * KEY_BLOCK);
@@ -180,9 +184,10 @@ static void block_scores(const bf16* const rows[ROW_BLOCK], const bf16* packed_k
         }
     }
     for (; block < num_blocks; ++block) {
+        prefetch_to(ahead, ahead->n);
         __m512 acc[ROW_BLOCK];
         for (int r = 0; r < ROW_BLOCK; ++r) acc[r] = _mm512_setzero_ps();
-        const bf16* k0 = packed_keys + block * num_pairs * 2 * KEY_BLOCK;
+        const bf16* k0 = bf16_row(blocks, block);
         for (int64_t pair = 0; pair < num_pairs; ++pair) {
             const __m512bh keys0 = load_bh(k0 + pair * 2 * KEY_BLOCK);
 #pragma GCC unroll 8
@@ -292,15 +297,37 @@ static void block_values(const bf16* probs, int64_t probs_stride, const float* s
     }
 }
 
-// Where the keys (or values: `kv` and its row stride) of a task's KV head lie.
+// Where the values (or keys in slots: `kv` and its row stride) of a task's KV head lie.
 static inline Bf16Rows kv_rows(const TaskKeys* seen, int64_t kv_head, const bf16* kv,
                                int64_t stride, int64_t head_dim, int64_t page_size) {
-    const Bf16Rows rows = {kv + seen->first_row * stride + kv_head * head_dim, stride,
-                           seen->pages, page_size};
-    return rows;
+    return slot_rows(kv, seen->first_row, stride, kv_head, head_dim, seen->pages, page_size);
 }
 
-// A task's `n` rows of keys or values as a prefetch not yet requested.
+// The layout of the call's keys: rows of the stream or slots (`stride` apart), or a cache that
+// keeps them packed.
+typedef struct {
+    const bf16* k;
+    int64_t stride, num_kv_heads, head_dim, page_size;
+    int packed;
+} KeySource;
+
+// A task's keys to request ahead: its slot rows, or its packed blocks.
+static inline Prefetch keys_prefetch(const KeySource* keys, const TaskKeys* seen,
+                                     int64_t kv_head) {
+    if (keys->packed) {
+        const Prefetch run = {packed_key_blocks(keys->k, kv_head, keys->num_kv_heads,
+                                                keys->head_dim, seen->pages, keys->page_size),
+                              (seen->n_seen + KEY_BLOCK - 1) / KEY_BLOCK,
+                              KEYS_PACKED * keys->head_dim * 2, 0};
+        return run;
+    }
+    const Prefetch run = {
+        kv_rows(seen, kv_head, keys->k, keys->stride, keys->head_dim, keys->page_size),
+        seen->n_seen, keys->head_dim * 2, 0};
+    return run;
+}
+
+// A task's `n` rows of values as a prefetch not yet requested.
 static inline Prefetch prefetch_of(Bf16Rows rows, int64_t n, int64_t head_dim) {
     const Prefetch run = {rows, n, head_dim * 2, 0};
     return run;
@@ -308,7 +335,8 @@ static inline Prefetch prefetch_of(Bf16Rows rows, int64_t n, int64_t head_dim) {
 
 // Returns 0, or -1 when a buffer could not be allocated. With page_tables NULL, keys and values
 // of sequence b are rows cu_k[b].. of k and v; else k and v are the cache's slots and
-// page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts). With lse
+// page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts), and
+// with keys_packed k holds the keys packed (varlen_tasks.h; page_size a multiple of 16). With lse
 // not NULL, each row's log-sum-exp of its scaled scores goes to lse[token * num_heads + head],
 // for merging with attention over other keys.
 int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
@@ -316,9 +344,10 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t q_stride, int64_t k_stride, int64_t v_stride,
                           int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
-                          int64_t page_size, float* lse, float scale, int causal,
-                          int kv_bf16, int num_threads) {
+                          int64_t page_size, int keys_packed, float* lse, float scale,
+                          int causal, int kv_bf16, int num_threads) {
     if (!kv_bf16) return -1;  // the float32 kernel's argument: here k and v are bf16 like q
+    if (keys_packed && (!page_tables || page_size % KEYS_PACKED)) return -1;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_pairs = head_dim / 2;
     int64_t num_tasks, max_keys;
@@ -329,6 +358,7 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
     const float log2_scale = scale * LOG2E;
     int failed = 0;
     int64_t next_task = 0;  // the next task no thread has claimed
+    const KeySource key_source = {k, k_stride, num_kv_heads, head_dim, page_size, keys_packed};
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -353,9 +383,7 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
         if (allocated && next < num_tasks) {  // the thread's first task: nothing to overlap
             const Task first = tasks[next];
             const TaskKeys seen = task_keys(first, cu_q, cu_k, page_tables, pages_stride, causal);
-            Prefetch first_keys = prefetch_of(
-                kv_rows(&seen, first.kv_head, k, k_stride, head_dim, page_size), seen.n_seen,
-                head_dim);
+            Prefetch first_keys = keys_prefetch(&key_source, &seen, first.kv_head);
             Prefetch first_values = prefetch_of(
                 kv_rows(&seen, first.kv_head, v, v_stride, head_dim, page_size), seen.n_seen,
                 head_dim);
@@ -369,8 +397,6 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
             const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
             const int64_t n_k = seen.n_k, n_seen = seen.n_seen;
             const int64_t first_position = seen.first_position;  // of query 0, when causal
-            const Bf16Rows key_rows =
-                kv_rows(&seen, task.kv_head, k, k_stride, head_dim, page_size);
             const Bf16Rows value_rows =
                 kv_rows(&seen, task.kv_head, v, v_stride, head_dim, page_size);
             Prefetch next_keys = NO_PREFETCH, next_values = NO_PREFETCH;
@@ -378,15 +404,23 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                 const Task later = tasks[next];
                 const TaskKeys later_seen =
                     task_keys(later, cu_q, cu_k, page_tables, pages_stride, causal);
-                next_keys = prefetch_of(
-                    kv_rows(&later_seen, later.kv_head, k, k_stride, head_dim, page_size),
-                    later_seen.n_seen, head_dim);
+                next_keys = keys_prefetch(&key_source, &later_seen, later.kv_head);
                 next_values = prefetch_of(
                     kv_rows(&later_seen, later.kv_head, v, v_stride, head_dim, page_size),
                     later_seen.n_seen, head_dim);
             }
-            pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys,
-                      &next_keys);
+            // The task's keys in packed blocks: in place in a cache that keeps them so, else
+            // packed into the thread's buffer.
+            Bf16Rows key_blocks = {keys, num_pairs * 2 * KEY_BLOCK, NULL, 1, 0};
+            if (keys_packed) {
+                key_blocks = packed_key_blocks(k, task.kv_head, num_kv_heads, head_dim,
+                                               seen.pages, page_size);
+            } else {
+                const Bf16Rows key_rows =
+                    kv_rows(&seen, task.kv_head, k, k_stride, head_dim, page_size);
+                pack_keys(&key_rows, n_seen, num_pairs, round_up(n_seen, 2 * KEY_BLOCK), keys,
+                          &next_keys);
+            }
             // Rows: (query, head of the group), query-major.
             const int64_t num_task_rows = (task.query_end - task.query_start) * group;
             for (int64_t r0 = 0; r0 < num_task_rows; r0 += ROW_BLOCK) {
@@ -411,7 +445,9 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                 // Query-major rows: the block's last row sees the most keys.
                 const int64_t block_seen = visible[num_rows - 1];
                 const int64_t block_padded = round_up(block_seen, 2 * KEY_BLOCK);
-                block_scores(rows, keys, num_pairs, block_padded, scores, max_padded);
+                block_scores(rows, &key_blocks, num_pairs,
+                             (block_seen + KEY_BLOCK - 1) / KEY_BLOCK, scores, max_padded,
+                             &next_keys);
                 for (int r = 0; r < ROW_BLOCK; ++r)
                     sums[r] = row_softmax(scores + r * max_padded, visible[r], block_padded,
                                           log2_scale, probs + r * max_padded, &maxima[r]);

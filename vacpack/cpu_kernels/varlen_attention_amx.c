@@ -74,6 +74,29 @@ static void pack_keys(const Bf16Rows* keys, int64_t n, int64_t num_pairs, int64_
     }
 }
 
+// The same from a cache that keeps its keys packed (`blocks`, rows of 16 keys): whole blocks
+// copied, the last partial one a key at a time, zero up to n_padded.
+static void copy_key_blocks(const Bf16Rows* blocks, int64_t n, int64_t num_pairs,
+                            int64_t n_padded, uint32_t* packed) {
+    for (int64_t block = 0; block < n_padded / KEY_BLOCK; ++block) {
+        uint32_t* dst = packed + block * num_pairs * KEY_BLOCK;
+        const int64_t first = block * KEY_BLOCK;
+        if (first >= n) {  // past the sequence's pages: nothing to read
+            memset(dst, 0, num_pairs * KEY_BLOCK * sizeof(uint32_t));
+            continue;
+        }
+        const uint32_t* src = (const uint32_t*)bf16_row(blocks, block);
+        if (first + KEY_BLOCK <= n) {
+            memcpy(dst, src, num_pairs * KEY_BLOCK * sizeof(uint32_t));
+            continue;
+        }
+        for (int64_t pair = 0; pair < num_pairs; ++pair)
+            for (int64_t lane = 0; lane < KEY_BLOCK; ++lane)
+                dst[pair * KEY_BLOCK + lane] =
+                    first + lane < n ? src[pair * KEY_BLOCK + lane] : 0;
+    }
+}
+
 // values[0..n) -> packed[key pair][dim][2 keys], zero up to n_padded.
 static void pack_values(const Bf16Rows* values, int64_t n, int64_t head_dim, int64_t n_padded,
                         bf16* packed) {
@@ -184,9 +207,10 @@ int varlen_attention_amx(const bf16* q, const bf16* k, const bf16* v, bf16* out,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t q_stride, int64_t k_stride, int64_t v_stride,
                          int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
-                         int64_t page_size, float* lse, float scale, int causal, int kv_bf16,
-                         int num_threads) {
+                         int64_t page_size, int keys_packed, float* lse, float scale,
+                         int causal, int kv_bf16, int num_threads) {
     if (!kv_bf16 || head_dim % DIMS_PER_STEP) return -1;
+    if (keys_packed && (!page_tables || page_size % KEYS_PACKED)) return -1;
     const int64_t group = num_heads / num_kv_heads;
     int64_t num_tasks, max_keys;
     Task* tasks =
@@ -217,12 +241,18 @@ int varlen_attention_amx(const bf16* q, const bf16* k, const bf16* v, bf16* out,
             if (!allocated) continue;  // reported through `failed`
             const Task task = tasks[i];
             const TaskKeys seen = task_keys(task, cu_q, cu_k, page_tables, pages_stride, causal);
-            const Bf16Rows key_rows = {k + seen.first_row * k_stride + task.kv_head * head_dim,
-                                      k_stride, seen.pages, page_size};
-            const Bf16Rows value_rows = {v + seen.first_row * v_stride + task.kv_head * head_dim,
-                                        v_stride, seen.pages, page_size};
+            const Bf16Rows value_rows = slot_rows(v, seen.first_row, v_stride, task.kv_head,
+                                                  head_dim, seen.pages, page_size);
             const int64_t task_padded = round_up(seen.n_seen, KEYS_PER_STEP);
-            pack_keys(&key_rows, seen.n_seen, head_dim / 2, task_padded, keys);
+            if (keys_packed) {
+                const Bf16Rows blocks = packed_key_blocks(k, task.kv_head, num_kv_heads,
+                                                          head_dim, seen.pages, page_size);
+                copy_key_blocks(&blocks, seen.n_seen, head_dim / 2, task_padded, keys);
+            } else {
+                const Bf16Rows key_rows = slot_rows(k, seen.first_row, k_stride, task.kv_head,
+                                                    head_dim, seen.pages, page_size);
+                pack_keys(&key_rows, seen.n_seen, head_dim / 2, task_padded, keys);
+            }
             pack_values(&value_rows, seen.n_seen, head_dim, task_padded, values);
             // Rows: (query, head of the group), query-major.
             const int64_t num_task_rows = (task.query_end - task.query_start) * group;

@@ -256,9 +256,10 @@ int varlen_attention_f32(const float* q, const void* k, const void* v, float* ou
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t q_stride, int64_t k_stride, int64_t v_stride,
                          int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
-                         int64_t page_size, float* lse, float scale, int causal,
-                         int kv_bf16, int num_threads) {
-    if (head_dim % 8) return -1;
+                         int64_t page_size, int keys_packed, float* lse, float scale,
+                         int causal, int kv_bf16, int num_threads) {
+    // Keys packed for the bf16 kernels' products (varlen_tasks.h) are not read here.
+    if (head_dim % 8 || keys_packed) return -1;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t query_chunk = causal ? CAUSAL_QUERY_CHUNK : BIDIRECTIONAL_QUERY_CHUNK;
     int64_t num_tasks, max_keys;

@@ -67,6 +67,7 @@ def allocate_kv_cache(
         model_config.head_dim,
         loaded.kv_cache_dtype,
         loaded.device,
+        packed_keys=attention.packs_keys(loaded.dtype, loaded.kv_cache_dtype, config.block_size),
     )
     return sizing, kv_cache
 
