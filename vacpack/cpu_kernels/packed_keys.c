@@ -2,8 +2,8 @@
  *
  * Key pair p (dims 2p, 2p+1) of token t, KV head h, goes to its page's block as one 32-bit word:
  * [page][h][block][p][key of the block]. PyTorch's index_put_ on a permuted view of the cache
- * did this at 100 us a layer for a 64-sequence decode step (2.5x a plain slot copy); this loop
- * is a few microseconds. Portable C: the work is scattered 4-byte stores.
+ * made writing a 64-sequence decode step's keys and values 2.6x slower than into token rows;
+ * with this loop it is 1.2x. Portable C: the work is scattered 4-byte stores.
  */
 #include <stdint.h>
 #include <string.h>
@@ -21,8 +21,8 @@ void store_packed_keys(uint16_t *cache, const uint16_t *keys, const int64_t *slo
         const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
         const int64_t lane = offset % KEYS_PER_BLOCK;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            uint32_t *block = (uint32_t *)(cache + (page * num_kv_heads + h) * page_size * head_dim) +
-                              (offset / KEYS_PER_BLOCK) * block_words;
+            uint16_t *head_keys = cache + (page * num_kv_heads + h) * page_size * head_dim;
+            uint32_t *block = (uint32_t *)head_keys + (offset / KEYS_PER_BLOCK) * block_words;
             const uint16_t *row = keys + t * key_stride + h * head_dim;
             for (int64_t p = 0; p < num_pairs; ++p) {
                 uint32_t pair;

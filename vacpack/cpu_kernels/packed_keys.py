@@ -18,7 +18,7 @@ import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
 
-KEYS_PER_BLOCK = 16  # varlen_tasks.h's KEYS_PACKED
+KEYS_PER_BLOCK = 16  # varlen_tasks.h's KEYS_PER_PACKED_BLOCK
 
 # cache, keys, slots, tokens, key row stride, KV heads, head dim, page size
 _ARGTYPES = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 5]

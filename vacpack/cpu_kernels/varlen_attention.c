@@ -318,7 +318,7 @@ static inline Prefetch keys_prefetch(const KeySource* keys, const TaskKeys* seen
         const Prefetch run = {packed_key_blocks(keys->k, kv_head, keys->num_kv_heads,
                                                 keys->head_dim, seen->pages, keys->page_size),
                               (seen->n_seen + KEY_BLOCK - 1) / KEY_BLOCK,
-                              KEYS_PACKED * keys->head_dim * 2, 0};
+                              KEYS_PER_PACKED_BLOCK * keys->head_dim * 2, 0};
         return run;
     }
     const Prefetch run = {
@@ -347,7 +347,7 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                           int64_t page_size, int keys_packed, float* lse, float scale,
                           int causal, int kv_bf16, int num_threads) {
     if (!kv_bf16) return -1;  // the float32 kernel's argument: here k and v are bf16 like q
-    if (keys_packed && (!page_tables || page_size % KEYS_PACKED)) return -1;
+    if (keys_packed && (!page_tables || page_size % KEYS_PER_PACKED_BLOCK)) return -1;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_pairs = head_dim / 2;
     int64_t num_tasks, max_keys;

@@ -210,7 +210,7 @@ int varlen_attention_amx(const bf16* q, const bf16* k, const bf16* v, bf16* out,
                          int64_t page_size, int keys_packed, float* lse, float scale,
                          int causal, int kv_bf16, int num_threads) {
     if (!kv_bf16 || head_dim % DIMS_PER_STEP) return -1;
-    if (keys_packed && (!page_tables || page_size % KEYS_PACKED)) return -1;
+    if (keys_packed && (!page_tables || page_size % KEYS_PER_PACKED_BLOCK)) return -1;
     const int64_t group = num_heads / num_kv_heads;
     int64_t num_tasks, max_keys;
     Task* tasks =

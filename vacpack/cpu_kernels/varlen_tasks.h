@@ -47,8 +47,7 @@ static Task* build_tasks(const int64_t* cu_q, const int64_t* cu_k, int64_t num_s
 
 // Where row j of one KV head lies among bf16 keys or values (varlen_attention.c and
 // varlen_attention_amx.c): a row of the token stream, or a slot of a paged cache. A cache that
-// keeps its keys packed (KEYS_PACKED below) is read through the same struct with a row being a
-// block of 16 keys.
+// keeps its keys packed (below) is read through the same struct, a row being a block of 16 keys.
 typedef struct {
     const uint16_t* base;  // the KV head's first element of row 0 (or of page 0's first row)
     int64_t stride;        // elements from one row (slot) of a page to the next
@@ -77,15 +76,16 @@ static inline Bf16Rows slot_rows(const uint16_t* kv, int64_t first_row, int64_t 
 // 16 keys, each [head_dim / 2 pairs of dims][16 keys][2 dims], 32 * head_dim bytes in one run.
 // A cache that keeps its keys packed holds per page and KV head page_size / 16 such blocks:
 // [page][KV head][block][pair][16][2], so no kernel transposes them at every step.
-#define KEYS_PACKED 16
+#define KEYS_PER_PACKED_BLOCK 16
 
 // The blocks of one KV head's keys in a packed cache, as rows: row b is keys 16b..16b+15.
 static inline Bf16Rows packed_key_blocks(const uint16_t* k, int64_t kv_head,
                                          int64_t num_kv_heads, int64_t head_dim,
                                          const int64_t* pages, int64_t page_size) {
-    const int64_t block = KEYS_PACKED * head_dim;
+    const int64_t block = KEYS_PER_PACKED_BLOCK * head_dim;
     const Bf16Rows rows = {k + kv_head * page_size * head_dim, block, pages,
-                           page_size / KEYS_PACKED, num_kv_heads * page_size * head_dim};
+                           page_size / KEYS_PER_PACKED_BLOCK,
+                           num_kv_heads * page_size * head_dim};
     return rows;
 }
 
