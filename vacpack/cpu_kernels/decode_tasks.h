@@ -13,14 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "split_policy.h"
 #include "vec8.h"
 
-// A split of a sequence's keys holds at least this many, so a split's fixed costs (loading
-// its queries, writing and merging its partial output) stay small against its reads.
-#define MIN_SPLIT_KEYS 256
-// Tasks wanted per thread: enough that threads finishing early find more work.
-#define TASKS_PER_THREAD 4
-#define MAX_SPLITS 64
 #define LN2 0.6931471805599453f
 
 static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch rounds
@@ -144,16 +139,6 @@ static void merge_and_store(const Problem* pr, const float* parts, int64_t num_p
                 ((float*)out)[first + d] = value;
         }
     }
-}
-
-// How many splits a sequence's keys get: enough tasks for the threads, at least
-// MIN_SPLIT_KEYS keys per split, at most MAX_SPLITS.
-static int64_t splits_for(int64_t num_keys, int64_t num_seqs, int threads) {
-    const int64_t wanted = ((int64_t)threads * TASKS_PER_THREAD + num_seqs - 1) / num_seqs;
-    int64_t splits = num_keys / MIN_SPLIT_KEYS;
-    splits = splits < wanted ? splits : wanted;
-    splits = splits < MAX_SPLITS ? splits : MAX_SPLITS;
-    return splits < 1 ? 1 : splits;
 }
 
 // Runs every task of the problem's sequences with `attend` and writes each sequence's merged

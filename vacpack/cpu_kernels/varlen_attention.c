@@ -20,7 +20,9 @@
 // in float32 registers, a float32 softmax with a polynomial exp2, probabilities rounded to
 // bf16 as in flash-attention kernels, and the value product with the same instruction,
 // interleaving pairs of value rows on the fly. A block's scores live in a per-thread buffer, so
-// no [queries, keys] matrix is ever written to memory.
+// no [queries, keys] matrix is ever written to memory. Where a call has too few tasks for the
+// threads (a few long decodes), each decode's keys are split over several tasks whose partial
+// results merge by their log-sum-exps (split-K, varlen_tasks.h).
 
 #include <immintrin.h>
 #include <math.h>
@@ -333,6 +335,39 @@ static inline Prefetch prefetch_of(Bf16Rows rows, int64_t n, int64_t head_dim) {
     return run;
 }
 
+static inline __m512 load16_bf16(const bf16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// The output (and log-sum-exp, where lse is given) of a decode's query heads on one KV head
+// from its `count` splits (tasks[0..count), in order): each split's output weighted by its
+// share of the sum of all the splits' exponentials, exp(lse_i - log-sum-exp).
+static void merge_splits(const Task* tasks, int64_t count, const bf16* parts,
+                         const float* part_lse, int64_t group, int64_t head_dim, bf16* out,
+                         int64_t out_stride, float* lse, int64_t num_heads, int64_t token) {
+    const int64_t first_head = tasks[0].kv_head * group;
+    for (int64_t r = 0; r < group; ++r) {
+        float largest = -INFINITY, total = 0.0f, weights[MAX_SPLITS];
+        for (int64_t i = 0; i < count; ++i)
+            largest = fmaxf(largest, part_lse[tasks[i].partial * group + r]);
+        for (int64_t i = 0; i < count; ++i) {
+            weights[i] = expf(part_lse[tasks[i].partial * group + r] - largest);
+            total += weights[i];
+        }
+        bf16* dst = out + token * out_stride + (first_head + r) * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < count; ++i) {
+                const bf16* part = parts + (tasks[i].partial * group + r) * head_dim + d;
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[i] / total), load16_bf16(part), acc);
+            }
+            _mm256_storeu_si256((__m256i*)(dst + d), (__m256i)_mm512_cvtneps_pbh(acc));
+        }
+        if (lse) lse[token * num_heads + first_head + r] = largest + logf(total);
+    }
+}
+
 // Returns 0, or -1 when a buffer could not be allocated. With page_tables NULL, keys and values
 // of sequence b are rows cu_k[b].. of k and v; else k and v are the cache's slots and
 // page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts), and
@@ -354,6 +389,29 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
     Task* tasks =
         build_tasks(cu_q, cu_k, num_seqs, num_kv_heads, QUERY_CHUNK, &num_tasks, &max_keys);
     if (!tasks) return -1;
+    // A lone long decode would leave threads idle: its keys are split over several tasks
+    // (split-K) whose partial results (outputs in bf16, log-sum-exps) merge at the end.
+    int64_t num_partials = 0;
+    if (page_tables)
+        tasks = split_decodes(tasks, &num_tasks, cu_q, cu_k, page_size, num_threads,
+                              &num_partials);
+    bf16* parts = malloc(num_partials * group * head_dim * sizeof(bf16) + 64);
+    float* part_lse = malloc(num_partials * group * sizeof(float) + 64);
+    // The first task of each decode's splits, in order.
+    int64_t* merges = malloc((num_partials + 1) * sizeof(int64_t));  // + 1: never malloc(0)
+    if (!parts || !part_lse || !merges) {
+        free(parts);
+        free(part_lse);
+        free(merges);
+        free(tasks);
+        return -1;
+    }
+    int64_t num_merges = 0;
+    for (int64_t i = 0; i < num_tasks; ++i)
+        if (tasks[i].partial >= 0 && (i == 0 || tasks[i - 1].partial < 0 ||
+                                      tasks[i - 1].seq != tasks[i].seq ||
+                                      tasks[i - 1].kv_head != tasks[i].kv_head))
+            merges[num_merges++] = i;
     const int64_t max_padded = round_up(max_keys, 2 * KEY_BLOCK);
     const float log2_scale = scale * LOG2E;
     int failed = 0;
@@ -430,7 +488,7 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                 bf16* out_rows[ROW_BLOCK];
                 int64_t visible[ROW_BLOCK];
                 float sums[ROW_BLOCK], maxima[ROW_BLOCK];
-                int64_t lse_index[ROW_BLOCK];
+                float* lse_rows[ROW_BLOCK];
                 for (int r = 0; r < ROW_BLOCK; ++r) {
                     // Rows past the block's end repeat its first row and are never written.
                     const int64_t row = r0 + (r < num_rows ? r : 0);
@@ -438,8 +496,13 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                     const int64_t head = task.kv_head * group + row % group;
                     const int64_t token = cu_q[task.seq] + query;
                     rows[r] = q + token * q_stride + head * head_dim;
-                    out_rows[r] = out + token * out_stride + head * head_dim;
-                    lse_index[r] = token * num_heads + head;
+                    if (task.partial >= 0) {  // a split: its partial result, to merge
+                        out_rows[r] = parts + (task.partial * group + row) * head_dim;
+                        lse_rows[r] = part_lse + task.partial * group + row;
+                    } else {
+                        out_rows[r] = out + token * out_stride + head * head_dim;
+                        lse_rows[r] = lse ? lse + token * num_heads + head : NULL;
+                    }
                     visible[r] = causal ? first_position + query + 1 : n_k;
                 }
                 // Query-major rows: the block's last row sees the most keys.
@@ -451,9 +514,8 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
                 for (int r = 0; r < ROW_BLOCK; ++r)
                     sums[r] = row_softmax(scores + r * max_padded, visible[r], block_padded,
                                           log2_scale, probs + r * max_padded, &maxima[r]);
-                if (lse)
-                    for (int r = 0; r < num_rows; ++r)
-                        lse[lse_index[r]] = (maxima[r] + log2f(sums[r])) * LN2;
+                for (int r = 0; r < num_rows; ++r)
+                    if (lse_rows[r]) *lse_rows[r] = (maxima[r] + log2f(sums[r])) * LN2;
                 block_values(probs, max_padded, sums, &value_rows, block_seen, head_dim,
                              out_rows, num_rows, &next_values);
             }
@@ -461,7 +523,22 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
         free(keys);
         free(scores);
         free(probs);
+        // Every split written (the barrier), each decode's splits merge into its output.
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t m = 0; m < num_merges; ++m) {
+            const Task* first = tasks + merges[m];
+            int64_t count = 1;
+            while (merges[m] + count < num_tasks && first[count].partial >= 0 &&
+                   first[count].seq == first->seq && first[count].kv_head == first->kv_head)
+                ++count;
+            merge_splits(first, count, parts, part_lse, group, head_dim, out, out_stride, lse,
+                         num_heads, cu_q[first->seq]);
+        }
     }
     free(tasks);
+    free(parts);
+    free(part_lse);
+    free(merges);
     return failed ? -1 : 0;
 }

@@ -10,8 +10,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "split_policy.h"
+
 typedef struct {
     int64_t seq, kv_head, query_start, query_end;
+    // A split of a decode's keys (split_decodes): its first page, its number of keys (0: the
+    // task is not split and sees all of them), and the row of partial results it writes.
+    int64_t first_page, num_keys, partial;
 } Task;
 
 // The tasks of sequences 0..num_seqs (queries cu_q[b]..cu_q[b+1], key counts from cu_k), in
@@ -37,6 +42,8 @@ static Task* build_tasks(const int64_t* cu_q, const int64_t* cu_k, int64_t num_s
                 tasks[t].kv_head = h;
                 tasks[t].query_start = start;
                 tasks[t].query_end = start + query_chunk < n_q ? start + query_chunk : n_q;
+                tasks[t].first_page = tasks[t].num_keys = 0;
+                tasks[t].partial = -1;
                 ++t;
             }
     }
@@ -107,7 +114,60 @@ static inline TaskKeys task_keys(Task task, const int64_t* cu_q, const int64_t* 
     keys.n_seen = causal ? keys.first_position + task.query_end : keys.n_k;
     keys.pages = page_tables ? page_tables + task.seq * pages_stride : NULL;
     keys.first_row = keys.pages ? 0 : cu_k[task.seq];
+    if (task.num_keys) {  // a split of a decode: its own pages, all of them visible
+        keys.n_k = keys.n_seen = task.num_keys;
+        keys.first_position = keys.n_k - n_q;
+        keys.pages += task.first_page;
+    }
     return keys;
+}
+
+// The keys of each split of a task's decode (whole pages each), or 0 where it stays whole:
+// tasks of one query over pages, split where too few tasks would keep `threads` threads busy.
+static inline int64_t split_length(Task task, const int64_t* cu_q, const int64_t* cu_k,
+                                   int64_t num_tasks, int64_t page_size, int threads) {
+    if (cu_q[task.seq + 1] - cu_q[task.seq] != 1) return 0;
+    const int64_t n_k = cu_k[task.seq + 1] - cu_k[task.seq];
+    const int64_t splits = splits_for(n_k, num_tasks, threads);
+    const int64_t keys = ((n_k + splits - 1) / splits + page_size - 1) / page_size * page_size;
+    return keys < n_k ? keys : 0;
+}
+
+// Splits the keys of the decodes among the tasks (split_length), each split a task of its own
+// that writes a partial result (its outputs and log-sum-exps) for merging. Returns the tasks,
+// a new array where any was split (the old one freed; on running out of memory the tasks stay
+// whole), and sets *num_partials to the number of splits.
+static Task* split_decodes(Task* tasks, int64_t* num_tasks, const int64_t* cu_q,
+                           const int64_t* cu_k, int64_t page_size, int threads,
+                           int64_t* num_partials) {
+    *num_partials = 0;
+    int64_t total = 0;
+    for (int64_t i = 0; i < *num_tasks; ++i) {
+        const int64_t keys = split_length(tasks[i], cu_q, cu_k, *num_tasks, page_size, threads);
+        const int64_t n_k = cu_k[tasks[i].seq + 1] - cu_k[tasks[i].seq];
+        total += keys ? (n_k + keys - 1) / keys : 1;
+    }
+    Task* split = total == *num_tasks ? NULL : malloc(sizeof(Task) * total);
+    if (!split) return tasks;
+    int64_t t = 0;
+    for (int64_t i = 0; i < *num_tasks; ++i) {
+        const Task task = tasks[i];
+        const int64_t keys = split_length(task, cu_q, cu_k, *num_tasks, page_size, threads);
+        if (!keys) {
+            split[t++] = task;
+            continue;
+        }
+        const int64_t n_k = cu_k[task.seq + 1] - cu_k[task.seq];
+        for (int64_t first = 0; first < n_k; first += keys, ++t) {
+            split[t] = task;
+            split[t].first_page = first / page_size;
+            split[t].num_keys = n_k - first < keys ? n_k - first : keys;
+            split[t].partial = (*num_partials)++;
+        }
+    }
+    free(tasks);
+    *num_tasks = total;
+    return split;
 }
 
 #endif
