@@ -24,6 +24,7 @@ import torch
 from vacpack.attention.backend import FULL_ATTENTION, AttentionSpec
 from vacpack.attention.paged_decode import DecodeChunk, attend, chunk_attention, gather_pages
 from vacpack.cpu_kernels import KernelSequences, attend_with_lse, paged_sequences
+from vacpack.cpu_kernels.lse_merge import lse_merge_supported, merge_rows_by_lse_
 from vacpack.kvcache.paged_cache import KVLayer
 
 PREFIX_FORMS = ("matmuls", "kernel")
@@ -146,6 +147,25 @@ def merge_by_lse(
     return torch.lerp(out_b.float(), out_a.float(), weight_a).to(out_a.dtype)
 
 
+def merge_prefix_into(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+) -> torch.Tensor:
+    """out[rows] := attention over their own keys (out[rows], lse[rows]) and a shared prefix's
+    (prefix_out, prefix_lse, one row per entry of rows), in place; returns out. On a CPU in one
+    pass of C (cpu_kernels/lse_merge.c), elsewhere as merge_by_lse between gathers."""
+    if lse_merge_supported(out, prefix_out):
+        merge_rows_by_lse_(out, lse, rows, prefix_out, prefix_lse)
+        return out
+    merged = merge_by_lse(
+        prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)
+    )
+    return out.index_copy_(0, rows, merged)
+
+
 def cascade_attention(
     q: torch.Tensor,
     kv_layer: KVLayer,
@@ -175,10 +195,4 @@ def cascade_attention(
         prefix_out, prefix_lse = prefix_attention(
             q.index_select(0, group.rows), kv_layer, group, spec
         )
-        merged = merge_by_lse(
-            prefix_out,
-            prefix_lse,
-            out.index_select(0, group.rows),
-            suffix_lse.index_select(0, group.rows),
-        )
-        out.index_copy_(0, group.rows, merged)
+        merge_prefix_into(out, suffix_lse, group.rows, prefix_out, prefix_lse)

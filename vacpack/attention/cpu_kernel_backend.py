@@ -31,7 +31,7 @@ from vacpack.attention.backend import (
     AttentionSpec,
     BatchLayout,
 )
-from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy, merge_by_lse
+from vacpack.attention.cascade import DEFAULT_CASCADE_POLICY, CascadePolicy, merge_prefix_into
 from vacpack.attention.page_tables import padded_page_table
 from vacpack.attention.shared_prefix import shared_decode_prefixes
 from vacpack.attention.torch_sdpa import build_slot_mapping
@@ -190,7 +190,4 @@ class CpuKernelBackend(AttentionBackend):
             bf16_kernel=self.prefix_bf16_kernel,
             keys_packed=packed,
         )
-        merged = merge_by_lse(
-            prefix_out, prefix_lse, out.index_select(0, rows), lse.index_select(0, rows)
-        )
-        return out.index_copy_(0, rows, merged)
+        return merge_prefix_into(out, lse, rows, prefix_out, prefix_lse)

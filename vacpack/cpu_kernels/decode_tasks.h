@@ -18,13 +18,6 @@
 
 #define LN2 0.6931471805599453f
 
-static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch rounds
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof(bits));
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (bf16)(bits >> 16);
-}
-
 typedef struct {
     const void* q;            // [seqs, heads, head_dim]
     const void* keys;         // the layer's [slots, kv_heads, head_dim]

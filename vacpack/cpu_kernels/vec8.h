@@ -62,6 +62,13 @@ static inline float bf16_to_float(bf16 x) {
     return f;
 }
 
+static inline bf16 float_to_bf16(float f) {  // round to nearest even, as torch rounds
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (bf16)(bits >> 16);
+}
+
 static inline v8f load8_bf16(const bf16* p) {
     v8h half;
     memcpy(&half, p, sizeof(half));
