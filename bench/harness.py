@@ -172,6 +172,7 @@ def vacpack_engine_fields(llm: Any) -> dict[str, Any]:
         "max_num_seqs": setup.max_num_seqs,
         "kv_cache_pages": setup.kv_cache_pages,
         "kv_cache_page_tokens": setup.page_size,
+        "kv_cache_keys": setup.kv_cache_keys,
         # What the model's load and the engine chose by measurement, with the timings.
         "measured_choices": [
             c.to_dict() for c in (*llm.loaded.measured_choices, *setup.measured_choices)

@@ -222,6 +222,9 @@ def test_an_engine_keeps_its_keys_packed_and_generates_what_token_rows_generate(
             )
             for o in outputs
         ]
+        assert llm.engine.setup.kv_cache_keys == (
+            "packed" if llm.engine.kv_cache.packed_keys else "token rows"
+        )
         return llm.engine.kv_cache.packed_keys, results
 
     packed, from_packed = generate()

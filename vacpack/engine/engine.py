@@ -154,6 +154,7 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_pages=self.kv_sizing.num_pages,
             page_size=config.block_size,
+            kv_cache_keys="packed" if self.kv_cache.packed_keys else "token rows",
             kv_cache_bytes=self.kv_cache.num_bytes,
             kv_cache_source=self.kv_sizing.source,
             cuda_graph_batch_sizes=tuple(graph_runner.buckets) if graph_runner else (),
@@ -164,13 +165,14 @@ class LLMEngine:
         self._num_launched_steps = 0
         self._num_idle_steps = 0  # steps in a row that could not run anything (see _check_progress)
         logger.info(
-            "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s)",
+            "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s), keys in %s",
             model_config.architecture,
             device,
             loaded.dtype_description,
             self.kv_sizing.num_pages,
             config.block_size,
             self.kv_sizing.source,
+            "packed blocks" if self.kv_cache.packed_keys else "token rows",
         )
 
     # ----------------------------------------------------------------- requests in

@@ -23,6 +23,7 @@ class EngineSetup:
     max_num_batched_tokens: int
     kv_cache_pages: int
     page_size: int  # tokens per KV page (the engine argument `block_size`)
+    kv_cache_keys: str  # the keys' layout: "packed" for the CPU kernels, or "token rows"
     kv_cache_bytes: int
     kv_cache_source: str  # how the KV budget was found
     cuda_graph_batch_sizes: tuple[int, ...]  # empty when decode steps run eagerly
