@@ -105,9 +105,9 @@ class CpuKernelBackend(AttentionBackend):
         self.prefix_bf16_kernel = prefix_bf16_kernel or bf16_kernel
 
     def packs_keys(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, page_size: int) -> bool:
-        # Both bf16 implementations read keys packed in place (the float32 kernel does not):
-        # a decode's keys then need no transposes (G1's decode batch, 2-core Zen 4: 27.7 ->
-        # 24.2 ms of kernel time for its 24 layers).
+        # Both bf16 implementations read keys packed (the float32 kernel does not): a decode's
+        # keys then need no transposes (G1's decode batch, 24 layers, 2-core Zen 4,
+        # bench/decode_attention.py: 30.6 -> 27.2 ms a step).
         bf16 = dtype == kv_cache_dtype == torch.bfloat16
         return bf16 and page_size % KEYS_PER_BLOCK == 0
 

@@ -2,7 +2,8 @@
 // varlen_attention_amx.c (bf16 on AMX tiles) and varlen_attention_f32.c: one per (sequence, KV
 // head, chunk of its queries), so that a task's rows (the chunk's queries times the query heads
 // sharing the KV head) see almost the same keys and the threads share the work out
-// dynamically. Also where a bf16 kernel's keys and values lie.
+// dynamically; the bf16 kernel also splits a few long decodes' keys over several tasks
+// (split_decodes). Also where a bf16 kernel's keys and values lie, keys packed or not.
 
 #ifndef VACPACK_VARLEN_TASKS_H
 #define VACPACK_VARLEN_TASKS_H

@@ -12,10 +12,10 @@ A cache may keep its keys packed: each page's keys of a KV head as blocks of 16 
 of dims side by side ([page, KV head, block, dim pair, 16 keys, 2 dims];
 vacpack/cpu_kernels/packed_keys.py), the operand layout of the CPU's bf16 dot-product
 instructions. The CPU attention kernels then read a decode's keys in place, 2 KiB runs per page
-and head of 64 dims,
-where from token rows they transpose every key at every step (a third of a decode batch's
-attention time on an AMD Zen 4). Which layout a cache has is the attention backend's choice
-(AttentionBackend.packs_keys): readers that index slots (torch, Triton) take token rows.
+and head of 64 dims, where from token rows they transpose every key at every step (G1's decode
+batch on a 2-core Zen 4: 30.6 -> 27.2 ms a step). Which layout a cache has is the attention
+backend's choice (AttentionBackend.packs_keys): readers that index slots (torch, Triton) take
+token rows.
 """
 
 from __future__ import annotations
