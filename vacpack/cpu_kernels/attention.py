@@ -298,15 +298,9 @@ def paged_attention(
     """attend over a paged KV cache, in one call (see paged_sequences). One call covers
     decodes, fresh prefills and prefill chunks over cached pages alike."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
-    return attend(
-        q,
-        key_cache,
-        value_cache,
-        sequences,
-        scale=scale,
-        bf16_kernel=bf16_kernel,
-        keys_packed=keys_packed,
-    )
+    caches = (key_cache, value_cache)
+    out, _ = _attention(q, *caches, sequences, scale, bf16_kernel, keys_packed, with_lse=False)
+    return out
 
 
 def paged_attention_with_lse(
@@ -325,15 +319,10 @@ def paged_attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention and each row's log-sum-exp (see attend_with_lse)."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
-    return attend_with_lse(
-        q,
-        key_cache,
-        value_cache,
-        sequences,
-        scale=scale,
-        bf16_kernel=bf16_kernel,
-        keys_packed=keys_packed,
-    )
+    caches = (key_cache, value_cache)
+    out, lse = _attention(q, *caches, sequences, scale, bf16_kernel, keys_packed, with_lse=True)
+    assert lse is not None
+    return out, lse
 
 
 def _attention(
