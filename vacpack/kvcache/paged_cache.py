@@ -95,7 +95,7 @@ class PagedKVCache:
         self.scratch_page = num_pages
         self.packed_keys = packed_keys
         slots = (num_layers, (num_pages + 1) * page_size, num_kv_heads, head_dim)
-        key_shape = slots
+        key_shape: tuple[int, ...] = slots
         if packed_keys:
             layer = packed_key_shape(num_pages + 1, page_size, num_kv_heads, head_dim)
             key_shape = (num_layers, *layer)
