@@ -199,8 +199,9 @@ def test_timed_candidates_read_the_cache_in_the_layout_the_engine_gives_them() -
 def test_an_engine_keeps_its_keys_packed_and_generates_what_token_rows_generate(
     tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A shared prompt (a cascade over prefix pages), chunked prefills and decodes over pages of
-    16, bf16 on the C kernels: the same tokens and log-probabilities from either layout."""
+    """A shared prompt (prefix-cache hits: prefill chunks over pages another request wrote),
+    chunked prefills and decodes over pages of 16, bf16 on the C kernels: the same tokens and
+    log-probabilities from either layout (the cascade's own test is the backend's, above)."""
     model_dir = tiny_checkpoint("qwen2", head_dim=32)
     generator = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 2000, (70,), generator=generator).tolist()
