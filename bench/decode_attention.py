@@ -2,7 +2,7 @@
 matmul path, cascade attention, SDPA over gathered pages, the portable paged-decode C kernel
 (any CPU) and the AVX512-BF16 C paged kernel, in ms per decode step of a 24-layer model, on CPU.
 
-Two decode batches with Qwen2.5-0.5B's attention shapes (14 query heads, 2 KV heads, head_dim
+Three decode batches with Qwen2.5-0.5B's attention shapes (14 query heads, 2 KV heads, head_dim
 64, bf16 where the CPU has it, else float32 (`--dtype`), 24 layers, 16-token pages), each
 layer with its own KV cache so that a step reads its keys and values from memory, not from a
 warm cache:
@@ -12,6 +12,9 @@ warm cache:
 - shared_prefix: 128 sequences sharing a 1,024-token prefix (the same 64 physical pages, as
   prefix caching leaves them), each with its own 32..128 prompt tokens plus 0..64 generated, the
   middle of bench/prefix_sharing.py's decode.
+- long_decodes: two sequences of 8,000 and 6,000 prompt tokens plus 64 generated: four tasks (a
+  sequence and KV head each), too few for the threads, where the C kernel splits each decode's
+  keys over several tasks (split-K).
 
 The paths run interleaved in one process, round after round, and the best round counts: other
 processes on a small shared machine slow a round, never speed it up. Each workload is timed
@@ -72,6 +75,7 @@ from decode_attention_workload import (
     PAGE_SIZE,
     DecodeBatch,
     g1_batch,
+    long_decodes_batch,
     make_batch,
     make_step,
     shared_prefix_batch,
@@ -272,9 +276,14 @@ def main() -> int:
         "dtype": str(args.dtype).removeprefix("torch."),
         "workloads": {},
     }
-    for name, make in (("g1", g1_batch), ("shared_prefix", shared_prefix_batch)):
+    batches = {
+        "g1": lambda: g1_batch(generator),
+        "shared_prefix": lambda: shared_prefix_batch(generator),
+        "long_decodes": long_decodes_batch,
+    }
+    for name, make in batches.items():
         harness.log(f"{name}: timing", "decode_attention")
-        results["workloads"][name] = run_workload(make(generator), args, generator)
+        results["workloads"][name] = run_workload(make(), args, generator)
     if args.sweep:
         torch.set_num_threads(SWEEP_SETTING.threads)
         results["cascade_sweep"] = {

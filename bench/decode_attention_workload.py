@@ -83,6 +83,12 @@ def shared_prefix_batch(generator: torch.Generator) -> DecodeBatch:
     return make_batch([0] * num_seqs, 1024, prompts, generated)
 
 
+def long_decodes_batch() -> DecodeBatch:
+    """Two long decodes (prompts of 8,000 and 6,000 tokens, 64 generated): fewer tasks (a
+    sequence and KV head each) than threads want, so the C kernel splits their keys (split-K)."""
+    return make_batch([0, 0], 0, [8000, 6000], [64, 64])
+
+
 @dataclass(frozen=True)
 class Step:
     """One decode step's attention inputs, layer by layer."""
