@@ -420,10 +420,12 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
 
 #pragma omp parallel num_threads(num_threads)
     {
-        bf16* keys = aligned_alloc(64, round_up(max_padded * head_dim * 2, 64));
+        // The thread's packed keys; a cache that keeps them packed needs no copy.
+        bf16* keys =
+            keys_packed ? NULL : aligned_alloc(64, round_up(max_padded * head_dim * 2, 64));
         float* scores = aligned_alloc(64, round_up(ROW_BLOCK * max_padded * 4, 64));
         bf16* probs = aligned_alloc(64, round_up(ROW_BLOCK * max_padded * 2, 64));
-        const int allocated = keys && scores && probs;
+        const int allocated = (keys || keys_packed) && scores && probs;
         if (!allocated) {
 #pragma omp atomic write
             failed = 1;
