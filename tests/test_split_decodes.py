@@ -3,7 +3,8 @@ decodes), each decode's keys are split over several tasks whose partial results 
 log-sum-exps. With two threads and a lone decode on 2 KV heads the policy wants 4 tasks per
 thread (split_policy.h), so a decode of 3,000 keys runs as 4 splits of 768 per KV head; the
 results must equal float32 attention over all the keys, log-sum-exps included, from either key
-layout, with prefill chunks and short decodes in the same call left whole."""
+layout, with prefill chunks and short decodes in the same call left whole, and whatever order
+the kernel runs its tasks in."""
 
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ CASES = {
     "a lone long decode": ([1], [3000]),
     "a long decode beside a short one": ([1, 1], [5000, 20]),
     "decodes beside a prefill chunk over cached pages": ([1, 40, 1], [2100, 700, 1]),
+    # Too many tasks to split, in an order the kernel changes: it runs them by size class,
+    # largest first (varlen_tasks.h, order_by_work), the prefill chunk's among the decodes'.
+    "decodes of many lengths in mixed order": (
+        [1] * 9 + [33] + [1] * 9,
+        [(index * 397) % 1500 + 1 for index in range(9)] + [530] + [3, 1200, 64, 17] * 2 + [1],
+    ),
 }
 
 

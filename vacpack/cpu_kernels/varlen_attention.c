@@ -14,9 +14,10 @@
 //
 // One task is (sequence, KV head, chunk of queries). Its rows are the chunk's queries times the
 // query heads that share the KV head, query-major, so that a decode's grouped heads fill a row
-// block together and a block's rows see almost the same keys. The task packs the keys it can
-// see into the layout VDPBF16PS wants (pairs of dims of 16 keys side by side; from a cache that
-// keeps its keys packed, it reads them in place), then for each block of ROW_BLOCK rows: scores
+// block together and a block's rows see almost the same keys. Tasks run largest first, by size
+// class (varlen_tasks.h, order_by_work). The task packs the keys it can see into the layout
+// VDPBF16PS wants (pairs of dims of 16 keys side by side; from a cache that keeps its keys
+// packed, it reads them in place), then for each block of ROW_BLOCK rows: scores
 // in float32 registers, a float32 softmax with a polynomial exp2, probabilities rounded to
 // bf16 as in flash-attention kernels, and the value product with the same instruction,
 // interleaving pairs of value rows on the fly. A block's scores live in a per-thread buffer, so
@@ -389,6 +390,7 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
     Task* tasks =
         build_tasks(cu_q, cu_k, num_seqs, num_kv_heads, QUERY_CHUNK, &num_tasks, &max_keys);
     if (!tasks) return -1;
+    order_by_work(tasks, num_tasks, cu_q, cu_k, causal);
     // A lone long decode would leave threads idle: its keys are split over several tasks
     // (split-K) whose partial results (outputs in bf16, log-sum-exps) merge at the end.
     int64_t num_partials = 0;
