@@ -32,6 +32,7 @@ from vacpack.cpu_kernels.build import (
 )
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
 from vacpack.cpu_kernels.packed_keys import packed_key_shape
+from vacpack.cpu_kernels.profiler_range import profiler_range
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -357,8 +358,7 @@ def _attention(
     q, v = _rows_of_heads(q), _rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
-    # Named for torch.profiler, which cannot see into a ctypes call otherwise.
-    with torch.profiler.record_function(PROFILER_NAME):
+    with profiler_range(PROFILER_NAME):
         status = kernel(
             q.data_ptr(),
             k.data_ptr(),

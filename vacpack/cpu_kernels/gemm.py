@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.profiler_range import profiler_range
 
 LIBRARY = "gemm_f32"
 PROFILER_NAME = "vacpack::gemm"
@@ -169,8 +170,7 @@ def gemm_linear(
             bias = bias.to(torch.float32)
             bias = (pair_halves(bias) if weight.gated_by else bias).contiguous()
         activation = weight.gated_by or activation
-        # Named for torch.profiler, which cannot see into a ctypes call otherwise.
-        with torch.profiler.record_function(PROFILER_NAME):
+        with profiler_range(PROFILER_NAME):
             status = kernel(
                 rows.data_ptr(),
                 rows.shape[0],

@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.profiler_range import profiler_range
 
 LIBRARY = "nucleus"
 PROFILER_NAME = "vacpack::nucleus_cut"
@@ -44,7 +45,7 @@ def nucleus_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     top_p = top_p.to(device="cpu", dtype=torch.float32).contiguous()
     cut = torch.empty(num_rows, dtype=torch.float32)
     if num_rows:
-        with torch.profiler.record_function(PROFILER_NAME):
+        with profiler_range(PROFILER_NAME):
             status = kernel(
                 logits.data_ptr(),
                 num_rows,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.profiler_range import profiler_range
 
 LIBRARY = "token_logprobs"
 PROFILER_NAME = "vacpack::token_logprobs"
@@ -90,8 +91,7 @@ def token_logprobs(
         torch.empty(num_rows, top_k, dtype=torch.int64),
     )
     if num_rows:
-        # Named for torch.profiler, which cannot see into a ctypes call otherwise.
-        with torch.profiler.record_function(PROFILER_NAME):
+        with profiler_range(PROFILER_NAME):
             kernel(
                 logits.data_ptr(),
                 num_rows,
