@@ -33,6 +33,7 @@ from vacpack.cpu_kernels.build import (
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
 from vacpack.cpu_kernels.packed_keys import packed_key_shape
 from vacpack.cpu_kernels.profiler_range import profiler_range
+from vacpack.cpu_kernels.token_rows import rows_of_heads
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -159,13 +160,6 @@ def varlen_attention_supported(
         and head_dim <= MAX_HEAD_DIM
         and _kernel(dtype, bf16_kernel) is not None
     )
-
-
-def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
-    """x with each token's heads side by side in memory (any stride between tokens)."""
-    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return x
-    return x.contiguous()
 
 
 @dataclass(frozen=True)
@@ -354,8 +348,8 @@ def _attention(
     elif k.shape[1:] != v.shape[1:]:
         raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
     else:
-        k = _rows_of_heads(k)
-    q, v = _rows_of_heads(q), _rows_of_heads(v)
+        k = rows_of_heads(k)
+    q, v = rows_of_heads(q), rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
     with profiler_range(PROFILER_NAME):

@@ -11,6 +11,7 @@ import ctypes
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.token_rows import heads_side_by_side
 
 _POINTER, _INT, _FLOAT, _THREADS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -168,7 +169,7 @@ def rotary_qk(
     for name, x in (("q", q), ("k", k)):
         _on_cpu("rotary_qk", x)
         _check("rotary_qk", x.dim() == 3, f"{name} must be [tokens, heads, head_dim]")
-        _check("rotary_qk", x.stride(2) == 1 and x.stride(1) == x.shape[2], f"{name} heads")
+        _check("rotary_qk", heads_side_by_side(x), f"{name} heads")
     num_tokens, _, head_dim = q.shape
     half_dim = head_dim // 2
     same_layout = k.shape[0] == num_tokens and k.shape[2] == head_dim and k.dtype == q.dtype

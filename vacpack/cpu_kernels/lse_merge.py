@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.token_rows import heads_side_by_side
 
 # out, lse, rows, rows' count, prefix, prefix lse, heads, head dim, two strides, bf16, threads
 _ARGTYPES = [
@@ -24,19 +25,14 @@ def _kernel() -> KernelFunction | None:
     return kernel_function("lse_merge", "merge_rows_by_lse", _ARGTYPES, portable=True)
 
 
-def _rows_of_heads(x: torch.Tensor) -> bool:
-    """Each row's heads side by side in memory (any stride between rows)."""
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
 def lse_merge_supported(out: torch.Tensor, prefix_out: torch.Tensor) -> bool:
     """Whether merge_rows_by_lse_ runs in C for these outputs."""
     return (
         out.device.type == "cpu"
         and out.dtype in (torch.bfloat16, torch.float32)
         and prefix_out.dtype == out.dtype
-        and _rows_of_heads(out)
-        and _rows_of_heads(prefix_out)
+        and heads_side_by_side(out)
+        and heads_side_by_side(prefix_out)
         and _kernel() is not None
     )
 

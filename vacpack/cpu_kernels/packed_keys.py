@@ -17,6 +17,7 @@ import ctypes
 import torch
 
 from vacpack.cpu_kernels.build import KernelFunction, kernel_function
+from vacpack.cpu_kernels.token_rows import rows_of_heads
 
 KEYS_PER_BLOCK = 16  # varlen_tasks.h's KEYS_PER_PACKED_BLOCK
 
@@ -67,9 +68,7 @@ def store_packed_keys(packed: torch.Tensor, slots: torch.Tensor, keys: torch.Ten
     page_size = blocks * keys_per_block
     kernel = _store_kernel() if packed.device.type == "cpu" else None
     if kernel is not None and packed.element_size() == 2 and packed.is_contiguous():
-        keys = keys.to(packed.dtype)
-        if keys.stride(2) != 1 or keys.stride(1) != keys.shape[2]:
-            keys = keys.contiguous()
+        keys = rows_of_heads(keys.to(packed.dtype))
         slots = slots.to(torch.int64).contiguous()
         num_tokens = keys.shape[0]
         kernel(packed.data_ptr(), keys.data_ptr(), slots.data_ptr(), num_tokens,

@@ -165,14 +165,14 @@ class LLMEngine:
         self._num_launched_steps = 0
         self._num_idle_steps = 0  # steps in a row that could not run anything (see _check_progress)
         logger.info(
-            "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s), keys in %s",
+            "vacpack engine: %s on %s in %s; KV cache %d pages x %d tokens (%s), keys: %s",
             model_config.architecture,
             device,
             loaded.dtype_description,
             self.kv_sizing.num_pages,
             config.block_size,
             self.kv_sizing.source,
-            "packed blocks" if self.kv_cache.packed_keys else "token rows",
+            self.setup.kv_cache_keys,
         )
 
     # ----------------------------------------------------------------- requests in
