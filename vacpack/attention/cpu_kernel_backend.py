@@ -3,9 +3,9 @@ models on x86 CPUs with AVX512-BF16, float32 models on any CPU with a C compiler
 
 A packed prefill-only batch (corpus jobs: embeddings, scoring, classification) is one kernel
 call over the whole token stream: no padding, no per-sequence calls. An engine step is one
-call too: after its new keys and values are written to the cache, decodes, fresh prefills and
-prefill chunks over cached pages all read their keys straight from the cache's pages, so
-nothing is gathered or padded.
+call too: it stores the step's new keys and values into the cache, then decodes, fresh
+prefills and prefill chunks over cached pages all read their keys straight from the cache's
+pages, so nothing is gathered or padded.
 
 Decodes whose page tables start with the same pages (a cached prefix, as prefix caching leaves
 a shared system prompt) run as a cascade: the step's call covers only their own pages, a second
@@ -38,6 +38,7 @@ from vacpack.attention.torch_sdpa import build_slot_mapping
 from vacpack.cpu_kernels import (
     DEFAULT_BF16_KERNEL,
     KernelSequences,
+    NewKV,
     attend,
     attend_with_lse,
     packed_sequences,
@@ -172,15 +173,26 @@ class CpuKernelBackend(AttentionBackend):
             return attend(q, k, v, metadata.sequences, bf16_kernel=self.bf16_kernel)
         if kv_layer is None:
             raise ValueError("an engine step needs its layer's KV cache")
-        kv_layer.write(metadata.slot_mapping, k, v)
+        # The kernel stores the step's keys and values itself, before it attends.
         cache = (kv_layer.keys, kv_layer.values)
         packed = kv_layer.packed_keys
+        new_kv = NewKV(metadata.slot_mapping, k, v)
         if metadata.cascade is None:
             return attend(
-                q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel, keys_packed=packed
+                q,
+                *cache,
+                metadata.sequences,
+                bf16_kernel=self.bf16_kernel,
+                keys_packed=packed,
+                new_kv=new_kv,
             )
         out, lse = attend_with_lse(
-            q, *cache, metadata.sequences, bf16_kernel=self.bf16_kernel, keys_packed=packed
+            q,
+            *cache,
+            metadata.sequences,
+            bf16_kernel=self.bf16_kernel,
+            keys_packed=packed,
+            new_kv=new_kv,
         )
         rows, prefixes = metadata.cascade.rows, metadata.cascade.prefixes
         prefix_out, prefix_lse = attend_with_lse(

@@ -33,7 +33,7 @@ from vacpack.cpu_kernels.build import (
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
 from vacpack.cpu_kernels.packed_keys import packed_key_shape
 from vacpack.cpu_kernels.profiler_range import profiler_range
-from vacpack.cpu_kernels.token_rows import rows_of_heads
+from vacpack.cpu_kernels.token_rows import heads_side_by_side, rows_of_heads
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -64,6 +64,8 @@ _ARGTYPES = [
     ctypes.c_int,  # causal
     ctypes.c_int,  # keys and values bf16 (else float32)
     ctypes.c_int,  # threads
+    *[ctypes.c_void_p] * 3,  # a step's new keys, values and their slots to store first, or None
+    *[ctypes.c_int64] * 4,  # their number, key and value row strides; the cache's slots
 ]
 
 
@@ -97,6 +99,23 @@ def _tile_kernel(name: str) -> KernelFunction | None:
     )
 
 
+# The kernels' last arguments when a call stores nothing (its cache's keys are all in place),
+# and their status when a new key's slot lies outside the cache.
+NO_NEW_KV = (None, None, None, 0, 0, 0, 0)
+NEW_SLOT_OUTSIDE_CACHE = -2
+
+
+@dataclass(frozen=True)
+class NewKV:
+    """An engine step's new keys and values ([tokens, kv_heads, head_dim], any dtype: stored in
+    the cache's) and each token's cache slot ([tokens]), which the kernel stores into the cache
+    before it attends (kv_store.h): the same as KVLayer.write, in the same C call."""
+
+    slots: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 # The self-check's largest difference from the float32 reference that bf16 rounding explains
 # (the AVX-512 kernel's is about 0.004 on its inputs).
 SELF_CHECK_TOLERANCE = 0.03
@@ -119,7 +138,7 @@ def _self_check(kernel: KernelFunction) -> float:
         cu_seqlens.data_ptr(), cu_seqlens.data_ptr(), len(seq_lens),
         num_heads, num_kv_heads, head_dim,
         q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-        None, 0, 0, 0, None, head_dim**-0.5, 1, 1, 1,
+        None, 0, 0, 0, None, head_dim**-0.5, 1, 1, 1, *NO_NEW_KV,
     )  # fmt: skip
     if status != 0:
         return float("inf")
@@ -232,15 +251,17 @@ def attend(
     scale: float | None = None,
     bf16_kernel: str = DEFAULT_BF16_KERNEL,
     keys_packed: bool = False,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries q [q_tokens, heads, dim] over k and v: [k_tokens,
     kv_heads, dim] token streams, or [slots, kv_heads, dim] caches when `sequences` has page
     tables. When causal, each sequence's queries are its last tokens: query i of n_q sees keys
     0..n_k-n_q+i. Keys and values are in q's dtype, or bf16 under float32 queries (a cache
     kept in bf16). bf16_kernel: which implementation runs bf16 (BF16_KERNELS). keys_packed:
-    k is a bf16 cache's keys in the packed layout (vacpack/kvcache/paged_cache.py). Returns q's
-    shape."""
-    out, _ = _attention(q, k, v, sequences, scale, bf16_kernel, keys_packed, with_lse=False)
+    k is a bf16 cache's keys in the packed layout (vacpack/kvcache/paged_cache.py). new_kv: a
+    step's keys and values, stored into the cache (k and v, with page tables) first. Returns
+    q's shape."""
+    out, _ = _attention(q, k, v, sequences, scale, bf16_kernel, keys_packed, new_kv, with_lse=False)
     return out
 
 
@@ -253,10 +274,13 @@ def attend_with_lse(
     scale: float | None = None,
     bf16_kernel: str = DEFAULT_BF16_KERNEL,
     keys_packed: bool = False,
+    new_kv: NewKV | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attend, and each row's float32 log-sum-exp of its scaled scores ([q_tokens, heads]),
     to merge with attention over other keys (cascade.merge_by_lse)."""
-    out, lse = _attention(q, k, v, sequences, scale, bf16_kernel, keys_packed, with_lse=True)
+    out, lse = _attention(
+        q, k, v, sequences, scale, bf16_kernel, keys_packed, new_kv, with_lse=True
+    )
     assert lse is not None
     return out, lse
 
@@ -294,7 +318,9 @@ def paged_attention(
     decodes, fresh prefills and prefill chunks over cached pages alike."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
     caches = (key_cache, value_cache)
-    out, _ = _attention(q, *caches, sequences, scale, bf16_kernel, keys_packed, with_lse=False)
+    out, _ = _attention(
+        q, *caches, sequences, scale, bf16_kernel, keys_packed, None, with_lse=False
+    )
     return out
 
 
@@ -315,7 +341,9 @@ def paged_attention_with_lse(
     """paged_attention and each row's log-sum-exp (see attend_with_lse)."""
     sequences = paged_sequences(cu_seqlens_q, context_lens, page_tables, page_size, causal=causal)
     caches = (key_cache, value_cache)
-    out, lse = _attention(q, *caches, sequences, scale, bf16_kernel, keys_packed, with_lse=True)
+    out, lse = _attention(
+        q, *caches, sequences, scale, bf16_kernel, keys_packed, None, with_lse=True
+    )
     assert lse is not None
     return out, lse
 
@@ -328,6 +356,7 @@ def _attention(
     scale: float | None,
     bf16_kernel: str,
     keys_packed: bool,
+    new_kv: NewKV | None,
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     kernel = _kernel(q.dtype, bf16_kernel)
@@ -347,7 +376,16 @@ def _attention(
         _check_packed_keys(q, k, v, sequences)
     elif k.shape[1:] != v.shape[1:]:
         raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
-    else:
+    new_arguments: tuple[object, ...] = NO_NEW_KV
+    if new_kv is not None:  # checked on the cache itself, before any copy below
+        new_keys, new_values, new_slots, num_slots = _stored_rows(
+            new_kv, k, v, sequences, keys_packed
+        )
+        new_arguments = (
+            new_keys.data_ptr(), new_values.data_ptr(), new_slots.data_ptr(), new_slots.numel(),
+            new_keys.stride(0), new_values.stride(0), num_slots,
+        )  # fmt: skip
+    if not keys_packed:
         k = rows_of_heads(k)
     q, v = rows_of_heads(q), rows_of_heads(v)
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -377,10 +415,49 @@ def _attention(
             int(sequences.causal),
             int(k.dtype == torch.bfloat16),
             torch.get_num_threads(),
+            *new_arguments,
         )
+    if status == NEW_SLOT_OUTSIDE_CACHE:
+        raise ValueError("a new key's slot lies outside the KV cache; nothing was stored")
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
     return out, lse
+
+
+def _stored_rows(
+    new_kv: NewKV, k: torch.Tensor, v: torch.Tensor, sequences: KernelSequences, keys_packed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """new_kv's keys and values as rows of heads in the cache's dtype, its slots as int64, and
+    the number of slots the cache (k and v) holds, checked."""
+    if sequences.page_tables is None:
+        raise ValueError("new keys and values are stored into a paged cache: give page tables")
+    # The kernel writes the cache k and v in place: they must be the tensors it reads, not a
+    # copy with each slot's heads side by side.
+    if not (keys_packed or heads_side_by_side(k)) or not heads_side_by_side(v):
+        raise ValueError("a cache that new keys are stored into keeps each slot's heads together")
+    num_tokens = new_kv.slots.numel()
+    expected = (num_tokens, v.shape[1], v.shape[2])
+    if new_kv.slots.dim() != 1 or new_kv.keys.shape != expected or new_kv.values.shape != expected:
+        raise ValueError(
+            f"new keys {tuple(new_kv.keys.shape)} and values {tuple(new_kv.values.shape)} for "
+            f"{num_tokens} slots do not match a cache of {v.shape[1]} KV heads of {v.shape[2]}"
+        )
+    key_slots = k.shape[0] * sequences.page_size if keys_packed else k.shape[0]
+    slots = new_kv.slots
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    return (
+        rows_of_heads(_in_dtype(new_kv.keys, k.dtype)),
+        rows_of_heads(_in_dtype(new_kv.values, v.dtype)),
+        slots,
+        min(key_slots, v.shape[0]),
+    )
+
+
+def _in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Every layer of every step comes here: skipping a conversion that has nothing to do saves
+    # the microsecond Tensor.to takes to find that out.
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _check_packed_keys(

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_store.h"
 #include "varlen_tasks.h"
 
 #define KEY_BLOCK 16
@@ -369,21 +370,27 @@ static void merge_splits(const Task* tasks, int64_t count, const bf16* parts,
     }
 }
 
-// Returns 0, or -1 when a buffer could not be allocated. With page_tables NULL, keys and values
-// of sequence b are rows cu_k[b].. of k and v; else k and v are the cache's slots and
-// page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts), and
-// with keys_packed k holds the keys packed (varlen_tasks.h; page_size a multiple of 16). With lse
+// Returns 0, -1 when a buffer could not be allocated, or -2 when a new key's slot lies outside
+// the cache. With page_tables NULL, keys and values of sequence b are rows cu_k[b].. of k and v;
+// else k and v are the cache's slots and page_tables[b * pages_stride ..] is b's page table
+// (cu_k still gives the key counts), with keys_packed k holds the keys packed (varlen_tasks.h;
+// page_size a multiple of 16), and the call first stores num_new new keys and values (bf16
+// rows new_k_stride and new_v_stride elements apart) to slots new_slots (kv_store.h). With lse
 // not NULL, each row's log-sum-exp of its scaled scores goes to lse[token * num_heads + head],
 // for merging with attention over other keys.
-int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
-                          const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t q_stride, int64_t k_stride, int64_t v_stride,
-                          int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
-                          int64_t page_size, int keys_packed, float* lse, float scale,
-                          int causal, int kv_bf16, int num_threads) {
+int varlen_attention_bf16(const bf16* q, bf16* k, bf16* v, bf16* out, const int64_t* cu_q,
+                          const int64_t* cu_k, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
+                          int64_t k_stride, int64_t v_stride, int64_t out_stride,
+                          const int64_t* page_tables, int64_t pages_stride, int64_t page_size,
+                          int keys_packed, float* lse, float scale, int causal, int kv_bf16,
+                          int num_threads, const void* new_k, const void* new_v,
+                          const int64_t* new_slots, int64_t num_new, int64_t new_k_stride,
+                          int64_t new_v_stride, int64_t num_slots) {
     if (!kv_bf16) return -1;  // the float32 kernel's argument: here k and v are bf16 like q
     if (keys_packed && (!page_tables || page_size % KEYS_PER_PACKED_BLOCK)) return -1;
+    const NewKV new_kv = {new_k, new_v, new_slots, num_new, new_k_stride, new_v_stride, num_slots};
+    if (!new_kv_fits(&new_kv)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_pairs = head_dim / 2;
     int64_t num_tasks, max_keys;
@@ -422,6 +429,8 @@ int varlen_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out
 
 #pragma omp parallel num_threads(num_threads)
     {
+        store_new_kv(&new_kv, k, v, k_stride, v_stride, num_kv_heads, head_dim, page_size,
+                     keys_packed, sizeof(bf16));
         // The thread's packed keys; a cache that keeps them packed needs no copy.
         bf16* keys =
             keys_packed ? NULL : aligned_alloc(64, round_up(max_padded * head_dim * 2, 64));

@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_store.h"
 #include "varlen_tasks.h"
 #include "vec8.h"
 
@@ -245,21 +246,28 @@ static void block_values(const float* weights, int64_t stride, const float* sums
     }
 }
 
-// Returns 0, or -1 when a buffer could not be allocated or head_dim is not a multiple of 8.
-// With page_tables NULL, keys and values of sequence b are rows cu_k[b].. of k and v; else k
-// and v are the cache's slots and page_tables[b * pages_stride ..] is b's page table (cu_k still
-// gives the key counts). With lse not NULL, each row's log-sum-exp of its scaled scores goes to
-// lse[token * num_heads + head], for merging with attention over other keys. kv_bf16: k and v
-// hold bfloat16 (strides still in elements), else float32 like q and out.
-int varlen_attention_f32(const float* q, const void* k, const void* v, float* out,
-                         const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t q_stride, int64_t k_stride, int64_t v_stride,
-                         int64_t out_stride, const int64_t* page_tables, int64_t pages_stride,
-                         int64_t page_size, int keys_packed, float* lse, float scale,
-                         int causal, int kv_bf16, int num_threads) {
+// Returns 0, -1 when a buffer could not be allocated or head_dim is not a multiple of 8, or -2
+// when a new key's slot lies outside the cache. With page_tables NULL, keys and values of
+// sequence b are rows cu_k[b].. of k and v; else k and v are the cache's slots and
+// page_tables[b * pages_stride ..] is b's page table (cu_k still gives the key counts), and the
+// call first stores num_new new keys and values (rows new_k_stride and new_v_stride elements
+// apart, in the cache's dtype) to slots new_slots (kv_store.h). With lse not NULL, each row's
+// log-sum-exp of its scaled scores goes to lse[token * num_heads + head], for merging with
+// attention over other keys. kv_bf16: k and v hold bfloat16 (strides still in elements), else
+// float32 like q and out.
+int varlen_attention_f32(const float* q, void* k, void* v, float* out, const int64_t* cu_q,
+                         const int64_t* cu_k, int64_t num_seqs, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
+                         int64_t k_stride, int64_t v_stride, int64_t out_stride,
+                         const int64_t* page_tables, int64_t pages_stride, int64_t page_size,
+                         int keys_packed, float* lse, float scale, int causal, int kv_bf16,
+                         int num_threads, const void* new_k, const void* new_v,
+                         const int64_t* new_slots, int64_t num_new, int64_t new_k_stride,
+                         int64_t new_v_stride, int64_t num_slots) {
     // Keys packed for the bf16 kernels' products (varlen_tasks.h) are not read here.
     if (head_dim % 8 || keys_packed) return -1;
+    const NewKV new_kv = {new_k, new_v, new_slots, num_new, new_k_stride, new_v_stride, num_slots};
+    if (!new_kv_fits(&new_kv)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t query_chunk = causal ? CAUSAL_QUERY_CHUNK : BIDIRECTIONAL_QUERY_CHUNK;
     int64_t num_tasks, max_keys;
@@ -273,6 +281,8 @@ int varlen_attention_f32(const float* q, const void* k, const void* v, float* ou
 
 #pragma omp parallel num_threads(num_threads)
     {
+        store_new_kv(&new_kv, k, v, k_stride, v_stride, num_kv_heads, head_dim, page_size, 0,
+                     kv_bytes);
         float* keys = aligned_alloc(64, round_up(max_padded * head_dim * 4, 64));
         float* values = aligned_alloc(64, round_up(max_padded * head_dim * 4, 64));
         float* scores = aligned_alloc(64, round_up(ROW_BLOCK * max_padded * 4, 64));
