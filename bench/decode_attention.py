@@ -24,9 +24,10 @@ build a step's metadata is reported apart.
 
 Each path's achieved KV-cache read bandwidth is the step's KV bytes (every distinct cached
 token's keys and values in every layer, read once: the memory floor; a shared prefix counts
-once) over its best time, set against a copy bandwidth measured in the same run with the same
-threads and clock: a COPY_BYTES tensor copied into another, best of the rounds, counting the
-bytes read and the bytes written (STREAM's convention). Also against the host's read-only
+once) over its best time, set against a copy bandwidth measured in the same rounds with the
+same threads and clock: a COPY_BYTES tensor copied into another, timed among the paths in
+every round, best of the rounds, counting the bytes read and the bytes written (STREAM's
+convention). Also against the host's read-only
 bandwidth, the same tensor summed: what a kernel that only reads memory can reach (on the Zen
 3, two threads read 22-25 GB/s alone where the copy figure moved between 24 and 36 GB/s).
 
@@ -91,6 +92,7 @@ DEFAULT_OUTPUT_PATH = REPO_ROOT / "bench" / "results" / "decode_attention_cpu.js
 # The copy that measures the machine's memory bandwidth: far larger than any CPU's caches.
 COPY_BYTES = 512 * 2**20
 BF16_KV = "bf16 KV cache"  # the suffix of --bf16-kv-cache's paths
+COPY_PROBE, READ_PROBE = "memory copy", "memory read"  # bandwidth_probes's names
 # wall: elapsed time, what a step costs. cpu: this process's CPU time, which other processes
 # on a shared machine inflate far less; meaningful with one thread (torch's threads spin while
 # they wait for each other, which counts as CPU time).
@@ -138,17 +140,21 @@ def best_call_s(call: Callable[[], object], rounds: int, clock: Callable[[], flo
     return best_s
 
 
-def copy_gb_per_s(rounds: int, clock: Callable[[], float]) -> float:
-    """Memory bandwidth of a large copy (bytes read plus bytes written), best of the rounds."""
+def bandwidth_probes() -> dict[str, Callable[[], object]]:
+    """The host's memory bandwidth measurements, as calls timed among the paths' rounds: a
+    large copy (STREAM's convention: bytes read plus bytes written) and a large sum (read
+    only). Timed in the same rounds as the kernels, each best comes from the same stretch of
+    the host's load as theirs: measured after them, a quieter or busier minute moved the
+    kernels' share of it by several points (55% and 57% for one kernel, an hour apart)."""
     source = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
     target = torch.empty_like(source)
-    return 2 * COPY_BYTES / best_call_s(lambda: target.copy_(source), rounds, clock) / 1e9
+    return {COPY_PROBE: lambda: target.copy_(source), READ_PROBE: source.sum}
 
 
-def read_gb_per_s(rounds: int, clock: Callable[[], float]) -> float:
-    """Read-only memory bandwidth: a large tensor summed, best of the rounds."""
-    source = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
-    return COPY_BYTES / best_call_s(source.sum, rounds, clock) / 1e9
+def probe_gb_per_s(ms: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """Copy and read bandwidth (GB/s) from the probes' best times, which leave `ms`."""
+    copy_ms, read_ms = ms.pop(COPY_PROBE)["best_ms"], ms.pop(READ_PROBE)["best_ms"]
+    return 2 * COPY_BYTES / copy_ms / 1e6, COPY_BYTES / read_ms / 1e6
 
 
 def metadata_ms(batch: DecodeBatch, rounds: int) -> dict[str, float]:
@@ -183,9 +189,8 @@ def run_workload(
         torch.set_num_threads(setting.threads)
         clock = CLOCKS[setting.clock]
         with process_timing.timed_section() as section:
-            ms = interleaved_best_ms(runners, args.rounds, clock)
-            copy = copy_gb_per_s(args.rounds, clock)
-            read = read_gb_per_s(args.rounds, clock)
+            ms = interleaved_best_ms({**runners, **bandwidth_probes()}, args.rounds, clock)
+        copy, read = probe_gb_per_s(ms)
         best_before = ms["sdpa (before)"]["best_ms"]
         timings[setting.name] = {
             "threads": setting.threads,
