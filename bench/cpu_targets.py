@@ -221,10 +221,12 @@ def decode_share_of_copy(data: dict[str, Any]) -> Measured:
     setting, timing = next(iter(timings.items()))
     bandwidth = timing["kv_bandwidth"]
     best = max(bandwidth, key=lambda path: bandwidth[path]["share_of_copy"])
+    at_medians = bandwidth[best].get("share_of_median_copy_at_median")  # newer files only
+    medians = "" if at_medians is None else f" ({at_medians:.0%} at the medians)"
     return Measured(
         bandwidth[best]["share_of_copy"],
         f"{best}: {bandwidth[best]['kv_read_gb_per_s']:.1f} of {timing['copy_gb_per_s']:.1f} "
-        f"GB/s copied, G1's batch, {setting}, {data.get('dtype')}",
+        f"GB/s copied{medians}, G1's batch, {setting}, {data.get('dtype')}",
     )
 
 

@@ -27,21 +27,22 @@ def kv_bytes_per_step(batch: DecodeBatch, num_layers: int, dtype: torch.dtype) -
 
 
 def bandwidth(
-    kv_bytes: dict[str, int], ms_per_step: dict[str, dict[str, float]], copy: float, read: float
+    kv_bytes: dict[str, int], ms_per_step: dict[str, dict[str, float]], probes: dict[str, float]
 ) -> dict:
     """Each path's achieved KV read bandwidth (its step's KV bytes over its best time), and its
-    shares of the copy and read-only bandwidths."""
-    achieved = {
-        name: kv_bytes[name] / (t["best_ms"] / 1e3) / 1e9 for name, t in ms_per_step.items()
-    }
-    return {
-        name: {
-            "kv_read_gb_per_s": gb_per_s,
-            "share_of_copy": gb_per_s / copy,
-            "share_of_read": gb_per_s / read,
+    shares of the copy and read-only bandwidths (their best: decode_attention.probe_gb_per_s);
+    also its median step's bandwidth against the median copy, the host under its usual load."""
+    result = {}
+    for name, t in ms_per_step.items():
+        best_gb_per_s = kv_bytes[name] / t["best_ms"] / 1e6
+        median_gb_per_s = kv_bytes[name] / t["median_ms"] / 1e6
+        result[name] = {
+            "kv_read_gb_per_s": best_gb_per_s,
+            "share_of_copy": best_gb_per_s / probes["copy_gb_per_s"],
+            "share_of_read": best_gb_per_s / probes["read_gb_per_s"],
+            "share_of_median_copy_at_median": median_gb_per_s / probes["copy_gb_per_s_median"],
         }
-        for name, gb_per_s in achieved.items()
-    }
+    return result
 
 
 def write_results(results: dict[str, Any], output: Path) -> None:
