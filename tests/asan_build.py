@@ -16,6 +16,19 @@ import pytest
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "vacpack" / "cpu_kernels"
 
+# The start of a script that runs the bf16 varlen attention kernel built under ASan (the
+# library's path in argv[1]) wherever vacpack would run its own build, on two threads.
+VARLEN_BF16_PRELUDE = """
+import ctypes, sys
+import torch
+from vacpack.cpu_kernels import attention
+
+kernel = ctypes.CDLL(sys.argv[1]).varlen_attention_bf16
+kernel.argtypes, kernel.restype = attention._ARGTYPES, ctypes.c_int
+attention._kernel = lambda dtype, name="avx512_bf16": kernel
+torch.set_num_threads(2)
+"""
+
 
 def worst_difference_under_asan(
     tmp_path: Path, source: str, define: str, script: str, args: Sequence[str] = ()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from asan_build import worst_difference_under_asan
+from asan_build import VARLEN_BF16_PRELUDE, worst_difference_under_asan
 from bf16_kernel_marks import EMULATED, ON_AVX512_BF16
 from test_split_decodes import HEAD_DIM, HEADS, KV_HEADS, PAGE_SIZE, _paged_step
 
@@ -172,16 +172,11 @@ def _layout(sequences: KernelSequences) -> BatchLayout:
     return BatchLayout(query_lens, context_lens, tables, PAGE_SIZE)
 
 
-ASAN_SCRIPT = """
-import ctypes, sys
-import torch
-from vacpack.cpu_kernels import attention
+ASAN_SCRIPT = (
+    VARLEN_BF16_PRELUDE
+    + """
 import test_kernel_kv_store as cases
 
-kernel = ctypes.CDLL(sys.argv[1]).varlen_attention_bf16
-kernel.argtypes, kernel.restype = attention._ARGTYPES, ctypes.c_int
-attention._kernel = lambda dtype, name="avx512_bf16": kernel
-torch.set_num_threads(2)
 worst = 0.0
 for packed in (False, True):
     step = cases._step(torch.bfloat16, torch.bfloat16, packed)
@@ -198,6 +193,7 @@ for packed in (False, True):
     worst = max(worst, float((layer.values.float() - written.values.float()).abs().max()))
 print("worst difference", worst)
 """
+)
 
 
 @ON_AVX512_BF16

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from asan_build import worst_difference_under_asan
+from asan_build import VARLEN_BF16_PRELUDE, worst_difference_under_asan
 from bf16_kernel_marks import ON_AVX512_BF16
 from test_cpu_kernels import _cu, _random, _reference
 
@@ -102,17 +102,12 @@ def test_split_decodes_equal_attention_over_all_their_keys(
     torch.testing.assert_close(lse, step["expected_lse"], atol=2e-2, rtol=0)
 
 
-ASAN_SCRIPT = """
-import ctypes, sys
-import torch
-from vacpack.cpu_kernels import attention
+ASAN_SCRIPT = (
+    VARLEN_BF16_PRELUDE
+    + """
 from vacpack.cpu_kernels.packed_keys import pack_keys
 import test_split_decodes as cases
 
-kernel = ctypes.CDLL(sys.argv[1]).varlen_attention_bf16
-kernel.argtypes, kernel.restype = attention._ARGTYPES, ctypes.c_int
-attention._kernel = lambda dtype, name="avx512_bf16": kernel
-torch.set_num_threads(2)
 worst = 0.0
 for index, (query_lens, context_lens) in enumerate(cases.CASES.values()):
     step = cases._paged_step(query_lens, context_lens, seed=index)
@@ -125,6 +120,7 @@ for index, (query_lens, context_lens) in enumerate(cases.CASES.values()):
         worst = max(worst, float((lse - step["expected_lse"]).abs().max()))
 print("worst difference", worst)
 """
+)
 
 
 @ON_AVX512_BF16
