@@ -378,15 +378,7 @@ static void merge_splits(const Task* tasks, int64_t count, const bf16* parts,
 // rows new_k_stride and new_v_stride elements apart) to slots new_slots (kv_store.h). With lse
 // not NULL, each row's log-sum-exp of its scaled scores goes to lse[token * num_heads + head],
 // for merging with attention over other keys.
-int varlen_attention_bf16(const bf16* q, bf16* k, bf16* v, bf16* out, const int64_t* cu_q,
-                          const int64_t* cu_k, int64_t num_seqs, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
-                          int64_t k_stride, int64_t v_stride, int64_t out_stride,
-                          const int64_t* page_tables, int64_t pages_stride, int64_t page_size,
-                          int keys_packed, float* lse, float scale, int causal, int kv_bf16,
-                          int num_threads, const void* new_k, const void* new_v,
-                          const int64_t* new_slots, int64_t num_new, int64_t new_k_stride,
-                          int64_t new_v_stride, int64_t num_slots) {
+int varlen_attention_bf16(VARLEN_ATTENTION_PARAMS(bf16, bf16)) {
     if (!kv_bf16) return -1;  // the float32 kernel's argument: here k and v are bf16 like q
     if (keys_packed && (!page_tables || page_size % KEYS_PER_PACKED_BLOCK)) return -1;
     const NewKV new_kv = {new_k, new_v, new_slots, num_new, new_k_stride, new_v_stride, num_slots};

@@ -255,15 +255,7 @@ static void block_values(const float* weights, int64_t stride, const float* sums
 // log-sum-exp of its scaled scores goes to lse[token * num_heads + head], for merging with
 // attention over other keys. kv_bf16: k and v hold bfloat16 (strides still in elements), else
 // float32 like q and out.
-int varlen_attention_f32(const float* q, void* k, void* v, float* out, const int64_t* cu_q,
-                         const int64_t* cu_k, int64_t num_seqs, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
-                         int64_t k_stride, int64_t v_stride, int64_t out_stride,
-                         const int64_t* page_tables, int64_t pages_stride, int64_t page_size,
-                         int keys_packed, float* lse, float scale, int causal, int kv_bf16,
-                         int num_threads, const void* new_k, const void* new_v,
-                         const int64_t* new_slots, int64_t num_new, int64_t new_k_stride,
-                         int64_t new_v_stride, int64_t num_slots) {
+int varlen_attention_f32(VARLEN_ATTENTION_PARAMS(float, void)) {
     // Keys packed for the bf16 kernels' products (varlen_tasks.h) are not read here.
     if (head_dim % 8 || keys_packed) return -1;
     const NewKV new_kv = {new_k, new_v, new_slots, num_new, new_k_stride, new_v_stride, num_slots};

@@ -15,6 +15,18 @@
 
 #include "split_policy.h"
 
+// The parameters of every varlen attention kernel (varlen_attention_bf16, _amx, _f32; their
+// ctypes twin is attention.py's _ARGTYPES): queries and outputs of type QT, keys and values of
+// KVT (written to when the call stores a step's new ones, kv_store.h).
+#define VARLEN_ATTENTION_PARAMS(QT, KVT)                                                     \
+    const QT *q, KVT *k, KVT *v, QT *out, const int64_t *cu_q, const int64_t *cu_k,         \
+        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
+        int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t out_stride,            \
+        const int64_t *page_tables, int64_t pages_stride, int64_t page_size, int keys_packed, \
+        float *lse, float scale, int causal, int kv_bf16, int num_threads,                   \
+        const void *new_k, const void *new_v, const int64_t *new_slots, int64_t num_new,     \
+        int64_t new_k_stride, int64_t new_v_stride, int64_t num_slots
+
 typedef struct {
     int64_t seq, kv_head, query_start, query_end;
     // A split of a decode's keys (split_decodes): its first page, its number of keys (0: the
