@@ -27,9 +27,10 @@ token's keys and values in every layer, read once: the memory floor; a shared pr
 once) over its best time, set against a copy bandwidth measured in the same rounds with the
 same threads and clock: a COPY_BYTES tensor copied into another, timed among the paths in
 every round, best of the rounds, counting the bytes read and the bytes written (STREAM's
-convention). Also against the host's read-only
-bandwidth, the same tensor summed: what a kernel that only reads memory can reach (on the Zen
-3, two threads read 22-25 GB/s alone where the copy figure moved between 24 and 36 GB/s).
+convention). Also against the host's read-only bandwidth, the same tensor summed: what a
+kernel that only reads memory can reach (on the Zen 3, two threads read 22-25 GB/s alone
+where the copy figure moved between 24 and 36 GB/s). Each path's median step against the
+median copy is reported too: the host under its usual load.
 
 `--sweep` also times a cascade for every group against the plain paged path, for 64 sequences
 in groups of 2..64 sharing 8..64 pages: the measurement behind DEFAULT_CASCADE_POLICY.
