@@ -16,10 +16,10 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 RESULTS_DIR = BENCH_DIR / "results"
 
 
-def load_cpu_targets() -> ModuleType:
-    """bench/ is a folder of scripts, not a package: the module is loaded from its file (it
-    imports none of its neighbours). Registered in sys.modules first, as dataclasses need."""
-    spec = importlib.util.spec_from_file_location("cpu_targets", BENCH_DIR / "cpu_targets.py")
+def load_bench_module(name: str) -> ModuleType:
+    """bench/ is a folder of scripts, not a package: a module is loaded from its file, after
+    the neighbours it imports. Registered in sys.modules first, as dataclasses need."""
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -27,7 +27,8 @@ def load_cpu_targets() -> ModuleType:
     return module
 
 
-cpu_targets = load_cpu_targets()
+load_bench_module("cpu_target_measures")  # what each target reads, which cpu_targets imports
+cpu_targets = load_bench_module("cpu_targets")
 
 # The committed Zen 3 results under the names the session script now writes, where they differ.
 COMMITTED = {
