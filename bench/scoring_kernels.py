@@ -21,7 +21,7 @@ from linear_kernels import best_times_s
 
 from vacpack.corpus.token_logprobs import CPU_SOFTMAX_ROWS
 from vacpack.cpu_kernels.token_logprobs import token_logprobs, token_logprobs_supported
-from vacpack.engine.sampler import gather_logprobs, logprobs_of
+from vacpack.engine.logprob_gather import gather_logprobs, logprobs_of
 
 RESULTS = harness.REPO_ROOT / "bench" / "results" / "scoring_kernels_cpu.json"
 VOCAB_SIZE = 151_936

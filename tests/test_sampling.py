@@ -12,13 +12,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from vacpack.engine.sampler import (
-    CDF_BLOCK,
-    Sampler,
-    SamplingRow,
-    gather_logprobs,
-    make_request_generator,
-)
+from vacpack.engine.logprob_gather import gather_logprobs
+from vacpack.engine.request_seeds import make_request_generator
+from vacpack.engine.sampler import CDF_BLOCK, Sampler, SamplingRow
 from vacpack.sampling import MAX_LOGPROBS, SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vacpack.cpu_kernels.token_logprobs import token_logprobs, token_logprobs_supported
-from vacpack.engine import sampler
-from vacpack.engine.sampler import gather_logprobs, logprobs_of
+from vacpack.engine import logprob_gather
+from vacpack.engine.logprob_gather import gather_logprobs, logprobs_of
 
 pytestmark = pytest.mark.skipif(
     not token_logprobs_supported(torch.zeros(1, 1)), reason="needs a C compiler"
@@ -176,7 +176,7 @@ def test_engine_logprobs_equal_the_log_softmax_path(num_topk: int, dtype: torch.
 def test_engine_logprobs_without_the_kernel_take_the_log_softmax(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sampler, "token_logprobs_supported", lambda _: False)
+    monkeypatch.setattr(logprob_gather, "token_logprobs_supported", lambda _: False)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     token_ids = torch.tensor([0, 10, 49])
     gathered = logprobs_of(logits, token_ids, 2)

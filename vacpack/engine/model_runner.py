@@ -27,15 +27,9 @@ from vacpack.distributed.control import Program
 from vacpack.distributed.driver import Driver
 from vacpack.engine import step_inputs
 from vacpack.engine.draft_verification import NO_DRAFT, verify_drafts
+from vacpack.engine.logprob_gather import TokenLogprobs, logprobs_of
 from vacpack.engine.request import Sequence
-from vacpack.engine.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingRow,
-    TokenLogprobs,
-    greedy_token_ids,
-    logprobs_of,
-)
+from vacpack.engine.sampler import Sampler, SamplerOutput, SamplingRow, greedy_token_ids
 from vacpack.engine.step import (
     PromptLogprobResult,
     ScheduledChunk,

@@ -15,7 +15,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from vacpack.detokenizer import RequestDetokenizer
-from vacpack.engine.sampler import SamplingRow, make_request_generator
+from vacpack.engine.request_seeds import make_request_generator
+from vacpack.engine.sampler import SamplingRow
 from vacpack.engine.speculation import DraftState
 from vacpack.kvcache.page_pool import page_hashes
 from vacpack.lora.request import LoRARequest

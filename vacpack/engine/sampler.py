@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vacpack.cpu_kernels.argmax import argmax_rows, argmax_supported
-from vacpack.cpu_kernels.token_logprobs import token_logprobs, token_logprobs_supported
+from vacpack.engine.logprob_gather import logprobs_of
 from vacpack.engine.truncation import apply_min_p, apply_top_k_top_p
 from vacpack.sampling import SamplingParams
 from vacpack.structured.token_masks import StepTokenMasks, bit_table
@@ -49,23 +49,12 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    # The request's own generator when params.seed is set (see make_request_generator), else
-    # None. It must live on the logits' device and persist across the request's steps.
+    # The request's own generator when params.seed is set (request_seeds.py), else None. It
+    # must live on the logits' device and persist across the request's steps.
     generator: torch.Generator | None
     # EOS + stop_token_ids while len(output_token_ids) < min_tokens, else empty; see
     # SamplingParams.stop_token_ids_to_suppress.
     stop_token_ids_to_suppress: frozenset[int]
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprobs of chosen tokens and of the top candidates, from one log-softmax."""
-
-    token_logprobs: torch.Tensor  # [num_rows] float32
-    # 1 = most likely; ties count against the token, so a token tied for first has rank 2.
-    token_ranks: torch.Tensor  # [num_rows] int64
-    topk_token_ids: torch.Tensor  # [num_rows, num_topk] int64, most likely first
-    topk_logprobs: torch.Tensor  # [num_rows, num_topk] float32
 
 
 @dataclass(frozen=True)
@@ -104,66 +93,6 @@ def _keep_a_token(processed: torch.Tensor, unprocessed: torch.Tensor) -> torch.T
 def _just_below(values: torch.Tensor) -> torch.Tensor:
     """The largest float below each value (of a positive total)."""
     return torch.nextafter(values, torch.zeros_like(values))
-
-
-def make_request_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A generator for one seeded request; keep it for the request's whole life."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(_cpu_seed(seed) if generator.device.type == "cpu" else seed)
-    return generator
-
-
-_UINT32_SPAN = 1 << 32
-_UINT64_MASK = (1 << 64) - 1
-
-
-def _cpu_seed(seed: int) -> int:
-    """A seed for torch's CPU generator, which keeps only a seed's low 32 bits (mt19937):
-    -1 and 2**32 - 1, or 0 and 2**32, would draw the same numbers. Seeds in [0, 2**32) are
-    kept (each draws what it always drew); any other is hashed to 32 bits (splitmix64's
-    finalizer), so seeds that differ only in their high bits draw unrelated numbers. CUDA's
-    generator (Philox) keeps all 64 bits."""
-    if 0 <= seed < _UINT32_SPAN:
-        return seed
-    mixed = (seed + 0x9E3779B97F4A7C15) & _UINT64_MASK
-    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
-    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
-    return (mixed ^ (mixed >> 31)) % _UINT32_SPAN
-
-
-def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_topk: int
-) -> TokenLogprobs:
-    """Logprob and rank of ``token_ids`` in each row of ``logprobs``, and each row's top-k.
-
-    ``logprobs`` is [num_rows, vocab_size] log-softmax output; ``token_ids`` is [num_rows].
-    The engine can reuse this for prompt logprobs (row i = logits at position i, token = the
-    prompt token at i + 1).
-    """
-    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    # Counting ">=" (not ">") puts the token behind anything tied with it, as vLLM does.
-    token_ranks = (logprobs >= token_logprobs.unsqueeze(1)).sum(dim=1)
-    topk_logprobs, topk_token_ids = logprobs.topk(num_topk, dim=1)
-    return TokenLogprobs(token_logprobs, token_ranks, topk_token_ids, topk_logprobs)
-
-
-def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_topk: int) -> TokenLogprobs:
-    """gather_logprobs over the log-softmax of ``logits`` (float32, whatever their dtype).
-
-    On a CPU the C kernel reads each row once for the token's logprob, its rank and the row's
-    top-k, where a log-softmax would write a [num_rows, vocab_size] tensor to be read twice more
-    (for the rank and the top-k). On a 2-core Zen 3, float32, 151,936-token vocabulary
-    (bench/scoring_kernels.py): 14 against 86-107 ms per 256 prompt rows without top-k, 15
-    against 115 ms with a top-5, 4.4 against 29-39 ms for a 64-row decode step's top-5. Its
-    ranks count logits rather than rounded logprobs: equal, but for tokens within a float32
-    rounding step of the token's logprob, which the log-softmax count also takes in; equal
-    logprobs in the top-k go in token order.
-    """
-    if not token_logprobs_supported(logits):
-        return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, num_topk)
-    scores = token_logprobs(logits, token_ids, with_ranks=True, top_k=num_topk)
-    assert scores.ranks is not None
-    return TokenLogprobs(scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:

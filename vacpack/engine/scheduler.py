@@ -35,10 +35,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from vacpack.engine.logprob_gather import TokenLogprobs
 from vacpack.engine.logprobs import position_logprobs
 from vacpack.engine.page_manager import PageManager
 from vacpack.engine.request import Request, Sequence, SequenceStatus
-from vacpack.engine.sampler import TokenLogprobs
 from vacpack.engine.speculation import SpeculationConfig, accepted_tokens
 from vacpack.engine.step import ScheduledChunk, StepResult, VerifiedDrafts
 from vacpack.engine.stop_checks import check_stop

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vacpack.engine.logprob_gather import TokenLogprobs
 from vacpack.engine.request import Sequence
-from vacpack.engine.sampler import SamplerOutput, TokenLogprobs
+from vacpack.engine.sampler import SamplerOutput
 
 
 @dataclass(frozen=True)
