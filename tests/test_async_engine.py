@@ -22,8 +22,9 @@ from vacpack.openai_api.protocol import EmbeddingRequest
 from vacpack.openai_api.serving import generation_engine, pooling_functions
 from vacpack.outputs import RequestOutput
 from vacpack.ray.serve import VacpackServer
-from vacpack.server.async_engine import UNHEALTHY_AFTER_FAILED_STEPS, AsyncEngine, EngineRequest
+from vacpack.server.async_engine import UNHEALTHY_AFTER_FAILED_STEPS, AsyncEngine
 from vacpack.server.metrics import ServerMetrics
+from vacpack.server.request_stream import EngineRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

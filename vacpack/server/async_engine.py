@@ -25,13 +25,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from vacpack.engine.engine import LLMEngine
-from vacpack.lora.request import LoRARequest
 from vacpack.openai_api.errors import APIError, bad_request, refused_by_engine
 from vacpack.openai_api.pooling import PreparedPooling, run_pooling_apart_on_failure
 from vacpack.openai_api.serving import PoolingFunctions
-from vacpack.outputs import RequestOutput
-from vacpack.sampling import SamplingParams
 from vacpack.server.metrics import ServerMetrics
+from vacpack.server.request_stream import ACCEPTED, EngineRequest, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -42,63 +40,6 @@ T = TypeVar("T")
 # replace this server: a fault that outlives its step (a CUDA device assert poisons the
 # context) fails every step after it, while one failed step alone says little.
 UNHEALTHY_AFTER_FAILED_STEPS = 3
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-    lora_request: LoRARequest | None = None
-    priority: int = 0
-
-
-class _Accepted:
-    """The engine thread took a stream's requests into the engine."""
-
-
-_ACCEPTED = _Accepted()
-
-
-class RequestStream:
-    """What the engine thread sends one client request: an acceptance, then outputs, or an error.
-
-    Iterating yields RequestOutputs until every engine request in it has finished; an error sent
-    by the engine thread is raised instead.
-    """
-
-    def __init__(self, request_ids: Sequence[str]) -> None:
-        self.request_ids = list(request_ids)
-        self._unfinished = set(request_ids)
-        self._items: asyncio.Queue[RequestOutput | BaseException | _Accepted] = asyncio.Queue()
-
-    def put(self, item: RequestOutput | BaseException | _Accepted) -> None:
-        self._items.put_nowait(item)
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    async def wait_accepted(self) -> None:
-        item = await self._items.get()
-        if isinstance(item, BaseException):
-            raise item
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._items.get()
-        if isinstance(item, BaseException):
-            self._unfinished.clear()
-            raise item
-        assert isinstance(item, RequestOutput)
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-        return item
 
 
 @dataclass(frozen=True)
@@ -340,7 +281,7 @@ class AsyncEngine:
             self._streams[request.request_id] = command.stream
             self._timings[request.request_id] = _Timing(command.arrival_s)
             self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
-        self._deliver(command.stream, _ACCEPTED)
+        self._deliver(command.stream, ACCEPTED)
 
     def _abort(self, request_ids: list[str]) -> None:
         if self._engine is None:

@@ -11,7 +11,8 @@ from transformers import PreTrainedTokenizerBase
 from vacpack.beam_search import BeamSearch, beam_request_output
 from vacpack.openai_api.requests import PreparedGeneration
 from vacpack.outputs import PositionLogprobs, RequestOutput
-from vacpack.server.async_engine import AsyncEngine, EngineRequest
+from vacpack.server.async_engine import AsyncEngine
+from vacpack.server.request_stream import EngineRequest
 
 
 async def beam_search_outputs(

@@ -65,10 +65,11 @@ from vacpack.openai_api.serving import PoolingFunctions
 from vacpack.openai_api.streaming import StreamState
 from vacpack.openai_api.tokenization import detokenize_body, tokenize_body
 from vacpack.outputs import RequestOutput, RequestOutputKind
-from vacpack.server.async_engine import AsyncEngine, EngineRequest, RequestStream
+from vacpack.server.async_engine import AsyncEngine
 from vacpack.server.beam_search import beam_search_outputs
 from vacpack.server.lora_updates import ServedAdapters
 from vacpack.server.options import ServerConfig
+from vacpack.server.request_stream import EngineRequest, RequestStream
 
 logger = logging.getLogger(__name__)
 
