@@ -31,9 +31,10 @@ from vacpack.cpu_kernels.build import (
     proven_kernel,
 )
 from vacpack.cpu_kernels.cache_dtype import check_cache_dtype
+from vacpack.cpu_kernels.new_kv import NEW_SLOT_OUTSIDE_CACHE, NO_NEW_KV, NewKV, stored_rows
 from vacpack.cpu_kernels.packed_keys import packed_key_shape
 from vacpack.cpu_kernels.profiler_range import profiler_range
-from vacpack.cpu_kernels.token_rows import heads_side_by_side, rows_of_heads
+from vacpack.cpu_kernels.token_rows import rows_of_heads
 
 # Per dtype: the library, whether it is portable (built for any CPU), its function, and the
 # multiple of head_dim it takes (the bf16 value product works on 32 dims at a time, the float32
@@ -97,23 +98,6 @@ def _tile_kernel(name: str) -> KernelFunction | None:
             label=f"AMX attention ({name})",
         )
     )
-
-
-# The kernels' last arguments when a call stores nothing (its cache's keys are all in place),
-# and their status when a new key's slot lies outside the cache.
-NO_NEW_KV = (None, None, None, 0, 0, 0, 0)
-NEW_SLOT_OUTSIDE_CACHE = -2
-
-
-@dataclass(frozen=True)
-class NewKV:
-    """An engine step's new keys and values ([tokens, kv_heads, head_dim], any dtype: stored in
-    the cache's) and each token's cache slot ([tokens]), which the kernel stores into the cache
-    before it attends (kv_store.h): the same as KVLayer.write, in the same C call."""
-
-    slots: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
 
 
 # The self-check's largest difference from the float32 reference that bf16 rounding explains
@@ -378,8 +362,9 @@ def _attention(
         raise ValueError(f"mismatched shapes: q {q.shape}, k {k.shape}, v {v.shape}")
     new_arguments: tuple[object, ...] = NO_NEW_KV
     if new_kv is not None:  # checked on the cache itself, before any copy below
-        new_keys, new_values, new_slots, num_slots = _stored_rows(
-            new_kv, k, v, sequences, keys_packed
+        page_size = sequences.page_size if page_tables is not None else None
+        new_keys, new_values, new_slots, num_slots = stored_rows(
+            new_kv, k, v, page_size, keys_packed
         )
         new_arguments = (
             new_keys.data_ptr(), new_values.data_ptr(), new_slots.data_ptr(), new_slots.numel(),
@@ -422,42 +407,6 @@ def _attention(
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
     return out, lse
-
-
-def _stored_rows(
-    new_kv: NewKV, k: torch.Tensor, v: torch.Tensor, sequences: KernelSequences, keys_packed: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """new_kv's keys and values as rows of heads in the cache's dtype, its slots as int64, and
-    the number of slots the cache (k and v) holds, checked."""
-    if sequences.page_tables is None:
-        raise ValueError("new keys and values are stored into a paged cache: give page tables")
-    # The kernel writes the cache k and v in place: they must be the tensors it reads, not a
-    # copy with each slot's heads side by side.
-    if not (keys_packed or heads_side_by_side(k)) or not heads_side_by_side(v):
-        raise ValueError("a cache that new keys are stored into keeps each slot's heads together")
-    num_tokens = new_kv.slots.numel()
-    expected = (num_tokens, v.shape[1], v.shape[2])
-    if new_kv.slots.dim() != 1 or new_kv.keys.shape != expected or new_kv.values.shape != expected:
-        raise ValueError(
-            f"new keys {tuple(new_kv.keys.shape)} and values {tuple(new_kv.values.shape)} for "
-            f"{num_tokens} slots do not match a cache of {v.shape[1]} KV heads of {v.shape[2]}"
-        )
-    key_slots = k.shape[0] * sequences.page_size if keys_packed else k.shape[0]
-    slots = new_kv.slots
-    if slots.dtype != torch.int64 or not slots.is_contiguous():
-        slots = slots.to(torch.int64).contiguous()
-    return (
-        rows_of_heads(_in_dtype(new_kv.keys, k.dtype)),
-        rows_of_heads(_in_dtype(new_kv.values, v.dtype)),
-        slots,
-        min(key_slots, v.shape[0]),
-    )
-
-
-def _in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # Every layer of every step comes here: skipping a conversion that has nothing to do saves
-    # the microsecond Tensor.to takes to find that out.
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _check_packed_keys(
