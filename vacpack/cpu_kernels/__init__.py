@@ -5,7 +5,6 @@ from vacpack.cpu_kernels.attention import (
     BF16_KERNELS,
     DEFAULT_BF16_KERNEL,
     KernelSequences,
-    NewKV,
     attend,
     attend_with_lse,
     packed_sequences,
@@ -16,6 +15,7 @@ from vacpack.cpu_kernels.attention import (
     varlen_attention,
     varlen_attention_supported,
 )
+from vacpack.cpu_kernels.new_kv import NewKV
 
 __all__ = [
     "BF16_KERNELS",
