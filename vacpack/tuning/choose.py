@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 from vacpack.tuning.allowance import FIRST_LOAD_TIMING_S, current_allowance
 from vacpack.tuning.audit import remember
@@ -66,11 +67,13 @@ def choose(
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     cache_dir: Path | None = None,
     clock: Clock = time.perf_counter,
+    cpu_clock: Clock | Literal["auto"] | None = "auto",
 ) -> MeasuredChoice:
     """The candidate to run for `phase` at `shape_key` (a short text naming the shapes and
     dtype the candidates are built for). `make_candidates` is called only when a measurement is
     needed (building inputs costs time and memory a cached choice should not spend): it returns
-    one call per name in `candidate_names`, each running the phase once."""
+    one call per name in `candidate_names`, each running the phase once. `clock` and
+    `cpu_clock` are timing.time_candidates'."""
     names = list(candidate_names)
     if not names:
         raise ValueError(f"{phase}: no candidates to choose from")
@@ -132,7 +135,12 @@ def choose(
     elif allowance is not None:
         budget_s = allowance.grant(budget_s)  # a spent one still leaves the round above
     timings = time_candidates(
-        candidates, budget_s=budget_s, max_rounds=max_rounds, min_rounds=min_rounds, clock=clock
+        candidates,
+        budget_s=budget_s,
+        max_rounds=max_rounds,
+        min_rounds=min_rounds,
+        clock=clock,
+        cpu_clock=cpu_clock,
     )
     measure_s = clock() - measure_start_s - sum(nested_s)
     if allowance is not None:
@@ -156,6 +164,7 @@ def choose(
         failed=timings.failed,
         num_rounds=earlier_rounds + timings.num_rounds,
         measure_s=measure_s,
+        stalled_calls=timings.num_stalled_calls,
     )
     enclosing = _nested_measure_s.get()
     if enclosing is not None:

@@ -35,6 +35,7 @@ class MeasuredChoice:
     failed: dict[str, str] = field(default_factory=dict)
     num_rounds: int = 0
     measure_s: float = 0.0  # time spent timing at this load (0 when cached or forced)
+    stalled_calls: int = 0  # calls of this load's timing left out as stalled (timing.py)
 
     @property
     def settled(self) -> bool:
@@ -54,9 +55,11 @@ class MeasuredChoice:
         timings = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in self.best_time_s.items())
         failed = "".join(f"; {name} failed ({error})" for name, error in self.failed.items())
         rounds = f", {self.num_rounds} rounds" if timings else ""
+        stalled = f", {self.stalled_calls} stalled calls left out" if self.stalled_calls else ""
         unsettled = "" if self.settled else ", timed again at the next load"
         return (
             f"{self.phase} [{self.shape_key}]: {self.chosen} ({self.source.value}{rounds}"
+            + stalled
             + unsettled
             + (f"; {timings}" if timings else "")
             + f"){failed}"
@@ -74,4 +77,5 @@ class MeasuredChoice:
             "num_rounds": self.num_rounds,
             "settled": self.settled,
             "measure_s": self.measure_s,
+            "stalled_calls": self.stalled_calls,
         }
