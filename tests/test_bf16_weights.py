@@ -86,8 +86,11 @@ def test_a_gated_projection_on_bfloat16_panels() -> None:
 
 def test_only_the_c_kernel_multiplies_bfloat16_weights_in_float32() -> None:
     assert eligible_linear_kernels(CPU, torch.float32, torch.bfloat16) == ["c_gemm"]
-    # bfloat16 arithmetic is oneDNN's alone; float32 on float32 weights has both.
-    assert eligible_linear_kernels(CPU, torch.bfloat16) == ["onednn"]
+    # bfloat16 arithmetic is oneDNN's and, on AVX512-BF16 CPUs, the bf16 C kernel's; float32
+    # on float32 weights has oneDNN and the float32 C kernel.
+    bf16_runs = gemm_supported(torch.bfloat16, torch.bfloat16)
+    bf16_kernels = ["onednn", "c_gemm_bf16"] if bf16_runs else ["onednn"]
+    assert eligible_linear_kernels(CPU, torch.bfloat16) == bf16_kernels
     assert eligible_linear_kernels(CPU, torch.float32) == ["onednn", "c_gemm"]
 
 

@@ -1,5 +1,6 @@
 """Linear-layer weights reordered once for the CPU's matmul kernel: oneDNN's blocked layout, or
-the panels of vacpack's own float32 kernel (cpu_kernels/gemm_f32.c) where it measured faster.
+the panels of vacpack's own kernels (cpu_kernels/gemm_f32.c for float32 products,
+cpu_kernels/gemm_bf16.c for bf16 ones) where they measured faster.
 
 `F.linear` on a CPU hands oneDNN a plain [out, in] weight, and oneDNN reorders it into the
 blocked (for bf16 on AMX: VNNI-packed) layout its kernels read, on every call. For a prefill
@@ -27,6 +28,7 @@ import torch
 from vacpack.cpu_kernels.gemm import (
     GemmWeight,
     applies_activation,
+    gates,
     gemm_linear,
     gemm_supported,
     pack_weight,
@@ -42,8 +44,14 @@ PACK_FOR_ROWS = 512
 # Setting this to 0 keeps plain weights and F.linear: a switch for comparisons and debugging.
 DISABLE_ENV = "VACPACK_CPU_PREPACK"
 
-# The kernels a CPU linear can run on: oneDNN (torch's), or gemm_f32.c (float32 only).
-LinearKernel: TypeAlias = Literal["onednn", "c_gemm"]
+# The kernels a CPU linear can run on: oneDNN (torch's), gemm_f32.c (float32 arithmetic) or
+# gemm_bf16.c (bf16 arithmetic, AVX512-BF16 CPUs).
+LinearKernel: TypeAlias = Literal["onednn", "c_gemm", "c_gemm_bf16"]
+# The C kernels, by the arithmetic they run.
+C_KERNEL_ARITHMETIC: dict[str, torch.dtype] = {
+    "c_gemm": torch.float32,
+    "c_gemm_bf16": torch.bfloat16,
+}
 # A oneDNN-packed tensor, or the C kernel's panels.
 PackedWeight: TypeAlias = torch.Tensor | GemmWeight
 
@@ -52,8 +60,8 @@ def can_prepack(weight: torch.Tensor, kernel: LinearKernel = "onednn") -> bool:
     """Whether `weight` is a CPU tensor `kernel` can pack on this machine."""
     if os.environ.get(DISABLE_ENV, "1") == "0" or weight.device.type != "cpu":
         return False
-    if kernel == "c_gemm":
-        return gemm_supported(weight.dtype)
+    if kernel in C_KERNEL_ARITHMETIC:
+        return gemm_supported(weight.dtype, C_KERNEL_ARITHMETIC[kernel])
     if not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.bfloat16:
@@ -66,18 +74,27 @@ def prepack(
 ) -> PackedWeight | None:
     """The weight in `kernel`'s layout, or None where it cannot be packed (then use F.linear).
     `gated_by`: `weight` is a gated MLP's [gate; up] projection, which the C kernel then
-    finishes as gated_by(gate) * up (gemm.GemmWeight); only the C kernel takes it."""
-    if gated_by is not None and kernel != "c_gemm":
-        raise ValueError(f"only the C kernel finishes a gated projection, not {kernel}")
+    finishes as gated_by(gate) * up (gemm.GemmWeight); only a C kernel that applies that gate
+    takes it (kernel_gate)."""
+    if gated_by is not None and kernel_gate(kernel, gated_by) is None:
+        raise ValueError(f"{kernel} does not finish a projection gated by {gated_by}")
     if not can_prepack(weight, kernel):
         return None
-    if kernel == "c_gemm":
-        return pack_weight(weight.detach(), gated_by)
+    if kernel in C_KERNEL_ARITHMETIC:
+        return pack_weight(weight.detach(), gated_by, C_KERNEL_ARITHMETIC[kernel])
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
     except RuntimeError as error:  # an unusual build or shape: the plain path still works
         logger.warning("keeping a plain %s weight %s: %s", weight.dtype, tuple(weight.shape), error)
         return None
+
+
+def kernel_gate(kernel: LinearKernel, activation: str | None) -> str | None:
+    """`activation`, where `kernel` finishes a gated projection as activation(gate) * up
+    itself; else None (the model's own pass does)."""
+    if activation is None or kernel not in C_KERNEL_ARITHMETIC:
+        return None
+    return activation if gates(activation, C_KERNEL_ARITHMETIC[kernel]) else None
 
 
 def copy_packed(packed_weight: PackedWeight) -> PackedWeight:
@@ -97,7 +114,7 @@ def packed_linear(
     key of activations.ONEDNN_POST_OPS) is applied too: by oneDNN to each output block while
     it is still in cache, by the C kernel as it writes its outputs."""
     if isinstance(packed_weight, GemmWeight):
-        if activation is None or applies_activation(activation):
+        if activation is None or applies_activation(activation, packed_weight.arithmetic):
             return gemm_linear(x, packed_weight, bias, activation)
         return ACTIVATIONS[activation](gemm_linear(x, packed_weight, bias))
     post_op, algorithm = ONEDNN_POST_OPS[activation] if activation else ("none", "")

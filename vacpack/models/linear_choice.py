@@ -1,18 +1,19 @@
-"""Which kernel each of a CPU model's linear layers runs on, chosen by timing both on its shape.
+"""Which kernel each of a CPU model's linear layers runs on, chosen by timing each on its shape.
 
 On a CPU the linears are most of every step (over 90% of a float32 prefill on a 2-core Zen 3).
-oneDNN's packed matmul is the default; in float32 vacpack's own register-blocked kernel
-(cpu_kernels/gemm_f32.c) is a second candidate. Which is faster depends on the CPU, the layer's
-shape and the row count: on the Zen 3 the C kernel wins decode-sized products by 15-40% and
-prefill-sized ones by 0-20% or loses them by a few percent, shape by shape. So each distinct
-weight shape of the model is timed with both kernels, as the model runs it (an encoder's up
+oneDNN's packed matmul is the default; vacpack's own register-blocked kernels are the other
+candidates: cpu_kernels/gemm_f32.c in float32, cpu_kernels/gemm_bf16.c in bf16 on AVX512-BF16
+CPUs. Which is faster depends on the CPU, the layer's shape and the row count: on the Zen 3 the
+float32 C kernel wins decode-sized products by 15-40% and prefill-sized ones by 0-20% or loses
+them by a few percent, shape by shape. So each distinct weight shape of the model is timed with
+every kernel, as the model runs it (an encoder's up
 projection with its activation; a gated MLP's gate/up projection through act(gate) * up, which
 the C kernel finishes as it writes its outputs and oneDNN's product leaves to a pass of the
 model's) at a prefill slice's rows and at decode batches' (as many rows
 again), one call covering both so that each regime's speed weighs the same, and the faster
 kernel packs the weights of that shape (phase `cpu_linear`, one choice per shape;
-VACPACK_CHOICE_CPU_LINEAR=onednn|c_gemm forces one). Each weight is packed once, for its
-kernel: never held twice.
+VACPACK_CHOICE_CPU_LINEAR=onednn|c_gemm|c_gemm_bf16 forces one). Each weight is packed once,
+for its kernel: never held twice.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from vacpack.models.cpu_prepack import (
     PackedWeight,
     can_prepack,
     copy_packed,
+    kernel_gate,
     packed_linear,
     prepack,
 )
@@ -182,16 +184,19 @@ def eligible_linear_kernels(
     device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None = None
 ) -> list[LinearKernel]:
     """The kernels that run `dtype` linears on `weight_dtype` weights (default: `dtype`) here,
-    oneDNN (or F.linear) first. The C kernel's arithmetic is float32, on float32 or bfloat16
-    weights; oneDNN's is the weights' dtype."""
+    oneDNN (or F.linear) first. The float32 C kernel's arithmetic is float32, on float32 or
+    bfloat16 weights; the bf16 one's bf16, on bf16 weights (AVX512-BF16 CPUs); oneDNN's is the
+    weights' dtype."""
     if device.type != "cpu":
         return []
     weight_dtype = weight_dtype or dtype
-    c_gemm_runs = dtype == torch.float32 and can_prepack(
-        torch.empty(1, 1, dtype=weight_dtype), "c_gemm"
-    )
+    weights = torch.empty(1, 1, dtype=weight_dtype)
     kernels: list[LinearKernel] = ["onednn"] if weight_dtype == dtype else []
-    return [*kernels, "c_gemm"] if c_gemm_runs else kernels
+    if dtype == torch.float32 and can_prepack(weights, "c_gemm"):
+        kernels.append("c_gemm")
+    if dtype == weight_dtype == torch.bfloat16 and can_prepack(weights, "c_gemm_bf16"):
+        kernels.append("c_gemm_bf16")
+    return kernels
 
 
 def timed_out_features(timing: LinearTiming) -> int:
@@ -253,7 +258,7 @@ def linear_calls(
 
     def rotation(kernel: LinearKernel) -> Iterator[tuple[torch.Tensor, PackedWeight | None]]:
         # Packed once and the packed weight copied: packing each copy cost 3x the time.
-        packed = prepack(weight, kernel, gated_by if kernel == "c_gemm" else None)
+        packed = prepack(weight, kernel, kernel_gate(kernel, gated_by))
         copies: list[tuple[torch.Tensor, PackedWeight | None]]
         if packed is None:
             copies = [(weight.clone(), None) for _ in range(num_copies)]

@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vacpack.cpu_kernels.gemm import GemmWeight, applies_activation
+from vacpack.cpu_kernels.gemm import GemmWeight
 from vacpack.distributed.collectives import Collectives
 from vacpack.models.activations import ACTIVATIONS
 from vacpack.models.base import TensorSource
 from vacpack.models.cpu_prepack import (
     LinearKernel,
     PackedWeight,
+    kernel_gate,
     meta_like,
     packed_linear,
     prepack,
@@ -206,10 +207,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class GateUpParallelLinear(ColumnParallelLinear):
     """A gated MLP's gate and up projections merged into one column-parallel matmul: each rank
-    computes its [gate | up]. Where the C kernel packs it (float32 on a CPU), the kernel also
-    finishes activation(gate) * up as it writes its outputs, and the layer returns that,
-    half as wide (`gates_itself`): the [gate | up] product never goes to memory, and no
-    separate pass reads it back."""
+    computes its [gate | up]. Where a C kernel packs it (on a CPU) and applies the
+    activation, the kernel also finishes activation(gate) * up as it writes its outputs, and
+    the layer returns that, half as wide (`gates_itself`): the [gate | up] product never goes
+    to memory, and no separate pass reads it back."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, activation: str, tp: TensorParallel
@@ -218,16 +219,13 @@ class GateUpParallelLinear(ColumnParallelLinear):
         self.activation = activation
         self.gate_in_kernel = True
 
-    @property
-    def c_kernel_gate(self) -> str | None:
-        """The activation the C kernel applies to this layer's gate, None where it cannot (or
-        must not: LoRA adds its delta to the gate before the activation)."""
-        if not self.gate_in_kernel or not applies_activation(self.activation):
-            return None
-        return self.activation
+    def kernel_gate(self, kernel: LinearKernel) -> str | None:
+        """The activation `kernel` applies to this layer's gate, None where it cannot (or must
+        not: LoRA adds its delta to the gate before the activation)."""
+        return kernel_gate(kernel, self.activation) if self.gate_in_kernel else None
 
     def prepack_for_cpu(self, kernel: LinearKernel = "onednn") -> None:
-        _prepack_weight(self, kernel, self.c_kernel_gate if kernel == "c_gemm" else None)
+        _prepack_weight(self, kernel, self.kernel_gate(kernel))
 
     @property
     def gates_itself(self) -> bool:
@@ -415,7 +413,9 @@ def prepack_linear_weights(
     for layer in layers:
         out_features, in_features = layer.weight.shape
         vocabulary = isinstance(layer, VocabEmbedding)
-        gated_by = layer.c_kernel_gate if isinstance(layer, GateUpParallelLinear) else None
+        # Timed as the layer runs: gated wherever a C kernel (the float32 one gates the most)
+        # could finish its gate.
+        gated_by = layer.kernel_gate("c_gemm") if isinstance(layer, GateUpParallelLinear) else None
         kernel = (
             kernel_for(out_features, in_features, vocabulary, gated_by) if kernel_for else "onednn"
         )

@@ -1,0 +1,233 @@
+// bf16 linear layers on AVX512-BF16, y = x @ W^T + bias: bf16 inputs, weights and outputs,
+// float32 sums, on VDPBF16PS (Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on).
+//
+// A weight is packed once (pack_weight_bf16_pairs) into panels of 16 output features, each
+// [K / 2][16][2]: at reduction step kk the panel's 16 features' weights for inputs 2kk and
+// 2kk + 1 sit side by side in one vector, the pairs VDPBF16PS multiplies and sums into 16
+// float32 lanes. The micro-kernel holds an 8-row x 3-panel block of outputs in 24 registers and,
+// per step, loads three weight vectors and broadcasts each row's pair of inputs (read in place:
+// the inputs need no packing) into 24 dot products. A thread takes whole groups of three panels
+// and runs every row block over each: the group's weights (K x 96 bytes, 86 KB at K = 896) stay
+// in L2 while the rows stream past, so each weight is read from memory once a call. Outputs
+// are rounded to bf16 once, from the float32 sums, after the bias.
+//
+// A gated MLP's [gate; up] projection packed with its halves paired (a panel of 16 gate
+// features, then the same 16 up features: gemm.pair_halves) is finished in the same pass:
+// silu(gate) * up, from the float32 sums, so the 2x wider [gate | up] never goes to memory.
+//
+// Against oneDNN's bf16 matmul on a prepacked weight (2-core Zen 4, Qwen2.5-0.5B's shapes):
+// see bench/linear_kernels.py and the README's "bf16 linear layers in C".
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef uint16_t bf16;
+
+#define PANEL 16    // output features a panel (one vector of float32 sums)
+#define MR 8        // rows of the register block
+#define NV 3        // panels of the register block (plain products)
+#define NV_GATED 2  // a gate panel and its up panel (gated products)
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// W [n, k] (row stride w_stride) into panels [ceil(n / 16)][ceil(k / 2)][16][2], zeros past n
+// and k.
+void pack_weight_bf16_pairs(const bf16* w, int64_t n, int64_t k, int64_t w_stride, bf16* packed,
+                            int num_threads) {
+    const int64_t num_panels = ceil_div(n, PANEL), num_pairs = ceil_div(k, 2);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < num_panels; ++p) {
+        bf16* panel = packed + p * num_pairs * PANEL * 2;
+        for (int j = 0; j < PANEL; ++j) {
+            const int64_t row = p * PANEL + j;
+            for (int64_t kk = 0; kk < 2 * num_pairs; ++kk)
+                panel[(kk / 2) * PANEL * 2 + j * 2 + kk % 2] =
+                    row < n && kk < k ? w[row * w_stride + kk] : 0;
+        }
+    }
+}
+
+// The pair of inputs (2kk, 2kk + 1) of a row, in every 32-bit lane.
+static inline __m512bh input_pair(const bf16* row, int64_t kk) {
+    int32_t bits;
+    memcpy(&bits, row + 2 * kk, sizeof(bits));
+    return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// An odd k's last input paired with a zero (reading past the row could meet a NaN, and
+// NaN x 0 is NaN).
+static inline __m512bh last_input(const bf16* row, int64_t k) {
+    return (__m512bh)_mm512_set1_epi32((int32_t)row[k - 1]);
+}
+
+// silu(g) = g / (1 + e^-g), float32. e^-g as 2^(-g log2 e) with a degree-6 polynomial on the
+// fraction (relative error below 2e-7); the exponent is clamped so that large |g| saturates.
+static inline __m512 silu(__m512 g) {
+    __m512 x = _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
+    const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, whole);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 e = _mm512_scalef_ps(p, whole);
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+static inline void store_outputs(bf16* out, __m512 sums, int64_t columns) {
+    const __m256i values = (__m256i)_mm512_cvtneps_pbh(sums);
+    if (columns >= PANEL)
+        _mm256_storeu_si256((__m256i*)out, values);
+    else
+        _mm256_mask_storeu_epi16(out, (__mmask16)((1u << columns) - 1), values);
+}
+
+// One register block: `rows` (<= mr <= MR) rows from x over `nv` (<= NV) panels from
+// `panels`, into y. With `gated`, the block is one gate panel and its up panel, and the 16
+// outputs are silu(gate) * up. Inlined with constant mr and nv, so that the loops unroll into
+// registers.
+static inline __attribute__((always_inline)) void register_block(
+    const bf16* x, int64_t x_stride, int rows, int mr, int64_t k, const bf16* panels, int nv,
+    const float* bias, int gated, bf16* y, int64_t y_stride, int64_t columns) {
+    const int64_t num_pairs = ceil_div(k, 2);
+    __m512 acc[MR][NV];
+    for (int r = 0; r < mr; ++r)
+        for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_setzero_ps();
+    const bf16* row[MR];
+    for (int r = 0; r < mr; ++r) row[r] = x + (r < rows ? r : 0) * x_stride;  // extra rows: row 0
+    for (int64_t kk = 0; kk < k / 2; ++kk) {
+        __m512bh weights[NV];
+        for (int c = 0; c < nv; ++c)
+            weights[c] = (__m512bh)_mm512_loadu_si512(panels + (c * num_pairs + kk) * PANEL * 2);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; ++r) {
+            const __m512bh pair = input_pair(row[r], kk);
+#pragma GCC unroll 3
+            for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, weights[c]);
+        }
+    }
+    if (k % 2) {
+        const int64_t kk = k / 2;
+        for (int c = 0; c < nv; ++c) {
+            const __m512bh weights =
+                (__m512bh)_mm512_loadu_si512(panels + (c * num_pairs + kk) * PANEL * 2);
+            for (int r = 0; r < mr; ++r)
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], last_input(row[r], k), weights);
+        }
+    }
+    const int written = rows < mr ? rows : mr;
+    for (int c = 0; c < nv; ++c) {
+        const __m512 b = bias ? _mm512_loadu_ps(bias + c * PANEL) : _mm512_setzero_ps();
+        for (int r = 0; r < written; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], b);
+    }
+    if (gated) {
+        for (int r = 0; r < written; ++r)
+            store_outputs(y + r * y_stride, _mm512_mul_ps(silu(acc[r][0]), acc[r][1]), columns);
+        return;
+    }
+    for (int r = 0; r < written; ++r)
+        for (int c = 0; c < nv; ++c) {
+            const int64_t left = columns - c * PANEL;
+            store_outputs(y + r * y_stride + c * PANEL, acc[r][c], left < PANEL ? left : PANEL);
+        }
+}
+
+// A register block's operands (see register_block); `columns`: y's columns from the block's
+// first to its end (a block writes at most NV x 16).
+typedef struct {
+    const bf16* x;
+    int64_t x_stride;
+    int rows;
+    int64_t k;
+    const bf16* panels;
+    const float* bias;
+    bf16* y;
+    int64_t y_stride, columns;
+} BlockArgs;
+
+// register_block with constant mr (8, 4, 2 or 1) and nv, by their values.
+static inline __attribute__((always_inline)) void block_of_mr(const BlockArgs* a, int mr,
+                                                               int nv, int gated) {
+    if (gated)
+        register_block(a->x, a->x_stride, a->rows, mr, a->k, a->panels, NV_GATED, a->bias, 1,
+                       a->y, a->y_stride, a->columns);
+    else if (nv == NV)
+        register_block(a->x, a->x_stride, a->rows, mr, a->k, a->panels, NV, a->bias, 0, a->y,
+                       a->y_stride, a->columns);
+    else if (nv == 2)
+        register_block(a->x, a->x_stride, a->rows, mr, a->k, a->panels, 2, a->bias, 0, a->y,
+                       a->y_stride, a->columns);
+    else
+        register_block(a->x, a->x_stride, a->rows, mr, a->k, a->panels, 1, a->bias, 0, a->y,
+                       a->y_stride, a->columns);
+}
+
+static void block_of_rows(const BlockArgs* a, int mr, int nv, int gated) {
+    switch (mr) {
+        case 8:
+            block_of_mr(a, 8, nv, gated);
+            break;
+        case 4:
+            block_of_mr(a, 4, nv, gated);
+            break;
+        case 2:
+            block_of_mr(a, 2, nv, gated);
+            break;
+        default:
+            block_of_mr(a, 1, nv, gated);
+    }
+}
+
+// y [m, n] (row stride y_stride) = x [m, k] (row stride x_stride) @ W^T + bias, W packed by
+// pack_weight_bf16_pairs; bias NULL or float32, one per panel column (ceil(n / 16) x 16, zeros
+// past n). With `gated`, the panels pair gate and up features 16 by 16 (2 x ceil(n / 16)
+// panels), bias is paired alike, and y = silu(gate) * up, n wide. Returns 0.
+int gemm_bf16(const bf16* x, int64_t m, int64_t k, int64_t x_stride, const bf16* packed,
+              int64_t n, const float* bias, int gated, bf16* y, int64_t y_stride,
+              int num_threads) {
+    const int64_t panel_size = ceil_div(k, 2) * PANEL * 2;
+    // Each thread takes an equal run of output panels (of gate/up pairs when gated), in blocks
+    // of NV: whole blocks a thread left 10 of 19 to one thread and 9 to the other at n = 896.
+    const int64_t num_units = ceil_div(n, PANEL);
+    const int64_t panels_per_unit = gated ? 2 : 1, units_per_block = gated ? 1 : NV;
+#pragma omp parallel num_threads(num_threads)
+    {
+#ifdef _OPENMP
+        const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+        const int64_t thread = 0, threads = 1;
+#endif
+        const int64_t end = num_units * (thread + 1) / threads;
+        for (int64_t unit = num_units * thread / threads; unit < end; unit += units_per_block) {
+            const int nv = (int)((end - unit < units_per_block ? end - unit : units_per_block) *
+                                 panels_per_unit);
+            const int64_t first = unit * panels_per_unit;  // panel
+            const int64_t column = unit * PANEL;           // of y
+            const float* block_bias = bias ? bias + first * PANEL : NULL;
+            const bf16* panels = packed + first * panel_size;
+            for (int64_t r0 = 0; r0 < m; r0 += MR) {
+                const int rows = m - r0 < MR ? (int)(m - r0) : MR;
+                const BlockArgs args = {x + r0 * x_stride, x_stride, rows, k, panels, block_bias,
+                                        y + r0 * y_stride + column, y_stride, n - column};
+                // A block of fewer rows (a few decodes) computes fewer: a single row in an
+                // 8-row block multiplied its weights 8 times.
+                if (rows > 4)
+                    block_of_rows(&args, 8, nv, gated);
+                else if (rows > 2)
+                    block_of_rows(&args, 4, nv, gated);
+                else
+                    block_of_rows(&args, rows, nv, gated);
+            }
+        }
+    }
+    return 0;
+}
