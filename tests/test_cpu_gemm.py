@@ -274,7 +274,7 @@ def test_each_shape_is_timed_as_the_model_runs_it() -> None:
     assert decoder.timing(1000, 16, vocabulary=True).row_counts == (64,)
     encoder = ModelLinears(torch.float32, False, activation_shape=(64, 16), activation="gelu")
     assert encoder.timing(64, 16, vocabulary=False) == LinearTiming(
-        16, 64, torch.float32, (128,), "gelu"
+        16, 64, torch.float32, (linear_choice.ENCODER_ROWS,), "gelu"
     )
     assert encoder.timing(16, 64, vocabulary=False).activation is None  # the down projection
 

@@ -51,6 +51,11 @@ C_GEMM_MIN_SPEEDUP = 1.02
 # rows both kernels run within a few percent of their speed at 2,048 (compute-bound).
 PREFILL_ROWS = 128
 DECODE_ROWS = 64
+# An encoder's rows: a corpus bin's thousands of tokens, where the bf16 C kernel falls behind
+# oneDNN by a few percent on MiniLM's shapes that it leads at 128 rows (q/k/v level at 128
+# rows and 0.90x at 4,096 on the 2-core Zen 4; attention output and down projection 1.05x at
+# 128, 0.98-1.0x at 1,024): timed at 128, those shapes flipped between loads.
+ENCODER_ROWS = 1024
 # Decode steps timed per prefill slice: as many rows in decode-sized calls as in the prefill
 # slice, so that each regime's speed weighs the same in the sum. Weighted by G1's tokens
 # instead (one 64-row step per 256-row slice), a kernel 20% slower at decodes hid behind a tie
@@ -166,7 +171,7 @@ class ModelLinears:
         elif self.gated_mlp:
             rows = (PREFILL_ROWS, *[DECODE_ROWS] * DECODE_STEPS_PER_PREFILL_SLICE)
         else:
-            rows = (PREFILL_ROWS,)
+            rows = (ENCODER_ROWS,)
         activated = (out_features, in_features) == self.activation_shape
         activation = self.activation if activated and not vocabulary else None
         return LinearTiming(
