@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp2_avx512.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -78,22 +80,15 @@ static inline __m512bh last_input(const bf16* row, int64_t k) {
     return (__m512bh)_mm512_set1_epi32((int32_t)row[k - 1]);
 }
 
-// silu(g) = g / (1 + e^-g), float32. e^-g as 2^(-g log2 e) with a degree-6 polynomial on the
-// fraction (relative error below 2e-7); the exponent is clamped so that large |g| saturates.
+// silu(g) = g / (1 + e^-g), float32, from e = e^-|g| <= 1 (no overflow for any g): g / (1 + e)
+// where g >= 0, g e / (1 + e) where g < 0.
 static inline __m512 silu(__m512 g) {
-    __m512 x = _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f));
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
-    const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, whole);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512 e = _mm512_scalef_ps(p, whole);
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    const __m512 magnitude = _mm512_abs_ps(g);
+    const __m512 minus_log2e = _mm512_set1_ps(-1.4426950408889634f);  // e^-|g| = 2^(-|g| log2 e)
+    const __m512 e = exp2_nonpositive(_mm512_mul_ps(magnitude, minus_log2e));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);
+    return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
 static inline void store_outputs(bf16* out, __m512 sums, int64_t columns) {
