@@ -232,7 +232,5 @@ def _bf16_linear(rows: torch.Tensor, weight: GemmWeight, bias: torch.Tensor | No
         bias = bias.to(torch.float32)
         if weight.gated_by:  # pairing pads each half to whole panels too
             bias = pair_halves(bias, gemm_bf16.PANEL_FEATURES)
-        else:
-            bias = gemm_bf16.padded_bias(bias, -(-weight.out_features // gemm_bf16.PANEL_FEATURES))
     gated = weight.gated_by is not None
     return gemm_bf16.linear(rows, weight.panels, weight.out_features, bias, gated)

@@ -143,7 +143,13 @@ static inline __attribute__((always_inline)) void register_block(
     }
     const int written = rows < mr ? rows : mr;
     for (int c = 0; c < nv; ++c) {
-        const __m512 b = bias ? _mm512_loadu_ps(bias + c * PANEL) : _mm512_setzero_ps();
+        // A plain bias has n values: the last panel's past n are not read (a paired one is
+        // padded to whole panels by its pairing).
+        const int64_t valid = gated ? PANEL : columns - c * PANEL;
+        const __mmask16 lanes =
+            valid >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+        const __m512 b =
+            bias ? _mm512_maskz_loadu_ps(lanes, bias + c * PANEL) : _mm512_setzero_ps();
         for (int r = 0; r < written; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], b);
     }
     if (gated) {
@@ -207,9 +213,9 @@ static void block_of_rows(const BlockArgs* a, int mr, int nv, int gated) {
 }
 
 // y [m, n] (row stride y_stride) = x [m, k] (row stride x_stride) @ W^T + bias, W packed by
-// pack_weight_bf16_pairs; bias NULL or float32, one per panel column (ceil(n / 16) x 16, zeros
-// past n). With `gated`, the panels pair gate and up features 16 by 16 (2 x ceil(n / 16)
-// panels), bias is paired alike, and y = silu(gate) * up, n wide. Returns 0.
+// pack_weight_bf16_pairs; bias NULL or n float32 values. With `gated`, the panels pair gate and
+// up features 16 by 16 (2 x ceil(n / 16) panels), bias is paired alike (2 x ceil(n / 16) x 16
+// values), and y = silu(gate) * up, n wide. Returns 0.
 int gemm_bf16(const bf16* x, int64_t m, int64_t k, int64_t x_stride, const bf16* packed,
               int64_t n, const float* bias, int gated, bf16* y, int64_t y_stride,
               int num_threads) {

@@ -62,13 +62,6 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return panels
 
 
-def padded_bias(bias: torch.Tensor, num_panels: int) -> torch.Tensor:
-    """A bias as the kernel reads it: float32, one per column of `num_panels` panels."""
-    padded = torch.zeros(num_panels * PANEL_FEATURES, dtype=torch.float32)
-    padded[: bias.shape[0]] = bias
-    return padded
-
-
 def linear(
     rows: torch.Tensor,
     panels: torch.Tensor,
@@ -76,8 +69,9 @@ def linear(
     bias: torch.Tensor | None,
     gated: bool,
 ) -> torch.Tensor:
-    """rows [m, in] bf16 (columns adjacent) @ W^T + bias, or silu(gate) * up where `gated`
-    (panels paired, bias already paired and padded), as [m, out_features] bf16."""
+    """rows [m, in] bf16 (columns adjacent) @ W^T + bias (float32, out_features values), or
+    silu(gate) * up where `gated` (panels and bias paired: gemm.pair_halves), as
+    [m, out_features] bf16."""
     kernel = _gemm_kernel()
     if kernel is None:
         raise RuntimeError("the gemm_bf16 kernel does not run here")
